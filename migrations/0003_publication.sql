@@ -1,0 +1,10 @@
+-- The publication the relay's slot decodes: inserts into the outbox only. Deletes
+-- (retention) and updates (the poller's sent_at) are not published, so they can
+-- never turn into events. It must exist before the slot is created.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = {{publication_literal}}) THEN
+        CREATE PUBLICATION {{publication}} FOR TABLE {{outbox_table}} WITH (publish = 'insert');
+    END IF;
+END
+$$;

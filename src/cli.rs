@@ -1,0 +1,34 @@
+//! Command-line interface (clap derive). Every command reads `--config FILE`, whose
+//! keys can be overridden by `OUTBOX_RELAY__SECTION__KEY` environment variables.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Relays transactional-outbox events from PostgreSQL to Kafka by streaming the WAL.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The config file every command reads.
+#[derive(Debug, Clone, Args)]
+pub struct ConfigArg {
+    /// Path to the TOML config (see config/relay.example.toml).
+    #[arg(
+        long,
+        short = 'c',
+        env = "OUTBOX_RELAY_CONFIG",
+        default_value = "relay.toml"
+    )]
+    pub config: PathBuf,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the outbox and poison tables and the publication (idempotent).
+    Migrate(ConfigArg),
+}

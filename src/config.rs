@@ -1,0 +1,516 @@
+//! Configuration: a TOML file layered with `OUTBOX_RELAY__SECTION__KEY` environment
+//! variables, then validated.
+//!
+//! Unknown keys are rejected (`deny_unknown_fields`) because a misspelt key that is
+//! silently ignored is how a relay ends up publishing to the wrong topic. The
+//! PostgreSQL URL may carry a password: `Debug` and logs only ever show the redacted
+//! form ([`redact_url`]).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+
+/// Prefix of environment variables that override config keys.
+pub const ENV_PREFIX: &str = "OUTBOX_RELAY__";
+
+/// The whole configuration.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub postgres: PostgresConfig,
+    #[serde(default)]
+    pub outbox: OutboxConfig,
+    pub kafka: KafkaConfig,
+    #[serde(default)]
+    pub relay: RelayConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// Where the outbox lives and how the relay reads it.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    /// libpq-style URL, e.g. `postgresql://relay:secret@db:5432/app?sslmode=require`.
+    pub url: String,
+    /// Logical replication slot (created with `pgoutput` when missing).
+    #[serde(default = "default_slot")]
+    pub slot: String,
+    /// Publication for the outbox table(s) (created by `migrate`).
+    #[serde(default = "default_publication")]
+    pub publication: String,
+}
+
+/// The outbox table, its poison side table, and the column names.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutboxConfig {
+    /// `schema.table` or `table` (then `public`).
+    pub table: String,
+    /// Side table for undeliverable rows.
+    pub poison_table: String,
+    pub columns: Columns,
+}
+
+/// Column names of the outbox table (defaults match our migration; Debezium's
+/// `aggregatetype`, `aggregateid`, `type` are accepted by the mapper as aliases).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Columns {
+    pub id: String,
+    pub idempotency_key: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub topic: String,
+    pub headers: String,
+    pub payload: String,
+    pub created_at: String,
+}
+
+/// Broker connection and record shape.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Topic for rows without a `topic` column value; `{aggregate_type}` and
+    /// `{event_type}` are replaced by the row's values.
+    #[serde(default = "default_topic_template")]
+    pub topic_template: String,
+    /// librdkafka partitioner; `murmur2_random` places keys like the Java client.
+    #[serde(default = "default_partitioner")]
+    pub partitioner: String,
+    /// Extra librdkafka producer settings passed through verbatim (e.g. SASL/SSL).
+    #[serde(default)]
+    pub producer: BTreeMap<String, String>,
+}
+
+/// Relay tuning.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// In-flight window: events produced and not yet resolved.
+    pub max_in_flight_events: usize,
+    /// In-flight window: payload bytes produced and not yet resolved.
+    pub max_in_flight_bytes: usize,
+    /// Attempts for an event failing with a permanent error before it is poisoned.
+    pub max_attempts: u32,
+    /// Seconds to wait for in-flight acks on SIGINT/SIGTERM.
+    pub shutdown_timeout_secs: u64,
+}
+
+/// Logging.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `human` or `json`.
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `outbox_relay=debug`; `RUST_LOG` wins.
+    pub level: String,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+fn default_slot() -> String {
+    "outbox_relay".into()
+}
+fn default_publication() -> String {
+    "outbox_relay_pub".into()
+}
+fn default_topic_template() -> String {
+    "outbox.event.{aggregate_type}".into()
+}
+fn default_partitioner() -> String {
+    "murmur2_random".into()
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        OutboxConfig {
+            table: "public.outbox".into(),
+            poison_table: "public.poison_outbox".into(),
+            columns: Columns::default(),
+        }
+    }
+}
+
+impl Default for Columns {
+    fn default() -> Self {
+        Columns {
+            id: "id".into(),
+            idempotency_key: "idempotency_key".into(),
+            aggregate_type: "aggregate_type".into(),
+            aggregate_id: "aggregate_id".into(),
+            event_type: "event_type".into(),
+            topic: "topic".into(),
+            headers: "headers".into(),
+            payload: "payload".into(),
+            created_at: "created_at".into(),
+        }
+    }
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            max_in_flight_events: 10_000,
+            max_in_flight_bytes: 32 * 1024 * 1024,
+            max_attempts: 5,
+            shutdown_timeout_secs: 30,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`, overlays `OUTBOX_RELAY__…` variables from the process
+    /// environment, and validates the result.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_sources(&path.display().to_string(), &text, std::env::vars())
+    }
+
+    /// Builds a config from TOML text and `(name, value)` environment pairs.
+    pub fn from_sources(
+        origin: &str,
+        toml_text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut doc: toml::Table = toml::from_str(toml_text).map_err(|e| ConfigError::Parse {
+            path: origin.to_owned(),
+            message: e.to_string(),
+        })?;
+        for (name, value) in env {
+            if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
+                overlay_env(&mut doc, &name, rest, &value)?;
+            }
+        }
+        let config: Config = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: origin.to_owned(),
+                message: e.to_string(),
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot: names, ranges, conflicting producer settings.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.postgres.url.trim().is_empty() {
+            return invalid("postgres.url is empty".into());
+        }
+        for (key, name) in [
+            ("postgres.slot", &self.postgres.slot),
+            ("postgres.publication", &self.postgres.publication),
+        ] {
+            if !is_plain_identifier(name) {
+                return invalid(format!(
+                    "{key} = {name:?}: use lowercase letters, digits and underscores (at most 63)"
+                ));
+            }
+        }
+        qualified_name(&self.outbox.table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
+        qualified_name(&self.outbox.poison_table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.poison_table: {m}")))?;
+        if self.kafka.brokers.trim().is_empty() {
+            return invalid("kafka.brokers is empty".into());
+        }
+        if self.relay.max_in_flight_events == 0 || self.relay.max_in_flight_bytes == 0 {
+            return invalid(
+                "relay.max_in_flight_events and max_in_flight_bytes must be > 0".into(),
+            );
+        }
+        if self.relay.max_attempts == 0 {
+            return invalid("relay.max_attempts must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Applies one `OUTBOX_RELAY__SECTION__KEY=value` variable to the TOML document.
+/// Values are read as TOML scalars when they parse as such (`5`, `true`), else as
+/// strings, so `OUTBOX_RELAY__RELAY__MAX_ATTEMPTS=7` sets an integer.
+fn overlay_env(
+    doc: &mut toml::Table,
+    name: &str,
+    path: &str,
+    value: &str,
+) -> Result<(), ConfigError> {
+    let env_err = |message: &str| ConfigError::Env {
+        name: name.to_owned(),
+        message: message.to_owned(),
+    };
+    let keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+    if keys.iter().any(String::is_empty) {
+        return Err(env_err("empty key segment"));
+    }
+    let Some((last, sections)) = keys.split_last() else {
+        return Err(env_err("no key"));
+    };
+    let mut table = doc;
+    for section in sections {
+        let entry = table
+            .entry(section.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| env_err(&format!("{section} is not a section")))?;
+    }
+    table.insert(last.clone(), scalar(value));
+    Ok(())
+}
+
+fn scalar(value: &str) -> toml::Value {
+    if let Ok(i) = value.parse::<i64>() {
+        return toml::Value::Integer(i);
+    }
+    match value {
+        "true" => toml::Value::Boolean(true),
+        "false" => toml::Value::Boolean(false),
+        _ => toml::Value::String(value.to_owned()),
+    }
+}
+
+/// Lowercase SQL identifier that needs no quoting (slots allow only these).
+#[must_use]
+pub fn is_plain_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !s.as_bytes()[0].is_ascii_digit()
+}
+
+/// Splits `schema.table` (or `table`, meaning `public`) into its parts.
+pub fn qualified_name(s: &str) -> Result<(String, String), String> {
+    let (schema, table) = match s.split_once('.') {
+        Some((schema, table)) => (schema, table),
+        None => ("public", s),
+    };
+    if schema.is_empty() || table.is_empty() || table.contains('.') || s.contains('"') {
+        return Err(format!("{s:?} is not a table name like schema.table"));
+    }
+    Ok((schema.to_owned(), table.to_owned()))
+}
+
+/// Quotes an SQL identifier (`"` doubled), for names that come from config.
+#[must_use]
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `"schema"."table"` for a configured table name (already validated).
+#[must_use]
+pub fn quote_qualified(s: &str) -> String {
+    match qualified_name(s) {
+        Ok((schema, table)) => format!("{}.{}", quote_ident(&schema), quote_ident(&table)),
+        Err(_) => quote_ident(s),
+    }
+}
+
+/// Replaces the password of a `postgresql://user:password@host/db` URL (or a
+/// `password=` key/value) with `***`, for logs and `Debug`.
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(scheme_end) = out.find("://") {
+        let rest_start = scheme_end + 3;
+        let authority_end = out[rest_start..]
+            .find(['/', '?'])
+            .map_or(out.len(), |i| rest_start + i);
+        if let Some(at) = out[rest_start..authority_end].rfind('@') {
+            let userinfo = &out[rest_start..rest_start + at];
+            if let Some(colon) = userinfo.find(':') {
+                out.replace_range(rest_start + colon + 1..rest_start + at, "***");
+            }
+        }
+    }
+    redact_param(&out, "password")
+}
+
+fn redact_param(s: &str, key: &str) -> String {
+    let pattern = format!("{key}=");
+    let Some(start) = s.find(&pattern) else {
+        return s.to_owned();
+    };
+    let value_start = start + pattern.len();
+    let value_end = s[value_start..]
+        .find(['&', ' '])
+        .map_or(s.len(), |i| value_start + i);
+    format!("{}***{}", &s[..value_start], &s[value_end..])
+}
+
+impl fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &redact_url(&self.url))
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .finish()
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let producer: BTreeMap<&str, &str> = self
+            .producer
+            .iter()
+            .map(|(k, v)| {
+                let secret = k.contains("password") || k.contains("secret");
+                (k.as_str(), if secret { "***" } else { v.as_str() })
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic_template", &self.topic_template)
+            .field("partitioner", &self.partitioner)
+            .field("producer", &producer)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("postgres", &self.postgres)
+            .field("outbox", &self.outbox)
+            .field("kafka", &self.kafka)
+            .field("relay", &self.relay)
+            .field("log", &self.log)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [postgres]
+        url = "postgresql://relay:s3cret@db:5432/app"
+        [kafka]
+        brokers = "k:9092"
+    "#;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_sources(
+            "test.toml",
+            text,
+            env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        )
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.postgres.slot, "outbox_relay");
+        assert_eq!(c.outbox.table, "public.outbox");
+        assert_eq!(c.kafka.partitioner, "murmur2_random");
+        assert_eq!(c.relay.max_attempts, 5);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = load(&format!("{MINIMAL}\n[relay]\nmax_atempts = 3\n"), &[]).unwrap_err();
+        assert!(err.to_string().contains("max_atempts"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "7"),
+                ("OUTBOX_RELAY__POSTGRES__SLOT", "other_slot"),
+                ("OUTBOX_RELAY__KAFKA__PRODUCER__LINGER", "5"),
+                ("UNRELATED", "x"),
+            ],
+        );
+        // producer values must be strings: an integer from env is a type error.
+        assert!(c.is_err());
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "7"),
+                ("OUTBOX_RELAY__POSTGRES__SLOT", "other_slot"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.max_attempts, 7);
+        assert_eq!(c.postgres.slot, "other_slot");
+    }
+
+    #[test]
+    fn env_with_unknown_key_is_rejected() {
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__NOPE", "1")]).is_err());
+    }
+
+    #[test]
+    fn invalid_values_are_rejected() {
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__POSTGRES__SLOT", "Bad-Slot")]).is_err());
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "0")]).is_err());
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__TABLE", "a.b.c")]).is_err());
+        assert!(load("not toml [", &[]).is_err());
+    }
+
+    #[test]
+    fn debug_redacts_password() {
+        let c = load(MINIMAL, &[]).unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("relay:***@db"), "{shown}");
+    }
+
+    #[test]
+    fn redact_url_forms() {
+        assert_eq!(
+            redact_url("postgresql://u:p@h/db"),
+            "postgresql://u:***@h/db"
+        );
+        assert_eq!(redact_url("postgresql://u@h/db"), "postgresql://u@h/db");
+        assert_eq!(
+            redact_url("host=h password=xyz user=u"),
+            "host=h password=*** user=u"
+        );
+        assert_eq!(
+            redact_url("postgresql://h/db?user=u&password=pw&x=1"),
+            "postgresql://h/db?user=u&password=***&x=1"
+        );
+    }
+
+    #[test]
+    fn qualified_names() {
+        assert_eq!(
+            qualified_name("outbox").unwrap(),
+            ("public".into(), "outbox".into())
+        );
+        assert_eq!(quote_qualified("app.Outbox"), "\"app\".\"Outbox\"");
+        assert!(qualified_name("").is_err());
+    }
+}

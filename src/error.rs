@@ -1,0 +1,77 @@
+//! Error types and their classification.
+//!
+//! Every error is classified where it appears (DESIGN.md §3): *transient* errors are
+//! retried forever with backoff and never poison an event, *poison* errors concern one
+//! event and end in `poison_outbox` after `max_attempts`, *fatal* errors stop the
+//! process with one clear message and a distinct exit code. The exit codes are part of
+//! the CLI contract: 0 ok, 2 usage/config, 3 PostgreSQL prerequisite, 4 broker
+//! unreachable at start-up, 1 anything else.
+
+use std::process::ExitCode;
+
+/// How the relay reacts to an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Retry with backoff, forever; never poison; the confirmed LSN stays put.
+    Transient,
+    /// Concerns one event: retry up to `max_attempts`, then write it to `poison_outbox`.
+    Poison,
+    /// Log one clear message and exit with a distinct code.
+    Fatal,
+}
+
+/// Configuration could not be read or is invalid (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid: {message}")]
+    Parse { path: String, message: String },
+    #[error("environment variable {name} is not valid: {message}")]
+    Env { name: String, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Top-level error of a CLI command; decides the exit code.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A PostgreSQL prerequisite is missing: wal_level, publication, slot (exit code 3).
+    #[error("PostgreSQL prerequisite not met: {0}")]
+    Prerequisite(String),
+    /// The broker cannot be reached or refuses us at start-up (exit code 4).
+    #[error("Kafka broker unavailable: {0}")]
+    BrokerUnavailable(String),
+    #[error("PostgreSQL error: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("Kafka error: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    /// The process exit code for this error (the CLI contract in DESIGN.md §5).
+    #[must_use]
+    pub fn exit_code(&self) -> ExitCode {
+        ExitCode::from(match self {
+            Error::Config(_) => 2,
+            Error::Prerequisite(_) => 3,
+            Error::BrokerUnavailable(_) => 4,
+            Error::Postgres(_) | Error::Kafka(_) | Error::Io(_) | Error::Other(_) => 1,
+        })
+    }
+}
+
+/// Result alias for CLI-level operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,25 @@
+//! # outbox-relay
+//!
+//! Relays transactional-outbox events from PostgreSQL to Kafka by streaming the WAL
+//! (logical replication with the `pgoutput` plugin) instead of polling.
+//!
+//! The promises (DESIGN.md §1): no event is lost — the replication slot's confirmed
+//! LSN only moves past a transaction once every one of its events was acknowledged
+//! by the broker (`acks=all`) or committed to the `poison_outbox` table; events are
+//! produced in commit order, keyed by entity, with an idempotency-key header so
+//! consumers can drop the few duplicates a crash can cause.
+//!
+//! Modules follow the data flow: [`postgres`] (connections, replication stream,
+//! `pgoutput` decoding) → [`outbox`] (row → Kafka record) → [`kafka`] (producer) →
+//! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
+
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod lsn;
+pub mod migrate;
+pub mod postgres;
+pub mod progress;
+
+pub use error::{Error, Result};
+pub use lsn::Lsn;

@@ -1,0 +1,60 @@
+//! The `outbox-relay` binary: parse the CLI, set up logging, run the command, and
+//! map errors to the exit codes of DESIGN.md §5.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use outbox_relay::cli::{Cli, Command};
+use outbox_relay::config::{Config, LogConfig, LogFormat};
+use outbox_relay::{Error, migrate, postgres};
+
+fn init_tracing(log: &LogConfig) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second init (tests calling main logic twice) is harmless: keep the first.
+    let _ = match log.format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+async fn run(cli: Cli) -> Result<(), Error> {
+    match cli.command {
+        Command::Migrate(args) => {
+            let config = Config::load(&args.config)?;
+            init_tracing(&config.log);
+            let mut client = postgres::connect(&config.postgres.url).await?;
+            let applied = migrate::apply(&mut client, &config).await?;
+            println!(
+                "migrations: {} applied, {} already present",
+                applied.applied.len(),
+                applied.already.len()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outbox-relay: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            e.exit_code()
+        }
+    }
+}

@@ -1,0 +1,386 @@
+//! Shared test harness: the throwaway PostgreSQL and Kafka-protocol broker started
+//! by `scripts/dev-env up`, with per-test isolation.
+//!
+//! Each test gets its own database (so its own outbox, poison table and
+//! publication), its own slot name and its own topics, so tests run in parallel
+//! without seeing each other's events. A missing environment is a test failure
+//! with instructions, never a silent skip.
+
+#![allow(dead_code)] // not every test binary module uses every helper
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use outbox_relay::config::Config;
+use rdkafka::ClientConfig;
+use rdkafka::Message;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio_postgres::{Client, NoTls};
+
+/// Connection facts of the running dev environment.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// Superuser URL of the cluster's `postgres` database.
+    pub pg_url: String,
+    /// `bootstrap.servers` of the broker.
+    pub brokers: String,
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Reads the environment from `OUTBOX_RELAY_TEST_*` variables, or asks
+/// `scripts/dev-env env` when they are not set.
+pub fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let from_vars = (
+            std::env::var("OUTBOX_RELAY_TEST_PG_URL"),
+            std::env::var("OUTBOX_RELAY_TEST_BROKERS"),
+        );
+        if let (Ok(pg_url), Ok(brokers)) = from_vars {
+            return Env { pg_url, brokers };
+        }
+        let script = repo_root().join("scripts/dev-env");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg("env")
+            .output()
+            .expect("run scripts/dev-env env");
+        assert!(
+            out.status.success(),
+            "the test environment is not up: run `scripts/dev-env up` first \
+             (or `scripts/test`, which does it). dev-env said: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let get = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+                .map(|v| v.trim_matches('\'').to_owned())
+                .unwrap_or_else(|| panic!("scripts/dev-env env did not print {name}"))
+        };
+        Env {
+            pg_url: get("OUTBOX_RELAY_TEST_PG_URL"),
+            brokers: get("OUTBOX_RELAY_TEST_BROKERS"),
+        }
+    })
+}
+
+/// Connects with tokio-postgres, failing the test with a clear message.
+pub async fn connect(url: &str) -> Client {
+    let (client, conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot connect to the test PostgreSQL at {url}: {e}. Is `scripts/dev-env up` running?"
+            )
+        });
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+/// A short unique suffix for database, slot and topic names.
+pub fn unique(prefix: &str) -> String {
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    // The tail of a v7 UUID is random; the head is the timestamp.
+    format!("{prefix}_{}", &id[20..])
+}
+
+/// One test's isolated world: a fresh database with the migrations applied, a slot
+/// name and a topic (created on the broker).
+#[derive(Debug)]
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub client: Client,
+    pub slot: String,
+    pub topic: String,
+    pub config_path: PathBuf,
+}
+
+impl TestDb {
+    /// Creates the database, applies the migrations through the real binary
+    /// (`outbox-relay migrate`), creates a one-partition-per-test topic.
+    pub async fn create(prefix: &str) -> TestDb {
+        Self::create_with(prefix, 3).await
+    }
+
+    pub async fn create_with(prefix: &str, partitions: i32) -> TestDb {
+        let env = env();
+        let name = unique(prefix);
+        let admin = connect(&env.pg_url).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
+        let url = database_url(&env.pg_url, &name);
+        let slot = format!("{name}_slot");
+        let topic = format!("{name}.events");
+        create_topic(&topic, partitions).await;
+        let config_path = std::env::temp_dir().join(format!("{name}.toml"));
+        std::fs::write(&config_path, config_toml(&url, &slot, &topic, &env.brokers))
+            .expect("write test config");
+        let out = run_cli(&["migrate", "--config", path_str(&config_path)]);
+        assert!(
+            out.status.success(),
+            "outbox-relay migrate failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let client = connect(&url).await;
+        client
+            .batch_execute(
+                "CREATE TABLE business_orders (id bigserial PRIMARY KEY, entity text NOT NULL, amount int NOT NULL)",
+            )
+            .await
+            .expect("create business table");
+        TestDb {
+            name,
+            url,
+            client,
+            slot,
+            topic,
+            config_path,
+        }
+    }
+
+    /// The config the CLI reads for this test.
+    pub fn config(&self) -> Config {
+        Config::load(&self.config_path).expect("load test config")
+    }
+
+    /// Inserts a business row and an outbox row in one transaction; returns the
+    /// idempotency key.
+    pub async fn insert_event(&mut self, entity: &str, event_type: &str, payload: &str) -> String {
+        let tx = self.client.transaction().await.expect("begin");
+        tx.execute(
+            "INSERT INTO business_orders (entity, amount) VALUES ($1, 1)",
+            &[&entity],
+        )
+        .await
+        .expect("insert business row");
+        let key: String = tx
+            .query_one(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', $1, $2, $3::text::jsonb) RETURNING idempotency_key",
+                &[&entity, &event_type, &payload],
+            )
+            .await
+            .expect("insert outbox row")
+            .get(0);
+        tx.commit().await.expect("commit");
+        key
+    }
+
+    /// Drops the slot if a test created one, so it does not pin WAL.
+    pub async fn drop_slot(&self) {
+        let _ = self
+            .client
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await;
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+/// The cluster URL with another database name.
+pub fn database_url(base: &str, db: &str) -> String {
+    match base.rsplit_once('/') {
+        Some((head, _)) => format!("{head}/{db}"),
+        None => panic!("unexpected test PG URL {base}"),
+    }
+}
+
+/// A config file for one test.
+pub fn config_toml(url: &str, slot: &str, topic: &str, brokers: &str) -> String {
+    format!(
+        r#"[postgres]
+url = "{url}"
+slot = "{slot}"
+
+[kafka]
+brokers = "{brokers}"
+topic_template = "{topic}"
+
+[log]
+level = "info"
+"#
+    )
+}
+
+/// Runs the real binary with arguments; returns its output.
+pub fn run_cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(args)
+        .output()
+        .expect("spawn outbox-relay")
+}
+
+fn admin_client() -> AdminClient<DefaultClientContext> {
+    ClientConfig::new()
+        .set("bootstrap.servers", &env().brokers)
+        .create()
+        .expect("create Kafka admin client")
+}
+
+/// Creates a topic (Tansu does not auto-create) and waits until metadata shows it.
+pub async fn create_topic(name: &str, partitions: i32) {
+    let admin = admin_client();
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = admin
+        .create_topics([&topic], &opts)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "CreateTopics to {} failed: {e}. Is the broker up?",
+                env().brokers
+            )
+        });
+    for r in results {
+        if let Err((topic, code)) = r {
+            assert_eq!(
+                code,
+                rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
+                "creating topic {topic} failed"
+            );
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let consumer = consumer();
+        let visible = consumer
+            .fetch_metadata(Some(name), Duration::from_secs(5))
+            .map(|m| {
+                m.topics()
+                    .iter()
+                    .any(|t| t.name() == name && t.error().is_none() && !t.partitions().is_empty())
+            })
+            .unwrap_or(false);
+        if visible {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "topic {name} never appeared in metadata"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn consumer() -> BaseConsumer {
+    ClientConfig::new()
+        .set("bootstrap.servers", &env().brokers)
+        .set("group.id", unique("test_reader"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .expect("create Kafka consumer")
+}
+
+/// A record as a consumer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Option<Vec<u8>>,
+    pub headers: BTreeMap<String, Vec<u8>>,
+    pub timestamp_ms: Option<i64>,
+}
+
+impl Record {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+/// Reads a topic from the beginning of every partition until `n` records arrived or
+/// `timeout` passed; returns what it read (callers assert on the count).
+pub async fn consume(topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || consume_blocking(&topic, n, timeout))
+        .await
+        .expect("consumer task")
+}
+
+fn consume_blocking(topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
+    let consumer = consumer();
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("topic metadata");
+    let mut assignment = TopicPartitionList::new();
+    for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+        for p in t.partitions() {
+            assignment
+                .add_partition_offset(topic, p.id(), Offset::Beginning)
+                .expect("assign partition");
+        }
+    }
+    consumer.assign(&assignment).expect("assign");
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                let headers = m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push(Record {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(<[u8]>::to_vec),
+                    payload: m.payload().map(<[u8]>::to_vec),
+                    headers,
+                    timestamp_ms: m.timestamp().to_millis(),
+                });
+            }
+            Some(Err(e)) => panic!("consuming {topic} failed: {e}"),
+            None => {}
+        }
+    }
+    out
+}
+
+/// Polls `cond` until it returns true or the deadline passes (then panics with `what`).
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut delay = Duration::from_millis(10);
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
