@@ -29,6 +29,8 @@ pub struct ConfigArg {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the CDC relay: stream outbox inserts from the replication slot to Kafka.
+    Run(ConfigArg),
     /// Create the outbox and poison tables and the publication (idempotent).
     Migrate(ConfigArg),
 }

@@ -88,6 +88,9 @@ pub struct KafkaConfig {
     /// Extra librdkafka producer settings passed through verbatim (e.g. SASL/SSL).
     #[serde(default)]
     pub producer: BTreeMap<String, String>,
+    /// When present, the record value is an envelope around the payload.
+    #[serde(default)]
+    pub envelope: Option<crate::outbox::EnvelopeConfig>,
 }
 
 /// Relay tuning.
@@ -102,6 +105,9 @@ pub struct RelayConfig {
     pub max_attempts: u32,
     /// Seconds to wait for in-flight acks on SIGINT/SIGTERM.
     pub shutdown_timeout_secs: u64,
+    /// Seconds to wait for a replication slot held by another process before
+    /// giving up (exit code 3). Large values make a second relay a standby.
+    pub slot_busy_timeout_secs: u64,
 }
 
 /// Logging.
@@ -169,6 +175,7 @@ impl Default for RelayConfig {
             max_in_flight_bytes: 32 * 1024 * 1024,
             max_attempts: 5,
             shutdown_timeout_secs: 30,
+            slot_busy_timeout_secs: 30,
         }
     }
 }
@@ -391,6 +398,7 @@ impl fmt::Debug for KafkaConfig {
             .field("topic_template", &self.topic_template)
             .field("partitioner", &self.partitioner)
             .field("producer", &producer)
+            .field("envelope", &self.envelope)
             .finish()
     }
 }
@@ -502,6 +510,26 @@ mod tests {
             redact_url("postgresql://h/db?user=u&password=pw&x=1"),
             "postgresql://h/db?user=u&password=***&x=1"
         );
+    }
+
+    #[test]
+    fn example_config_is_valid_and_complete() {
+        let text = include_str!("../config/relay.example.toml");
+        let c = load(text, &[]).unwrap();
+        assert_eq!(c.relay.max_attempts, RelayConfig::default().max_attempts);
+        // Every relay key is documented in the example.
+        for key in [
+            "max_in_flight_events",
+            "max_in_flight_bytes",
+            "max_attempts",
+            "shutdown_timeout_secs",
+            "slot_busy_timeout_secs",
+        ] {
+            assert!(
+                text.contains(&format!("\n{key} = ")),
+                "{key} missing from the example"
+            );
+        }
     }
 
     #[test]

@@ -56,6 +56,9 @@ pub enum Error {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// A transient failure (connection lost, server restarting): retried.
+    #[error("{0}")]
+    Transient(String),
     #[error("{0}")]
     Other(String),
 }
@@ -68,8 +71,23 @@ impl Error {
             Error::Config(_) => 2,
             Error::Prerequisite(_) => 3,
             Error::BrokerUnavailable(_) => 4,
-            Error::Postgres(_) | Error::Kafka(_) | Error::Io(_) | Error::Other(_) => 1,
+            Error::Postgres(_)
+            | Error::Kafka(_)
+            | Error::Io(_)
+            | Error::Transient(_)
+            | Error::Other(_) => 1,
         })
+    }
+
+    /// Whether retrying can help (DESIGN.md §3).
+    #[must_use]
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
+            // No server error attached: the connection itself failed.
+            Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            _ => ErrorClass::Fatal,
+        }
     }
 }
 

@@ -16,10 +16,14 @@
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod kafka;
 pub mod lsn;
 pub mod migrate;
+pub mod outbox;
+pub mod poison;
 pub mod postgres;
 pub mod progress;
+pub mod relay;
 
 pub use error::{Error, Result};
 pub use lsn::Lsn;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{Config, LogConfig, LogFormat};
-use outbox_relay::{Error, migrate, postgres};
+use outbox_relay::{Error, migrate, postgres, relay};
 
 fn init_tracing(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -21,8 +21,42 @@ fn init_tracing(log: &LogConfig) {
     };
 }
 
+/// Completes on SIGINT or SIGTERM.
+async fn termination_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => {
+            // Without signal handlers the process still stops on the default action.
+            std::future::pending::<()>().await;
+        }
+    }
+    tracing::info!("termination signal received");
+}
+
 async fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
+        Command::Run(args) => {
+            let config = Config::load(&args.config)?;
+            init_tracing(&config.log);
+            let summary = relay::run(config, Box::pin(termination_signal())).await?;
+            tracing::info!(
+                delivered = summary.delivered,
+                poisoned = summary.poisoned,
+                confirmed = %summary.confirmed,
+                reconnects = summary.reconnects,
+                "relay stopped"
+            );
+            Ok(())
+        }
         Command::Migrate(args) => {
             let config = Config::load(&args.config)?;
             init_tracing(&config.log);

@@ -68,7 +68,7 @@
 //! which must be well below `wal_sender_timeout / 2`) and the shell must drain and send it
 //! whatever [`Core::can_read`] says. The timer is also checked on every input that carries
 //! `now`, so a shell whose timer branch is starved by a stream of acks still sends on time.
-//! A status is also sent promptly (but at most once per `status_interval / 10`) after the
+//! A status is also sent promptly (but at most once per `progress_status_interval`) after the
 //! confirmed LSN moved, never once per event. `flush` never goes backwards and `write` is
 //! never below `flush`.
 //!
@@ -115,10 +115,6 @@ use std::time::{Duration, Instant};
 
 use crate::lsn::Lsn;
 
-/// A status update is sent at most this many times per `status_interval` because the
-/// confirmed LSN advanced (on top of the one per interval that keeps the connection alive).
-const PROGRESS_STATUS_DIVISOR: u32 = 10;
-
 /// Smallest status interval the core accepts; a zero interval would make the shell spin.
 const MIN_STATUS_INTERVAL: Duration = Duration::from_millis(1);
 
@@ -140,6 +136,11 @@ pub struct CoreConfig {
     /// Keep-alive status period; keep it well below `wal_sender_timeout / 2`.
     /// Clamped to 1 ms ..= 24 h.
     pub status_interval: Duration,
+    /// Minimum gap between two status updates sent because the confirmed LSN moved
+    /// (capped by `status_interval`). Short, so the server's idea of the confirmed
+    /// LSN trails the acks by little: after a crash everything acked but not yet
+    /// reported is sent again, so this gap bounds duplicates beyond the window.
+    pub progress_status_interval: Duration,
     /// First delay after a transient failure; doubles per failure of the same event.
     /// Clamped to at most 24 h.
     pub retry_backoff_initial: Duration,
@@ -154,6 +155,7 @@ impl Default for CoreConfig {
             max_in_flight_bytes: 64 * 1024 * 1024,
             max_attempts: 5,
             status_interval: Duration::from_secs(10),
+            progress_status_interval: Duration::from_millis(10),
             retry_backoff_initial: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
         }
@@ -350,6 +352,10 @@ pub struct Core {
     reported_flush: Lsn,
     last_status_at: Instant,
     status_due: bool,
+    /// Events resolved since the last status was built: a status is due at once when
+    /// a window's worth piled up, which bounds what a crash can make the server
+    /// re-send to the window plus this count.
+    resolved_since_status: usize,
     open: Option<OpenTx>,
     last_commit_end: Option<Lsn>,
     /// Transactions in commit order, keyed by a sequence number.
@@ -374,6 +380,7 @@ impl Core {
             reported_flush: confirmed,
             last_status_at: now,
             status_due: false,
+            resolved_since_status: 0,
             open: None,
             last_commit_end: None,
             txs: BTreeMap::new(),
@@ -777,6 +784,7 @@ impl Core {
             return;
         };
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(event.bytes);
+        self.resolved_since_status = self.resolved_since_status.saturating_add(1);
         if let Some(entry) = self.txs.get_mut(&event.tx) {
             entry.pending = entry.pending.saturating_sub(1);
         }
@@ -815,8 +823,15 @@ impl Core {
     }
 
     fn status_deadline(&self) -> Option<Instant> {
+        if self.confirmed > self.reported_flush
+            && self.resolved_since_status >= self.cfg.max_in_flight_events
+        {
+            return Some(self.last_status_at);
+        }
         let wait = if self.confirmed > self.reported_flush {
-            self.cfg.status_interval / PROGRESS_STATUS_DIVISOR
+            self.cfg
+                .progress_status_interval
+                .clamp(MIN_STATUS_INTERVAL, self.cfg.status_interval)
         } else {
             self.cfg.status_interval
         };
@@ -838,6 +853,7 @@ impl Core {
     }
 
     fn build_status(&mut self) -> StatusUpdate {
+        self.resolved_since_status = 0;
         let flush = self.confirmed.max(self.reported_flush);
         self.reported_flush = flush;
         StatusUpdate {
@@ -871,6 +887,7 @@ mod tests {
             max_in_flight_bytes: 1_000,
             max_attempts: 3,
             status_interval: Duration::from_secs(10),
+            progress_status_interval: Duration::from_secs(1),
             retry_backoff_initial: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(1),
         }
@@ -1273,8 +1290,34 @@ mod tests {
     }
 
     #[test]
-    fn status_interval_and_progress_statuses_are_rate_limited() {
+    fn a_window_of_resolved_events_forces_a_status_at_once() {
+        // cfg(): window 4, progress interval 1 s. Four single-event transactions
+        // acked within a millisecond: the fourth forces a status without waiting,
+        // so the server never trails the acks by more than a window.
         let (mut core, t0) = core_at(50);
+        let mut sent = Vec::new();
+        for i in 0..4_u64 {
+            let now = t0 + Duration::from_micros(i + 1);
+            let id = tx(&mut core, 100 + i * 20, 1, now)[0];
+            core.delivered(id, now);
+            if core.next_deadline().is_some_and(|d| d <= now) {
+                core.tick(now);
+            }
+            sent.extend(statuses(&drain(&mut core)));
+        }
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert_eq!(sent[0].flush, core.confirmed());
+    }
+
+    #[test]
+    fn status_interval_and_progress_statuses_are_rate_limited() {
+        let t0 = Instant::now();
+        // A window larger than the run, so only the time rule applies.
+        let c = CoreConfig {
+            max_in_flight_events: 100_000,
+            ..cfg()
+        };
+        let mut core = Core::new(c, Lsn(50), t0);
         core.tick(t0 + ms(9_999));
         assert!(drain(&mut core).is_empty(), "nothing before the interval");
         core.tick(t0 + ms(10_000));
@@ -1528,6 +1571,7 @@ mod tests {
             max_in_flight_bytes: 0,
             max_attempts: 0,
             status_interval: Duration::ZERO,
+            progress_status_interval: Duration::ZERO,
             retry_backoff_initial: Duration::MAX,
             retry_backoff_max: Duration::MAX,
         };
@@ -1713,11 +1757,13 @@ mod tests {
             let mut rng = Rng(seed);
             let initial = 1_u64 << 32 | rng.below(1_000);
             let backoff_initial = ms(1 + rng.below(50));
+            let status_interval = ms(50 + rng.below(1_000));
             let cfg = CoreConfig {
                 max_in_flight_events: 1 + rng.index(24),
                 max_in_flight_bytes: 64 + rng.index(4_000),
                 max_attempts: 1 + u32::try_from(rng.below(4)).unwrap(),
-                status_interval: ms(50 + rng.below(1_000)),
+                status_interval,
+                progress_status_interval: status_interval / 10,
                 retry_backoff_initial: backoff_initial,
                 retry_backoff_max: backoff_initial * (1 + u32::try_from(rng.below(8)).unwrap()),
             };
@@ -2275,6 +2321,7 @@ mod tests {
                     max_in_flight_bytes: 500,
                     max_attempts: 2,
                     status_interval: Duration::from_millis(500),
+                    progress_status_interval: Duration::from_millis(50),
                     retry_backoff_initial: Duration::from_millis(10),
                     retry_backoff_max: Duration::from_millis(80),
                 };

@@ -6,8 +6,12 @@
 //! streaming-replication sub-protocol, which `tokio-postgres` does not support; it is
 //! hand-written on `postgres-protocol`.
 
+pub mod conninfo;
 pub mod frames;
 pub mod pgoutput;
+pub mod replication;
+pub mod slot;
+pub mod tls;
 
 use tokio_postgres::{Client, NoTls};
 
@@ -35,6 +39,18 @@ pub async fn connect(url: &str) -> Result<Client> {
         }
     });
     Ok(client)
+}
+
+/// Opens a metadata connection from parsed connection info (TLS per `sslmode`).
+pub async fn connect_info(info: &conninfo::ConnInfo) -> Result<Client> {
+    conninfo::connect_metadata(info).await.map_err(|e| {
+        let message = format!("cannot connect to PostgreSQL at {info}: {e}");
+        if e.is_transient() {
+            Error::Transient(message)
+        } else {
+            Error::Other(message)
+        }
+    })
 }
 
 /// The server's message (with its SQLSTATE) when there is one, else the error text.

@@ -227,3 +227,15 @@ async fn bad_config_exits_with_code_2() {
     let out = harness::run_cli(&["migrate", "--config", "/nonexistent/relay.toml"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[tokio::test]
+#[ignore = "debugging aid: DUMP_TOPIC=name cargo test -- --ignored dump_topic"]
+async fn dump_topic() {
+    let topic = std::env::var("DUMP_TOPIC").unwrap();
+    let records = harness::consume(&topic, usize::MAX, Duration::from_secs(5)).await;
+    let mut per_partition = std::collections::BTreeMap::new();
+    for r in &records {
+        *per_partition.entry(r.partition).or_insert(0) += 1;
+    }
+    eprintln!("{} records: {per_partition:?}", records.len());
+}

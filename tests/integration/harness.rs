@@ -154,6 +154,13 @@ impl TestDb {
         }
     }
 
+    /// Appends TOML (e.g. a `[kafka.producer]` section) to this test's config file.
+    pub fn append_config(&mut self, toml: &str) {
+        let mut text = std::fs::read_to_string(&self.config_path).expect("read test config");
+        text.push_str(toml);
+        std::fs::write(&self.config_path, text).expect("write test config");
+    }
+
     /// The config the CLI reads for this test.
     pub fn config(&self) -> Config {
         Config::load(&self.config_path).expect("load test config")
@@ -180,6 +187,46 @@ impl TestDb {
             .get(0);
         tx.commit().await.expect("commit");
         key
+    }
+
+    /// Creates the test's slot up front (as the relay would), so rows written
+    /// before the relay starts are streamed too.
+    pub async fn create_slot(&self) {
+        self.client
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&self.slot],
+            )
+            .await
+            .expect("create slot");
+    }
+
+    /// Waits until a relay streams from this test's slot. Rows committed before the
+    /// slot exists are not in its stream (that is what a cutover is for), so tests
+    /// that start a relay on a fresh database wait for this before writing.
+    pub async fn wait_streaming(&self, relay: &RelayProcess) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let active: i64 = self
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&self.slot],
+                )
+                .await
+                .expect("read pg_replication_slots")
+                .get(0);
+            if active == 1 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay did not start streaming from {}; log:\n{}",
+                self.slot,
+                relay.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Drops the slot if a test created one, so it does not pin WAL.
@@ -382,5 +429,177 @@ where
         );
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
+
+/// The relay binary running as a child process, with its log in a file.
+#[derive(Debug)]
+pub struct RelayProcess {
+    child: std::process::Child,
+    pub log_path: PathBuf,
+}
+
+impl RelayProcess {
+    /// Starts `outbox-relay run --config FILE` with extra environment overrides
+    /// (`OUTBOX_RELAY__…`).
+    pub fn start(config_path: &Path, env_overrides: &[(&str, &str)]) -> RelayProcess {
+        let log_path = config_path.with_extension(format!("{}.log", unique("relay")));
+        let log = std::fs::File::create(&log_path).expect("create relay log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+        cmd.args(["run", "--config", path_str(config_path)])
+            .stdout(std::process::Stdio::null())
+            .stderr(log);
+        for (k, v) in env_overrides {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn outbox-relay run");
+        RelayProcess { child, log_path }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The relay's log so far (for assertion messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Sends a signal with the `kill` command (no libc bindings needed).
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {} failed", self.pid());
+    }
+
+    /// SIGTERM, then waits for the exit status (bounded).
+    pub async fn terminate(mut self, timeout: Duration) -> std::process::ExitStatus {
+        self.signal("-TERM");
+        self.wait(timeout).await
+    }
+
+    /// SIGKILL (no chance to send a final status), then reaps it.
+    pub async fn kill9(mut self) {
+        self.signal("-KILL");
+        let _ = self.wait(Duration::from_secs(10)).await;
+    }
+
+    /// Waits for the process to exit by itself.
+    pub async fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay did not exit within {timeout:?}; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Whether it is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Reads the topic until `n` records arrived, failing with the relay's log when
+/// the deadline passes first.
+pub async fn consume_exactly(
+    topic: &str,
+    n: usize,
+    timeout: Duration,
+    relay: &RelayProcess,
+) -> Vec<Record> {
+    let records = consume(topic, n, timeout).await;
+    assert!(
+        records.len() >= n,
+        "expected {n} records on {topic}, got {} within {timeout:?}; relay log:\n{}",
+        records.len(),
+        relay.log()
+    );
+    records
+}
+
+/// The slot's `confirmed_flush_lsn` as a number (0 when missing).
+pub async fn confirmed_flush(client: &Client, slot: &str) -> u64 {
+    let row = client
+        .query_opt(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("read pg_replication_slots");
+    row.and_then(|r| r.get::<_, Option<i64>>(0))
+        .map_or(0, |v| u64::try_from(v).unwrap_or(0))
+}
+
+/// Parses a `X/Y` LSN header value.
+pub fn parse_lsn(text: &str) -> u64 {
+    text.parse::<outbox_relay::Lsn>()
+        .unwrap_or_else(|e| panic!("bad LSN {text:?}: {e}"))
+        .as_u64()
+}
+
+/// A second, private PostgreSQL cluster (e.g. with `wal_level = replica`), made by
+/// the same `scripts/dev-env` code path in its own state directory.
+#[derive(Debug)]
+pub struct PrivateCluster {
+    dir: PathBuf,
+    pub url: String,
+}
+
+impl PrivateCluster {
+    pub async fn start(wal_level: &str) -> PrivateCluster {
+        let dir = repo_root().join(".dev").join(unique("cluster"));
+        let wal_level = wal_level.to_owned();
+        let dir_for_task = dir.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("bash")
+                .arg(repo_root().join("scripts/dev-env"))
+                .arg("pg-up")
+                .env("DEV_ENV_DIR", &dir_for_task)
+                .env("DEV_ENV_WAL_LEVEL", &wal_level)
+                .output()
+                .expect("run scripts/dev-env pg-up")
+        })
+        .await
+        .expect("pg-up task");
+        assert!(
+            out.status.success(),
+            "private cluster did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        PrivateCluster { dir, url }
+    }
+
+    pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(repo_root().join("scripts/dev-env"))
+            .arg("pg-down")
+            .env("DEV_ENV_DIR", &self.dir)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -2,5 +2,11 @@
 //! `scripts/dev-env` (one test binary, as supabase/etl does: one compile, shared
 //! harness). Every test isolates itself in its own database, slot and topic.
 
+// Test code: a failed unwrap is a failed test, with its location.
+#![allow(clippy::unwrap_used)]
+
 mod environment;
 mod harness;
+mod kafka_publisher;
+mod relay;
+mod replication_connection;

@@ -1,0 +1,277 @@
+//! Prerequisites and the replication slot.
+//!
+//! Before streaming, the relay checks what would otherwise surface as an obscure
+//! error deep in the stream: `wal_level = logical`, the publication exists and
+//! covers the outbox table, the poison table exists. Each failure is one clear
+//! message and exit code 3.
+//!
+//! The slot is created (`CREATE_REPLICATION_SLOT … LOGICAL pgoutput`) when missing.
+//! When it exists but another process streams from it (`active_pid` set), the relay
+//! waits up to `relay.slot_busy_timeout_secs`: right after a `kill -9` the old
+//! walsender holds the slot until it notices the dead socket (at most
+//! `wal_sender_timeout`), and a second relay on the same config is a standby, not
+//! a competitor. A slot whose WAL was removed (`wal_status = 'lost'`) is invalidated
+//! and cannot be streamed from: that is fatal, and the message says how to recover.
+
+use std::time::{Duration, Instant};
+
+use tokio_postgres::Client;
+
+use crate::config::{Config, qualified_name};
+use crate::error::{Error, Result};
+use crate::lsn::Lsn;
+use crate::postgres::describe_error;
+use crate::postgres::replication::{CreatedSlot, ReplicationConnection, SnapshotAction};
+
+/// Facts about the server the relay needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prerequisites {
+    pub server_version: String,
+    /// `wal_sender_timeout`; zero means disabled.
+    pub wal_sender_timeout: Duration,
+}
+
+impl Prerequisites {
+    /// How often to send a standby status update: well inside `wal_sender_timeout`
+    /// (a third of it, so a missed tick still leaves margin), at most 10 s.
+    #[must_use]
+    pub fn status_interval(&self) -> Duration {
+        let ceiling = Duration::from_secs(10);
+        if self.wal_sender_timeout.is_zero() {
+            return ceiling;
+        }
+        (self.wal_sender_timeout / 3).clamp(Duration::from_millis(100), ceiling)
+    }
+}
+
+/// Checks wal_level, the publication and the tables.
+pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Prerequisites> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('wal_level'), current_setting('server_version'),
+                    (SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout')",
+            &[],
+        )
+        .await
+        .map_err(|e| {
+            Error::Other(format!(
+                "cannot read server settings: {}",
+                describe_error(&e)
+            ))
+        })?;
+    let wal_level: String = row.get(0);
+    let server_version: String = row.get(1);
+    let timeout_ms: Option<i64> = row.get(2);
+    if wal_level != "logical" {
+        return Err(Error::Prerequisite(format!(
+            "wal_level is '{wal_level}', logical replication needs wal_level = logical \
+             (set it in postgresql.conf and restart PostgreSQL)"
+        )));
+    }
+    let publication = &config.postgres.publication;
+    let (schema, table) = qualified_name(&config.outbox.table).map_err(Error::Other)?;
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
+                    EXISTS (SELECT 1 FROM pg_publication_tables
+                            WHERE pubname = $1 AND schemaname = $2 AND tablename = $3),
+                    to_regclass($4) IS NOT NULL,
+                    to_regclass($5) IS NOT NULL",
+            &[
+                publication,
+                &schema,
+                &table,
+                &crate::config::quote_qualified(&config.outbox.table),
+                &crate::config::quote_qualified(&config.outbox.poison_table),
+            ],
+        )
+        .await
+        .map_err(|e| {
+            Error::Other(format!(
+                "cannot check the publication: {}",
+                describe_error(&e)
+            ))
+        })?;
+    let (has_publication, covers_outbox, has_outbox, has_poison): (bool, bool, bool, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if !has_outbox {
+        return Err(Error::Prerequisite(format!(
+            "table {} does not exist: run `outbox-relay migrate` (or set outbox.table)",
+            config.outbox.table
+        )));
+    }
+    if !has_publication {
+        return Err(Error::Prerequisite(format!(
+            "publication {publication} does not exist: run `outbox-relay migrate` \
+             (or CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish = 'insert'))",
+            config.outbox.table
+        )));
+    }
+    if !covers_outbox {
+        return Err(Error::Prerequisite(format!(
+            "publication {publication} does not include {}: ALTER PUBLICATION {publication} ADD TABLE {}",
+            config.outbox.table, config.outbox.table
+        )));
+    }
+    if !has_poison {
+        return Err(Error::Prerequisite(format!(
+            "poison table {} does not exist: run `outbox-relay migrate`",
+            config.outbox.poison_table
+        )));
+    }
+    let wal_sender_timeout =
+        Duration::from_millis(u64::try_from(timeout_ms.unwrap_or(60_000)).unwrap_or(0));
+    Ok(Prerequisites {
+        server_version,
+        wal_sender_timeout,
+    })
+}
+
+/// The slot, ready to stream from.
+#[derive(Debug)]
+pub enum SlotState {
+    /// Created now; stream from its consistent point.
+    Created(CreatedSlot),
+    /// Existed and is free; stream from its confirmed LSN.
+    Existing { confirmed_flush: Lsn },
+}
+
+/// One row of `pg_replication_slots`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub database: Option<String>,
+    pub active_pid: Option<i32>,
+    pub confirmed_flush: Option<Lsn>,
+    pub wal_status: Option<String>,
+}
+
+/// Reads the slot's row, `None` when it does not exist.
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, database::text, active_pid, confirmed_flush_lsn::text, wal_status
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| {
+            Error::Transient(format!(
+                "cannot read pg_replication_slots: {}",
+                describe_error(&e)
+            ))
+        })?;
+    let Some(row) = row else { return Ok(None) };
+    let confirmed: Option<String> = row.get(3);
+    Ok(Some(SlotInfo {
+        plugin: row.get(0),
+        database: row.get(1),
+        active_pid: row.get(2),
+        confirmed_flush: confirmed.and_then(|s| s.parse().ok()),
+        wal_status: row.get(4),
+    }))
+}
+
+/// Makes sure `slot` exists, is a pgoutput slot of this database, is not
+/// invalidated, and is not streamed by another process (waiting up to `busy_timeout`
+/// for that one).
+pub async fn wait_for_slot(
+    conn: &mut ReplicationConnection,
+    client: &Client,
+    slot: &str,
+    busy_timeout: Duration,
+) -> Result<SlotState> {
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(100);
+    let mut logged = false;
+    loop {
+        let Some(info) = slot_info(client, slot).await? else {
+            match conn
+                .create_logical_slot(slot, false, SnapshotAction::NoExport)
+                .await
+            {
+                Ok(created) => return Ok(SlotState::Created(created)),
+                // Someone else created it between our look and our create.
+                Err(e) if e.is_duplicate_object() => continue,
+                Err(e) => {
+                    return Err(Error::Prerequisite(format!(
+                        "cannot create replication slot {slot}: {e}"
+                    )));
+                }
+            }
+        };
+        check_slot(slot, &info, client).await?;
+        match info.active_pid {
+            None => {
+                let confirmed_flush = info.confirmed_flush.unwrap_or(Lsn::ZERO);
+                return Ok(SlotState::Existing { confirmed_flush });
+            }
+            Some(pid) if started.elapsed() < busy_timeout => {
+                if !logged {
+                    tracing::warn!(
+                        slot,
+                        active_pid = pid,
+                        wait_secs = busy_timeout.as_secs(),
+                        "replication slot is active in another process; waiting for it"
+                    );
+                    logged = true;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Some(pid) => {
+                return Err(Error::Prerequisite(format!(
+                    "replication slot {slot} is active (pid {pid}): another relay is streaming \
+                     from it; waited {}s",
+                    busy_timeout.as_secs()
+                )));
+            }
+        }
+    }
+}
+
+async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<()> {
+    if info.plugin.as_deref() != Some("pgoutput") {
+        return Err(Error::Prerequisite(format!(
+            "replication slot {slot} uses plugin {:?}, not pgoutput (or is not a logical slot)",
+            info.plugin.as_deref().unwrap_or("none")
+        )));
+    }
+    let current: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .map_err(|e| Error::Transient(describe_error(&e)))?
+        .get(0);
+    if info.database.as_deref() != Some(current.as_str()) {
+        return Err(Error::Prerequisite(format!(
+            "replication slot {slot} belongs to database {:?}, not {current:?}",
+            info.database.as_deref().unwrap_or("")
+        )));
+    }
+    if info.wal_status.as_deref() == Some("lost") {
+        return Err(Error::Prerequisite(format!(
+            "replication slot {slot} was invalidated (wal_status = lost: the WAL it needed was \
+             removed, see max_slot_wal_keep_size). Events committed while it was lost may not \
+             have been relayed: drop the slot, run the poller or a cutover to catch up, then \
+             start again"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_interval_is_well_inside_the_sender_timeout() {
+        let p = |ms| Prerequisites {
+            server_version: "15".into(),
+            wal_sender_timeout: Duration::from_millis(ms),
+        };
+        assert_eq!(p(10_000).status_interval(), Duration::from_secs(10) / 3);
+        assert_eq!(p(60_000).status_interval(), Duration::from_secs(10));
+        assert_eq!(p(0).status_interval(), Duration::from_secs(10));
+        assert_eq!(p(30).status_interval(), Duration::from_millis(100));
+    }
+}

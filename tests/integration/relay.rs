@@ -1,0 +1,509 @@
+//! The CDC relay end to end: the real `outbox-relay run` process, the real
+//! PostgreSQL walsender, the real broker. Each test asserts no loss, per-key order
+//! and how many duplicates, as the design's promises require.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::harness::{
+    self, RelayProcess, TestDb, confirmed_flush, consume, consume_exactly, parse_lsn,
+};
+
+/// Writes `transactions` transactions for the given entities from one connection:
+/// each with 1-3 outbox rows (and a business row), every 10th rolled back. The
+/// payload carries the entity's sequence number, so per-key order is checkable.
+/// Returns the idempotency keys committed and those rolled back.
+async fn writer(
+    url: String,
+    entities: Vec<String>,
+    transactions: usize,
+) -> (Vec<String>, Vec<String>) {
+    let mut client = harness::connect(&url).await;
+    let mut committed = Vec::new();
+    let mut rolled_back = Vec::new();
+    let mut seq: HashMap<String, u64> = HashMap::new();
+    for i in 0..transactions {
+        let tx = client.transaction().await.expect("begin");
+        let rows = 1 + i % 3;
+        let mut keys = Vec::new();
+        for r in 0..rows {
+            let entity = &entities[(i + r) % entities.len()];
+            let n = seq.entry(entity.clone()).or_default();
+            let payload = format!(
+                r#"{{"entity": "{entity}", "seq": {n}, "pad": "{}"}}"#,
+                "x".repeat(i % 50)
+            );
+            if i % 10 != 9 {
+                *n += 1;
+            }
+            tx.execute(
+                "INSERT INTO business_orders (entity, amount) VALUES ($1, $2)",
+                &[entity, &i32::try_from(i).unwrap()],
+            )
+            .await
+            .expect("business row");
+            let key: String = tx
+                .query_one(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+                     VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb, '{\"tenant\": \"t1\"}')
+                     RETURNING idempotency_key",
+                    &[entity, &payload],
+                )
+                .await
+                .expect("outbox row")
+                .get(0);
+            keys.push(key);
+        }
+        if i % 10 == 9 {
+            tx.rollback().await.expect("rollback");
+            rolled_back.extend(keys);
+        } else {
+            tx.commit().await.expect("commit");
+            committed.extend(keys);
+        }
+    }
+    (committed, rolled_back)
+}
+
+/// Runs `writers` concurrent writers with disjoint entities.
+async fn write_concurrently(
+    db: &TestDb,
+    writers: usize,
+    transactions: usize,
+) -> (Vec<String>, Vec<String>) {
+    let mut handles = Vec::new();
+    for w in 0..writers {
+        let entities = (0..5).map(|e| format!("w{w}-e{e}")).collect();
+        handles.push(tokio::spawn(writer(db.url.clone(), entities, transactions)));
+    }
+    let mut committed = Vec::new();
+    let mut rolled_back = Vec::new();
+    for h in handles {
+        let (c, r) = h.await.expect("writer task");
+        committed.extend(c);
+        rolled_back.extend(r);
+    }
+    (committed, rolled_back)
+}
+
+/// Checks per-key order: for each key, the `seq` in the payloads never goes back.
+fn assert_per_key_order(records: &[harness::Record]) {
+    let mut last: HashMap<Vec<u8>, i64> = HashMap::new();
+    for r in records {
+        let payload: serde_json::Value =
+            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
+        let seq = payload["seq"].as_i64().unwrap();
+        let key = r.key.clone().unwrap();
+        if let Some(prev) = last.get(&key) {
+            assert!(
+                seq > *prev,
+                "key {} out of order: seq {seq} after {prev}",
+                String::from_utf8_lossy(&key)
+            );
+        }
+        last.insert(key, seq);
+    }
+}
+
+/// Records sorted by (partition, offset): the order a consumer of each partition sees.
+fn by_partition(mut records: Vec<harness::Record>) -> Vec<harness::Record> {
+    records.sort_by_key(|r| (r.partition, r.offset));
+    records
+}
+
+fn keys_of(records: &[harness::Record]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| r.header("idempotency_key").unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn relays_concurrent_writers_exactly_once_in_commit_order() {
+    let db = TestDb::create("relay_main").await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let (committed, rolled_back) = write_concurrently(&db, 4, 120).await;
+    assert!(committed.len() > 800, "{}", committed.len());
+
+    consume_exactly(&db.topic, committed.len(), Duration::from_secs(90), &relay).await;
+    // Anything beyond the expected count would be a duplicate: read a little longer.
+    let records =
+        by_partition(consume(&db.topic, committed.len() + 1, Duration::from_secs(3)).await);
+    let keys = keys_of(&records);
+    let unique: HashSet<&String> = keys.iter().collect();
+    assert_eq!(unique.len(), keys.len(), "no duplicates when nothing fails");
+    assert_eq!(
+        unique,
+        committed.iter().collect::<HashSet<_>>(),
+        "exactly the committed events"
+    );
+    for key in &rolled_back {
+        assert!(!unique.contains(key), "rolled-back event {key} was relayed");
+    }
+
+    // Record contract: key, untouched payload bytes, headers, timestamp.
+    let rows = db
+        .client
+        .query(
+            "SELECT idempotency_key, aggregate_id, payload::text, event_type, id::text,
+                    (extract(epoch FROM created_at) * 1000)::bigint
+             FROM outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    let expected: HashMap<String, (String, String, String, i64)> = rows
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(5))))
+        .collect();
+    let mut max_source_lsn = 0;
+    for r in &records {
+        let key = r.header("idempotency_key").unwrap();
+        let (entity, payload, event_type, created_ms) = &expected[key];
+        assert_eq!(r.key.as_deref(), Some(entity.as_bytes()));
+        assert_eq!(
+            r.payload.as_deref(),
+            Some(payload.as_bytes()),
+            "payload bytes untouched"
+        );
+        assert_eq!(r.header("event_type"), Some(event_type.as_str()));
+        assert_eq!(r.header("aggregate_type"), Some("order"));
+        assert_eq!(r.header("tenant"), Some("t1"), "headers jsonb entries");
+        assert!(r.header("occurred_at").unwrap().ends_with('Z'));
+        let ts = r.timestamp_ms.unwrap();
+        assert!(
+            (ts - created_ms).abs() <= 1,
+            "CreateTime {ts} vs created_at {created_ms}"
+        );
+        max_source_lsn = max_source_lsn.max(parse_lsn(r.header("source_lsn").unwrap()));
+    }
+    assert_per_key_order(&records);
+
+    // The slot confirms past the last event once it is acked.
+    let client = &db.client;
+    harness::wait_until(
+        Duration::from_secs(30),
+        "confirmed_flush_lsn past the last event",
+        || async { confirmed_flush(client, &db.slot).await > max_source_lsn },
+    )
+    .await;
+    let status = relay.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "clean stop exits 0: {status:?}");
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_clean_stop_resends_nothing() {
+    let mut db = TestDb::create("relay_restart").await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    for i in 0..100 {
+        db.insert_event(
+            &format!("e{}", i % 7),
+            "Created",
+            &format!(r#"{{"seq": {i}}}"#),
+        )
+        .await;
+    }
+    consume_exactly(&db.topic, 100, Duration::from_secs(60), &relay).await;
+    let status = relay.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status:?}");
+
+    for i in 100..150 {
+        db.insert_event(
+            &format!("e{}", i % 7),
+            "Created",
+            &format!(r#"{{"seq": {i}}}"#),
+        )
+        .await;
+    }
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    consume_exactly(&db.topic, 150, Duration::from_secs(60), &relay).await;
+    let records = consume(&db.topic, 151, Duration::from_secs(3)).await;
+    assert_eq!(
+        records.len(),
+        150,
+        "a clean stop confirms everything: nothing is re-sent"
+    );
+    assert_per_key_order(&by_partition(records));
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_events_in_flight_loses_nothing_and_bounds_duplicates() {
+    const WINDOW: usize = 20;
+    const EVENTS: usize = 3_000;
+    let db = TestDb::create("relay_kill").await;
+    db.create_slot().await;
+    // Single-row transactions written up front: a backlog the relay drains.
+    db.client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+               FOR g IN 1..{EVENTS} LOOP
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g));
+                 COMMIT;
+               END LOOP;
+             END $$"
+        ))
+        .await
+        .unwrap();
+    let expected: i64 = db
+        .client
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let expected = usize::try_from(expected).unwrap();
+    let window = WINDOW.to_string();
+    let env = [("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str())];
+
+    // Kill the relay twice mid-stream, then let a third one finish.
+    let mut kills = Vec::new();
+    for target in [expected / 4, expected / 2] {
+        let relay = RelayProcess::start(&db.config_path, &env);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let seen = consume(&db.topic, target, Duration::from_secs(2))
+                .await
+                .len();
+            if seen >= target {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay too slow; log:\n{}",
+                relay.log()
+            );
+        }
+        relay.kill9().await;
+        kills.push(target);
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let expected_keys: HashSet<String> = db
+        .client
+        .query("SELECT idempotency_key FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // Read until every key arrived.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let records = loop {
+        let records = consume(&db.topic, usize::MAX, Duration::from_secs(3)).await;
+        let seen: HashSet<String> = keys_of(&records).into_iter().collect();
+        if seen.len() >= expected_keys.len() {
+            break records;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {} events after restarts; log:\n{}",
+            seen.len(),
+            expected_keys.len(),
+            relay.log()
+        );
+    };
+    let keys = keys_of(&records);
+    let seen: HashSet<&String> = keys.iter().collect();
+    assert_eq!(seen.len(), expected_keys.len(), "no loss");
+    assert!(expected_keys.iter().all(|k| seen.contains(k)), "no loss");
+    let duplicates = keys.len() - seen.len();
+    // Each crash re-sends what the server had not been told was confirmed: at most the
+    // in-flight window plus the events acked since the last status update, which the
+    // core caps at one window (single-row transactions here).
+    let bound = kills.len() * 2 * WINDOW;
+    eprintln!(
+        "kill -9 x{}: {duplicates} duplicates (bound {bound})",
+        kills.len()
+    );
+    assert!(
+        duplicates <= bound,
+        "{duplicates} duplicates > bound {bound}"
+    );
+    // First deliveries per key are in commit order.
+    let mut first_seen = HashSet::new();
+    let firsts: Vec<harness::Record> = by_partition(records)
+        .into_iter()
+        .filter(|r| first_seen.insert(r.header("idempotency_key").unwrap().to_owned()))
+        .collect();
+    assert_per_key_order(&firsts);
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_land_in_poison_outbox_and_the_stream_goes_on() {
+    let mut db = TestDb::create("relay_poison").await;
+    db.append_config("\n[kafka.producer]\n\"message.max.bytes\" = \"100000\"\n");
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    db.insert_event("before", "Created", r#"{"seq": 0}"#).await;
+    let big = format!(r#"{{"blob": "{}"}}"#, "x".repeat(200_000));
+    let big_key = db.insert_event("big", "Created", &big).await;
+    let null_key: String = db
+        .client
+        .query_one(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', NULL, 'Created', '{}') RETURNING idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for i in 1..=5 {
+        db.insert_event("after", "Created", &format!(r#"{{"seq": {i}}}"#))
+            .await;
+    }
+    let last_lsn: String = db
+        .client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let records = consume_exactly(&db.topic, 6, Duration::from_secs(60), &relay).await;
+    assert_eq!(records.len(), 6, "the good events are delivered");
+
+    let client = &db.client;
+    harness::wait_until(Duration::from_secs(30), "two poison rows", || async {
+        let n: i64 = client
+            .query_one("SELECT count(*) FROM poison_outbox", &[])
+            .await
+            .unwrap()
+            .get(0);
+        n == 2
+    })
+    .await;
+    let rows = db
+        .client
+        .query(
+            "SELECT idempotency_key, error_kind, error, attempts, lsn IS NOT NULL, payload, row_data
+             FROM poison_outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    let by_key: BTreeMap<String, (String, String, i32, bool)> = rows
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
+        .collect();
+    let (kind, error, attempts, has_lsn) = &by_key[&big_key];
+    assert!(
+        kind.contains("size") || kind.contains("large"),
+        "{kind}: {error}"
+    );
+    assert_eq!(*attempts, 5, "oversize retried max_attempts times");
+    assert!(has_lsn);
+    let (kind, error, _, _) = &by_key[&null_key];
+    assert_eq!(kind, "null_key", "{error}");
+    // The slot advanced past everything, poison included.
+    let last = parse_lsn(&last_lsn);
+    harness::wait_until(
+        Duration::from_secs(30),
+        "slot past the poisoned events",
+        || async { confirmed_flush(client, &db.slot).await >= last },
+    )
+    .await;
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_outbox_does_not_pin_wal() {
+    let mut db = TestDb::create("relay_idle").await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    db.insert_event("e", "Created", "{}").await;
+    consume_exactly(&db.topic, 1, Duration::from_secs(60), &relay).await;
+    // Other WAL activity only: business rows, not in the publication.
+    for i in 0..50 {
+        db.client
+            .execute(
+                "INSERT INTO business_orders (entity, amount) VALUES ('x', $1)",
+                &[&i],
+            )
+            .await
+            .unwrap();
+    }
+    let after: String = db
+        .client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let after = parse_lsn(&after);
+    let client = &db.client;
+    harness::wait_until(
+        Duration::from_secs(40),
+        "confirmed_flush_lsn to follow idle WAL",
+        || async { confirmed_flush(client, &db.slot).await >= after },
+    )
+    .await;
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_publication_and_busy_slot_exit_with_code_3() {
+    let db = TestDb::create("relay_prereq").await;
+    // A second relay on a slot that is streaming: clear message, exit code 3.
+    let first = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&first).await;
+    let mut second = RelayProcess::start(
+        &db.config_path,
+        &[("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "1")],
+    );
+    let status = second.wait(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(3), "log:\n{}", second.log());
+    assert!(second.log().contains("is active"), "{}", second.log());
+    first.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+
+    db.client
+        .batch_execute("DROP PUBLICATION outbox_relay_pub")
+        .await
+        .unwrap();
+    let mut relay = RelayProcess::start(&db.config_path, &[]);
+    let status = relay.wait(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(3), "log:\n{}", relay.log());
+    assert!(
+        relay
+            .log()
+            .contains("publication outbox_relay_pub does not exist"),
+        "{}",
+        relay.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_is_refused_with_code_3() {
+    let cluster = harness::PrivateCluster::start("replica").await;
+    let config = std::env::temp_dir().join(format!("{}.toml", harness::unique("replica_cfg")));
+    std::fs::write(
+        &config,
+        harness::config_toml(
+            &cluster.url,
+            "replica_slot",
+            "unused",
+            &harness::env().brokers,
+        ),
+    )
+    .unwrap();
+    let out = harness::run_cli(&["migrate", "--config", config.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut relay = RelayProcess::start(&config, &[]);
+    let status = relay.wait(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(3), "log:\n{}", relay.log());
+    assert!(
+        relay.log().contains("wal_level is 'replica'"),
+        "{}",
+        relay.log()
+    );
+    cluster.stop();
+}
