@@ -24,6 +24,17 @@ pub struct ConfigArg {
         default_value = "relay.toml"
     )]
     pub config: PathBuf,
+    /// Override one config key, e.g. `--set relay.max_attempts=7` or
+    /// `--set kafka.producer.linger.ms=5` (repeatable; wins over file and env).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+impl ConfigArg {
+    /// Loads the config file with environment and `--set` overrides.
+    pub fn load(&self) -> Result<crate::config::Config, crate::error::ConfigError> {
+        crate::config::Config::load_with(&self.config, &self.overrides)
+    }
 }
 
 /// Subcommands.

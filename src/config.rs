@@ -193,11 +193,21 @@ impl Config {
     /// Reads `path`, overlays `OUTBOX_RELAY__…` variables from the process
     /// environment, and validates the result.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, &[])
+    }
+
+    /// Like [`Config::load`], then applies `--set section.key=value` overrides from
+    /// the command line, which win over the file and the environment.
+    pub fn load_with(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Config::from_sources(&path.display().to_string(), &text, std::env::vars())
+        let mut sources: Vec<(String, String)> = std::env::vars().collect();
+        for set in overrides {
+            sources.push(cli_override(set)?);
+        }
+        Config::from_sources(&path.display().to_string(), &text, sources)
     }
 
     /// Builds a config from TOML text and `(name, value)` environment pairs.
@@ -273,7 +283,13 @@ fn overlay_env(
         name: name.to_owned(),
         message: message.to_owned(),
     };
-    let keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+    let mut keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+    // librdkafka settings keep their own spelling and are always strings.
+    let producer = keys.len() >= 3 && keys[0] == "kafka" && keys[1] == "producer";
+    if producer {
+        let key = path.splitn(3, "__").nth(2).unwrap_or_default().to_owned();
+        keys = vec!["kafka".into(), "producer".into(), key];
+    }
     if keys.iter().any(String::is_empty) {
         return Err(env_err("empty key segment"));
     }
@@ -289,8 +305,40 @@ fn overlay_env(
             .as_table_mut()
             .ok_or_else(|| env_err(&format!("{section} is not a section")))?;
     }
-    table.insert(last.clone(), scalar(value));
+    let value = if producer {
+        toml::Value::String(value.to_owned())
+    } else {
+        scalar(value)
+    };
+    table.insert(last.clone(), value);
     Ok(())
+}
+
+/// `section.key=value` as the equivalent environment variable. Keys under
+/// `kafka.producer.` are librdkafka names and keep their dots
+/// (`kafka.producer.linger.ms=5`).
+fn cli_override(set: &str) -> Result<(String, String), ConfigError> {
+    let invalid = || ConfigError::Invalid(format!("--set {set:?}: expected section.key=value"));
+    let (path, value) = set.split_once('=').ok_or_else(invalid)?;
+    let path = path.trim();
+    if let Some(key) = path.strip_prefix("kafka.producer.") {
+        if key.is_empty() {
+            return Err(invalid());
+        }
+        // Producer values are strings; quote so a number stays a string.
+        return Ok((
+            format!("{ENV_PREFIX}KAFKA__PRODUCER__{key}"),
+            value.to_owned(),
+        ));
+    }
+    let segments: Vec<&str> = path.split('.').collect();
+    if segments.len() < 2 || segments.iter().any(|s| s.is_empty()) {
+        return Err(invalid());
+    }
+    Ok((
+        format!("{ENV_PREFIX}{}", segments.join("__")),
+        value.to_owned(),
+    ))
 }
 
 fn scalar(value: &str) -> toml::Value {
@@ -460,8 +508,8 @@ mod tests {
                 ("UNRELATED", "x"),
             ],
         );
-        // producer values must be strings: an integer from env is a type error.
-        assert!(c.is_err());
+        // librdkafka settings stay strings, whatever they look like.
+        assert_eq!(c.unwrap().kafka.producer["LINGER"], "5");
         let c = load(
             MINIMAL,
             &[
@@ -472,6 +520,27 @@ mod tests {
         .unwrap();
         assert_eq!(c.relay.max_attempts, 7);
         assert_eq!(c.postgres.slot, "other_slot");
+    }
+
+    #[test]
+    fn cli_overrides_map_to_config_keys() {
+        assert_eq!(
+            cli_override("relay.max_attempts=7").unwrap(),
+            ("OUTBOX_RELAY__relay__max_attempts".into(), "7".into())
+        );
+        assert_eq!(
+            cli_override("kafka.producer.linger.ms=5").unwrap(),
+            (
+                "OUTBOX_RELAY__KAFKA__PRODUCER__linger.ms".into(),
+                "5".into()
+            )
+        );
+        for bad in ["relay", "relay.max_attempts", ".x=1", "kafka.producer.=1"] {
+            assert!(cli_override(bad).is_err(), "{bad}");
+        }
+        let (name, value) = cli_override("kafka.producer.linger.ms=5").unwrap();
+        let c = load(MINIMAL, &[(name.as_str(), value.as_str())]).unwrap();
+        assert_eq!(c.kafka.producer["linger.ms"], "5");
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use outbox_relay::cli::{Cli, Command};
-use outbox_relay::config::{Config, LogConfig, LogFormat};
+use outbox_relay::config::{LogConfig, LogFormat};
 use outbox_relay::{Error, migrate, postgres, relay};
 
 fn init_tracing(log: &LogConfig) {
@@ -45,7 +45,7 @@ async fn termination_signal() {
 async fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
         Command::Run(args) => {
-            let config = Config::load(&args.config)?;
+            let config = args.load()?;
             init_tracing(&config.log);
             let summary = relay::run(config, Box::pin(termination_signal())).await?;
             tracing::info!(
@@ -58,7 +58,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Migrate(args) => {
-            let config = Config::load(&args.config)?;
+            let config = args.load()?;
             init_tracing(&config.log);
             let mut client = postgres::connect(&config.postgres.url).await?;
             let applied = migrate::apply(&mut client, &config).await?;

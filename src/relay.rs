@@ -98,12 +98,7 @@ enum SessionEnd {
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
-    let conninfo = ConnInfo::parse(&config.postgres.url).map_err(|e| {
-        Error::Config(crate::error::ConfigError::Invalid(format!(
-            "postgres.url: {}",
-            e.message()
-        )))
-    })?;
+    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
     let metadata = crate::postgres::connect_info(&conninfo).await?;
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
     tracing::info!(
@@ -602,18 +597,6 @@ async fn send_status(
     stream.send_status(&frame).await
 }
 
-/// Maps a replication error to the process error of its class.
 fn replication_error(e: ReplicationError) -> Error {
-    match e.classify() {
-        ErrorClass::Transient => Error::Transient(e.to_string()),
-        _ => {
-            let message = e.to_string();
-            match e.code() {
-                Some("55000" | "42704" | "55006" | "3D000" | "42501") => {
-                    Error::Prerequisite(message)
-                }
-                _ => Error::Other(message),
-            }
-        }
-    }
+    crate::postgres::process_error(e, "")
 }

@@ -13,44 +13,55 @@ pub mod replication;
 pub mod slot;
 pub mod tls;
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::config::redact_url;
 use crate::error::{Error, Result};
 
-/// Opens a metadata connection; the connection task runs until the client drops.
-pub async fn connect(url: &str) -> Result<Client> {
-    let config: tokio_postgres::Config = url.parse().map_err(|e| {
+/// Parses `postgres.url` (libpq URL semantics, see [`conninfo`]); a bad URL is a
+/// configuration error (exit code 2).
+pub fn parse_url(url: &str) -> Result<conninfo::ConnInfo> {
+    conninfo::ConnInfo::parse(url).map_err(|e| {
         Error::Config(crate::error::ConfigError::Invalid(format!(
-            "postgres.url {}: {e}",
-            redact_url(url)
-        )))
-    })?;
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        Error::Other(format!(
-            "cannot connect to PostgreSQL at {}: {}",
+            "postgres.url {}: {}",
             redact_url(url),
-            describe_error(&e)
-        ))
-    })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "metadata connection closed");
-        }
-    });
-    Ok(client)
+            e.message()
+        )))
+    })
+}
+
+/// Opens a metadata connection from a URL (TLS per its `sslmode`).
+pub async fn connect(url: &str) -> Result<Client> {
+    connect_info(&parse_url(url)?).await
 }
 
 /// Opens a metadata connection from parsed connection info (TLS per `sslmode`).
 pub async fn connect_info(info: &conninfo::ConnInfo) -> Result<Client> {
-    conninfo::connect_metadata(info).await.map_err(|e| {
-        let message = format!("cannot connect to PostgreSQL at {info}: {e}");
-        if e.is_transient() {
-            Error::Transient(message)
-        } else {
-            Error::Other(message)
+    conninfo::connect_metadata(info)
+        .await
+        .map_err(|e| process_error(e, &format!("cannot connect to PostgreSQL at {info}: ")))
+}
+
+/// Maps a connection error to the process error of its class: transient errors
+/// are retried; a missing or misconfigured PostgreSQL prerequisite (wal_level,
+/// slot, publication, database, privileges, authentication, TLS) is exit code 3.
+#[must_use]
+pub fn process_error(e: replication::ReplicationError, context: &str) -> Error {
+    use replication::ReplicationError as R;
+    let message = format!("{context}{e}");
+    if e.is_transient() {
+        return Error::Transient(message);
+    }
+    match (&e, e.code()) {
+        (R::Auth { .. } | R::Tls(_), _) => Error::Prerequisite(message),
+        (_, Some(code))
+            if code.starts_with("28")
+                || matches!(code, "55000" | "42704" | "55006" | "3D000" | "42501") =>
+        {
+            Error::Prerequisite(message)
         }
-    })
+        _ => Error::Other(message),
+    }
 }
 
 /// The server's message (with its SQLSTATE) when there is one, else the error text.

@@ -331,8 +331,12 @@ pub async fn create_topic(name: &str, partitions: i32) {
 }
 
 fn consumer() -> BaseConsumer {
+    consumer_for(&env().brokers)
+}
+
+fn consumer_for(brokers: &str) -> BaseConsumer {
     ClientConfig::new()
-        .set("bootstrap.servers", &env().brokers)
+        .set("bootstrap.servers", brokers)
         .set("group.id", unique("test_reader"))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
@@ -362,14 +366,20 @@ impl Record {
 /// Reads a topic from the beginning of every partition until `n` records arrived or
 /// `timeout` passed; returns what it read (callers assert on the count).
 pub async fn consume(topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
+    consume_from(&env().brokers, topic, n, timeout).await
+}
+
+/// [`consume`] from a given broker.
+pub async fn consume_from(brokers: &str, topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
     let topic = topic.to_owned();
-    tokio::task::spawn_blocking(move || consume_blocking(&topic, n, timeout))
+    let brokers = brokers.to_owned();
+    tokio::task::spawn_blocking(move || consume_blocking(&brokers, &topic, n, timeout))
         .await
         .expect("consumer task")
 }
 
-fn consume_blocking(topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
-    let consumer = consumer();
+fn consume_blocking(brokers: &str, topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
+    let consumer = consumer_for(brokers);
     let metadata = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))
         .expect("topic metadata");
@@ -445,7 +455,11 @@ impl RelayProcess {
     pub fn start(config_path: &Path, env_overrides: &[(&str, &str)]) -> RelayProcess {
         let log_path = config_path.with_extension(format!("{}.log", unique("relay")));
         let log = std::fs::File::create(&log_path).expect("create relay log");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+        // OUTBOX_RELAY_TEST_BIN runs another build (e.g. the release binary) for
+        // throughput measurements.
+        let bin = std::env::var("OUTBOX_RELAY_TEST_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox-relay").to_owned());
+        let mut cmd = Command::new(bin);
         cmd.args(["run", "--config", path_str(config_path)])
             .stdout(std::process::Stdio::null())
             .stderr(log);
@@ -601,5 +615,127 @@ impl Drop for PrivateCluster {
             .env("DEV_ENV_DIR", &self.dir)
             .output();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A broker of this test's own (Tansu on SQLite storage, so topics and records
+/// survive a restart), for tests that stop and start the broker without disturbing
+/// the shared one.
+#[derive(Debug)]
+pub struct PrivateBroker {
+    dir: PathBuf,
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateBroker {
+    pub async fn start() -> PrivateBroker {
+        let dir = repo_root().join(".dev").join(unique("broker"));
+        std::fs::create_dir_all(&dir).expect("broker dir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let mut broker = PrivateBroker {
+            dir,
+            port,
+            child: None,
+        };
+        broker.resume().await;
+        broker
+    }
+
+    /// `host:port` for `bootstrap.servers`.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn tansu_bin() -> PathBuf {
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/dev-env"))
+            .arg("tansu-bin")
+            .output()
+            .expect("run scripts/dev-env tansu-bin");
+        assert!(
+            out.status.success(),
+            "no Tansu binary: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    }
+
+    /// Starts (or restarts) the broker on the same port and storage, and waits
+    /// until it answers a metadata request.
+    pub async fn resume(&mut self) {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("broker.log"))
+            .expect("broker log");
+        let child = Command::new(Self::tansu_bin())
+            .current_dir(&self.dir)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            // Relative: Tansu resolves it against its working directory.
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn tansu");
+        self.child = Some(child);
+        let brokers = self.brokers();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let brokers = brokers.clone();
+            let ok = tokio::task::spawn_blocking(move || {
+                consumer_for(&brokers)
+                    .fetch_metadata(None, Duration::from_millis(500))
+                    .is_ok()
+            })
+            .await
+            .expect("metadata task");
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "private broker did not start");
+        }
+    }
+
+    /// Stops the broker (SIGKILL: an outage, not a goodbye).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Creates a topic on a given broker.
+pub async fn create_topic_on(brokers: &str, name: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = admin
+        .create_topics([&topic], &opts)
+        .await
+        .expect("CreateTopics");
+    for r in results {
+        r.expect("topic created");
     }
 }
