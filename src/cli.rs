@@ -44,4 +44,12 @@ pub enum Command {
     Run(ConfigArg),
     /// Create the outbox and poison tables and the publication (idempotent).
     Migrate(ConfigArg),
+    /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
+    Status {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Print one JSON object instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
 }

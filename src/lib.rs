@@ -24,6 +24,7 @@ pub mod poison;
 pub mod postgres;
 pub mod progress;
 pub mod relay;
+pub mod status;
 
 pub use error::{Error, Result};
 pub use lsn::Lsn;

@@ -57,6 +57,21 @@ async fn run(cli: Cli) -> Result<(), Error> {
             );
             Ok(())
         }
+        Command::Status { config, json } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            let client = postgres::connect(&config.postgres.url).await?;
+            let status = outbox_relay::status::read(&client, &config).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&status).map_err(|e| Error::Other(e.to_string()))?
+                );
+            } else {
+                print!("{}", status.render());
+            }
+            Ok(())
+        }
         Command::Migrate(args) => {
             let config = args.load()?;
             init_tracing(&config.log);

@@ -670,3 +670,49 @@ async fn drains_100k_events_from_concurrent_writers() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// `status --json` reads the slot and poison table: no slot before the first
+/// start, then the streaming relay's pid, a confirmed LSN and the poison backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_slot_lag_and_poison() {
+    let mut db = TestDb::create("relay_status").await;
+    let config = db.config_path.to_str().unwrap().to_owned();
+    let status = |config: String| async move {
+        let out = tokio::task::spawn_blocking(move || {
+            harness::run_cli(&["status", "--config", &config, "--json"])
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let before = status(config.clone()).await;
+    assert_eq!(before["slot_exists"], false);
+    assert_eq!(before["poison_total"], 0);
+
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    db.insert_event("e", "Created", "{}").await;
+    db.client
+        .execute(
+            "INSERT INTO poison_outbox (idempotency_key, error, error_kind, attempts) VALUES ('k', 'x', 'test', 1)",
+            &[],
+        )
+        .await
+        .unwrap();
+    consume_exactly(&db.topic, 1, Duration::from_secs(60), &relay).await;
+    let during = status(config.clone()).await;
+    assert_eq!(during["slot_exists"], true);
+    assert!(during["active_pid"].as_i64().is_some(), "{during}");
+    assert!(during["lag_bytes"].as_i64().unwrap() >= 0);
+    assert!(during["retained_wal_bytes"].as_i64().unwrap() >= 0);
+    assert_eq!(during["poison_pending"], 1);
+    relay.terminate(Duration::from_secs(30)).await;
+    let after = status(config).await;
+    assert!(after["active_pid"].is_null(), "{after}");
+    db.drop_slot().await;
+}

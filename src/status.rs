@@ -1,0 +1,163 @@
+//! `outbox-relay status`: where the relay stands, read from PostgreSQL alone.
+//!
+//! Everything comes from `pg_replication_slots` and the poison table, so it works
+//! whether or not a relay is running, and needs no connection to the relay itself.
+//! *Lag* is how far the slot's confirmed LSN trails the server's current WAL
+//! position: events committed but not yet confirmed as delivered. *Retained WAL*
+//! is what the slot forces the server to keep (from `restart_lsn`): the number to
+//! alert on, because a slot that stops advancing fills the disk.
+
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::config::{Config, quote_qualified};
+use crate::error::{Error, Result};
+use crate::postgres::describe_error;
+
+/// The slot and poison-table facts, as printed by `status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Status {
+    pub slot: String,
+    /// False when the slot does not exist yet (the relay creates it on start).
+    pub slot_exists: bool,
+    /// The process streaming from the slot, if any.
+    pub active_pid: Option<i32>,
+    pub confirmed_flush_lsn: Option<String>,
+    pub restart_lsn: Option<String>,
+    pub current_wal_lsn: String,
+    /// `pg_current_wal_lsn() - confirmed_flush_lsn`.
+    pub lag_bytes: Option<i64>,
+    /// `pg_current_wal_lsn() - restart_lsn`: WAL kept on disk for the slot.
+    pub retained_wal_bytes: Option<i64>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// Poison rows not replayed yet.
+    pub poison_pending: i64,
+    /// All poison rows.
+    pub poison_total: i64,
+}
+
+impl Status {
+    /// Human-readable lines.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        let bytes = |v: Option<i64>| v.map_or_else(|| "-".into(), |b| format!("{b} bytes"));
+        let mut out = String::new();
+        out.push_str(&format!(
+            "slot              {}{}\n",
+            self.slot,
+            if self.slot_exists {
+                ""
+            } else {
+                " (does not exist yet)"
+            }
+        ));
+        out.push_str(&format!(
+            "active pid        {}\n",
+            self.active_pid
+                .map_or_else(|| "- (no relay streaming)".into(), |p| p.to_string())
+        ));
+        out.push_str(&format!(
+            "confirmed LSN     {}\n",
+            opt(&self.confirmed_flush_lsn)
+        ));
+        out.push_str(&format!("restart LSN       {}\n", opt(&self.restart_lsn)));
+        out.push_str(&format!("current WAL LSN   {}\n", self.current_wal_lsn));
+        out.push_str(&format!("lag               {}\n", bytes(self.lag_bytes)));
+        out.push_str(&format!(
+            "retained WAL      {}\n",
+            bytes(self.retained_wal_bytes)
+        ));
+        out.push_str(&format!("wal_status        {}\n", opt(&self.wal_status)));
+        out.push_str(&format!(
+            "poison rows       {} pending replay, {} in all\n",
+            self.poison_pending, self.poison_total
+        ));
+        out
+    }
+}
+
+/// Reads the status for the configured slot and poison table.
+pub async fn read(client: &Client, config: &Config) -> Result<Status> {
+    let err = |what: &str, e: tokio_postgres::Error| {
+        Error::Other(format!("{what}: {}", describe_error(&e)))
+    };
+    let slot = &config.postgres.slot;
+    let current: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .map_err(|e| err("cannot read the WAL position", e))?
+        .get(0);
+    let row = client
+        .query_opt(
+            "SELECT active_pid, confirmed_flush_lsn::text, restart_lsn::text,
+                    (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                    (pg_current_wal_lsn() - restart_lsn)::bigint,
+                    wal_status
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[slot],
+        )
+        .await
+        .map_err(|e| err("cannot read pg_replication_slots", e))?;
+    let poison_table = quote_qualified(&config.outbox.poison_table);
+    let counts = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FILTER (WHERE replayed_at IS NULL), count(*) FROM {poison_table}"
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| err("cannot count poison rows (run `outbox-relay migrate`?)", e))?;
+    let mut status = Status {
+        slot: slot.clone(),
+        slot_exists: row.is_some(),
+        active_pid: None,
+        confirmed_flush_lsn: None,
+        restart_lsn: None,
+        current_wal_lsn: current,
+        lag_bytes: None,
+        retained_wal_bytes: None,
+        wal_status: None,
+        poison_pending: counts.get(0),
+        poison_total: counts.get(1),
+    };
+    if let Some(row) = row {
+        status.active_pid = row.get(0);
+        status.confirmed_flush_lsn = row.get(1);
+        status.restart_lsn = row.get(2);
+        status.lag_bytes = row.get(3);
+        status.retained_wal_bytes = row.get(4);
+        status.wal_status = row.get(5);
+    }
+    Ok(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_shows_a_missing_slot_and_no_password() {
+        let s = Status {
+            slot: "outbox_relay".into(),
+            slot_exists: false,
+            active_pid: None,
+            confirmed_flush_lsn: None,
+            restart_lsn: None,
+            current_wal_lsn: "0/16B3748".into(),
+            lag_bytes: None,
+            retained_wal_bytes: None,
+            wal_status: None,
+            poison_pending: 2,
+            poison_total: 3,
+        };
+        let text = s.render();
+        assert!(text.contains("does not exist yet"), "{text}");
+        assert!(text.contains("2 pending replay, 3 in all"), "{text}");
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["poison_pending"], 2);
+        assert_eq!(json["lag_bytes"], serde_json::Value::Null);
+    }
+}
