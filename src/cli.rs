@@ -44,6 +44,31 @@ pub enum Command {
     Run(ConfigArg),
     /// Create the outbox and poison tables and the publication (idempotent).
     Migrate(ConfigArg),
+    /// Run the polling relay (no logical replication needed; the benchmark baseline).
+    Poll {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        poll: crate::poller::PollArgs,
+    },
+    /// Compare the outbox (and poison table) with what the topics hold: lost,
+    /// duplicated and out-of-order events. Exit code 1 when anything is lost or out of order.
+    Audit {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::audit::AuditArgs,
+    },
+    /// Try it in one command: throwaway PostgreSQL, embedded broker, sample events
+    /// relayed and audited, summary printed, everything cleaned up.
+    Demo(crate::demo::DemoArgs),
+    /// Re-publish poison rows with their original idempotency key (never deletes).
+    Replay {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::replay::ReplayArgs,
+    },
     /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
     Status {
         #[command(flatten)]

@@ -633,6 +633,30 @@ impl Publisher {
         .map_err(|e| Error::Other(format!("broker check task failed: {e}")))?
     }
 
+    /// Queues the record of an outbox event (the record contract of DESIGN.md §5,
+    /// shared by the relay, the poller and `replay`); see [`Publisher::send`].
+    pub fn send_event(
+        &self,
+        id: EventId,
+        event: &crate::outbox::OutboxEvent,
+    ) -> Result<(), SendRejected> {
+        let headers: Vec<(&str, &[u8])> = event
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_ref(), value.as_ref()))
+            .collect();
+        self.send(
+            id,
+            RecordRef {
+                topic: &event.topic,
+                key: &event.key,
+                payload: &event.payload,
+                headers: &headers,
+                timestamp_ms: event.timestamp_ms,
+            },
+        )
+    }
+
     /// Queues one record for `id`; never waits for the broker. `Ok` means exactly one
     /// [`DeliveryReport`] for `id` will follow; `Err` means none will.
     pub fn send(&self, id: EventId, rec: RecordRef<'_>) -> Result<(), SendRejected> {

@@ -13,17 +13,21 @@
 //! `pgoutput` decoding) → [`outbox`] (row → Kafka record) → [`kafka`] (producer) →
 //! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
 
+pub mod audit;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod kafka;
 pub mod lsn;
 pub mod migrate;
 pub mod outbox;
 pub mod poison;
+pub mod poller;
 pub mod postgres;
 pub mod progress;
 pub mod relay;
+pub mod replay;
 pub mod status;
 
 pub use error::{Error, Result};

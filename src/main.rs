@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
-use outbox_relay::{Error, migrate, postgres, relay};
+use outbox_relay::{Error, audit, demo, migrate, postgres, relay, replay};
 
 fn init_tracing(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -42,7 +42,7 @@ async fn termination_signal() {
     tracing::info!("termination signal received");
 }
 
-async fn run(cli: Cli) -> Result<(), Error> {
+async fn run(cli: Cli) -> Result<ExitCode, Error> {
     match cli.command {
         Command::Run(args) => {
             let config = args.load()?;
@@ -55,7 +55,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 reconnects = summary.reconnects,
                 "relay stopped"
             );
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
         Command::Status { config, json } => {
             let config = config.load()?;
@@ -70,7 +70,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
             } else {
                 print!("{}", status.render());
             }
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
         Command::Migrate(args) => {
             let config = args.load()?;
@@ -82,7 +82,48 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 applied.applied.len(),
                 applied.already.len()
             );
-            Ok(())
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Poll { config, poll } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            outbox_relay::poller::run(config, &poll, Box::pin(termination_signal())).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit { config, args } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            let report = audit::run(&config, &args).await?;
+            if args.json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{}", report.render_table());
+            }
+            Ok(if report.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Demo(args) => {
+            init_tracing(&LogConfig {
+                level: "warn".into(),
+                ..LogConfig::default()
+            });
+            let summary = demo::run(&args).await?;
+            print!("{}", summary.render());
+            Ok(if summary.audit.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Replay { config, args } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            let report = replay::run(&config, &args).await?;
+            println!("{}", report.render(args.json));
+            Ok(report.exit_code())
         }
     }
 }
@@ -100,7 +141,7 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("outbox-relay: {e}");
             e.exit_code()

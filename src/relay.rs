@@ -1,4 +1,4 @@
-//! The CDC relay: the async shell around the sans-IO [`Core`](crate::progress::Core).
+//! The CDC relay: the async shell around the sans-IO core (`crate::progress::Core`).
 //!
 //! One task owns the replication stream. Its loop is a `tokio::select! { biased; … }`
 //! whose priorities are, in order:
@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::error::{Error, ErrorClass, Result};
-use crate::kafka::{self, DeliveryReport, Publisher, RecordRef};
+use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lsn::Lsn;
 use crate::outbox::{Mapped, OutboxEvent, OutboxMapper, PoisonFields};
 use crate::poison::{PoisonOutcome, PoisonRequest, PoisonRow, PoisonWriter};
@@ -141,6 +141,7 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
         outcomes,
         current_commit_lsn: Lsn::ZERO,
         summary: RunSummary::default(),
+        wal_sender_timeout: prerequisites.wal_sender_timeout,
     };
     relay.run(shutdown).await
 }
@@ -158,6 +159,9 @@ struct Relay {
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
     current_commit_lsn: Lsn,
     summary: RunSummary,
+    /// After a lost connection the server keeps our old walsender (and so the slot)
+    /// until it notices, at most this long.
+    wal_sender_timeout: Duration,
 }
 
 impl Relay {
@@ -211,13 +215,13 @@ impl Relay {
             .await
             .map_err(replication_error)?;
         let slot_name = self.config.postgres.slot.clone();
-        let state = slot::wait_for_slot(
-            &mut conn,
-            &metadata,
-            &slot_name,
-            Duration::from_secs(self.config.relay.slot_busy_timeout_secs),
-        )
-        .await?;
+        let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
+        if !first {
+            // On a reconnect the slot may still be held by our own previous
+            // walsender (e.g. after a network cut) until wal_sender_timeout.
+            busy_timeout = busy_timeout.max(self.wal_sender_timeout * 2);
+        }
+        let state = slot::wait_for_slot(&mut conn, &metadata, &slot_name, busy_timeout).await?;
         let start = match state {
             SlotState::Created(created) => {
                 tracing::info!(slot = %slot_name, consistent_point = %created.consistent_point, "replication slot created");
@@ -474,19 +478,7 @@ impl Relay {
         let Some(Pending::Event { event, .. }) = self.pending.get(&id) else {
             return;
         };
-        let headers: Vec<(&str, &[u8])> = event
-            .headers
-            .iter()
-            .map(|(name, value)| (name.as_ref(), value.as_ref()))
-            .collect();
-        let record = RecordRef {
-            topic: &event.topic,
-            key: &event.key,
-            payload: &event.payload,
-            headers: &headers,
-            timestamp_ms: event.timestamp_ms,
-        };
-        if let Err(rejected) = self.publisher.send(id, record) {
+        if let Err(rejected) = self.publisher.send_event(id, event) {
             let kind = kafka::error_kind(rejected.code);
             self.record_failure(id, kind, &rejected.message, rejected.failure);
             self.core

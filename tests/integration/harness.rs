@@ -739,3 +739,31 @@ pub async fn create_topic_on(brokers: &str, name: &str, partitions: i32) {
         r.expect("topic created");
     }
 }
+
+/// Reads the topic until `n` distinct idempotency keys arrived (duplicates do not
+/// count), failing with the relay's log at the deadline. Returns every record read.
+pub async fn consume_unique(
+    topic: &str,
+    n: usize,
+    timeout: Duration,
+    relay: &RelayProcess,
+) -> Vec<Record> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let records = consume(topic, usize::MAX, Duration::from_secs(2)).await;
+        let unique: std::collections::HashSet<&str> = records
+            .iter()
+            .filter_map(|r| r.header("idempotency_key"))
+            .collect();
+        if unique.len() >= n {
+            return records;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected {n} distinct events on {topic}, got {} ({} records) within {timeout:?}; relay log:\n{}",
+            unique.len(),
+            records.len(),
+            relay.log()
+        );
+    }
+}

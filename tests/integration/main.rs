@@ -5,8 +5,12 @@
 // Test code: a failed unwrap is a failed test, with its location.
 #![allow(clippy::unwrap_used)]
 
+mod audit;
+mod demo;
 mod environment;
 mod harness;
 mod kafka_publisher;
+mod poller;
 mod relay;
+mod replay;
 mod replication_connection;

@@ -111,6 +111,17 @@ fn by_partition(mut records: Vec<harness::Record>) -> Vec<harness::Record> {
     records
 }
 
+/// The first delivery of each event, in partition order: what per-key commit order
+/// is judged on (a re-delivery after a crash repeats an earlier event; consumers
+/// drop it by its idempotency key).
+fn first_deliveries(records: Vec<harness::Record>) -> Vec<harness::Record> {
+    let mut seen = HashSet::new();
+    by_partition(records)
+        .into_iter()
+        .filter(|r| seen.insert(r.header("idempotency_key").unwrap().to_owned()))
+        .collect()
+}
+
 fn keys_of(records: &[harness::Record]) -> Vec<String> {
     records
         .iter()
@@ -324,12 +335,7 @@ async fn kill_9_with_events_in_flight_loses_nothing_and_bounds_duplicates() {
         "{duplicates} duplicates > bound {bound}"
     );
     // First deliveries per key are in commit order.
-    let mut first_seen = HashSet::new();
-    let firsts: Vec<harness::Record> = by_partition(records)
-        .into_iter()
-        .filter(|r| first_seen.insert(r.header("idempotency_key").unwrap().to_owned()))
-        .collect();
-    assert_per_key_order(&firsts);
+    assert_per_key_order(&first_deliveries(records));
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -579,7 +585,7 @@ async fn broker_outage_holds_the_slot_and_loses_nothing() {
         relay.log()
     );
     eprintln!("broker outage: {} duplicates", keys.len() - unique.len());
-    assert_per_key_order(&by_partition(records));
+    assert_per_key_order(&first_deliveries(records));
     let poisoned: i64 = db
         .client
         .query_one("SELECT count(*) FROM poison_outbox", &[])
@@ -714,5 +720,136 @@ async fn status_reports_slot_lag_and_poison() {
     relay.terminate(Duration::from_secs(30)).await;
     let after = status(config).await;
     assert!(after["active_pid"].is_null(), "{after}");
+    db.drop_slot().await;
+}
+
+/// One active of N: a second relay on the same config waits as a standby (logging
+/// once) while the first streams, and takes over within seconds when the first is
+/// killed, with nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_takes_over_when_the_active_relay_dies() {
+    let mut db = TestDb::create("relay_ha").await;
+    let env = [("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "600")];
+    let active = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&active).await;
+    let mut standby = RelayProcess::start(&db.config_path, &env);
+    harness::wait_until(
+        Duration::from_secs(30),
+        "the standby to report the busy slot",
+        || {
+            let log = standby.log();
+            async move { log.contains("replication slot is active in another process") }
+        },
+    )
+    .await;
+    for i in 0..100 {
+        db.insert_event(
+            &format!("e{}", i % 5),
+            "Created",
+            &format!(r#"{{"seq": {i}}}"#),
+        )
+        .await;
+    }
+    consume_exactly(&db.topic, 100, Duration::from_secs(60), &active).await;
+    assert!(standby.is_running(), "the standby waits: {}", standby.log());
+    assert_eq!(
+        standby
+            .log()
+            .matches("replication slot is active in another process")
+            .count(),
+        1,
+        "the standby logs its wait once"
+    );
+
+    active.kill9().await;
+    let killed = Instant::now();
+    for i in 100..200 {
+        db.insert_event(
+            &format!("e{}", i % 5),
+            "Created",
+            &format!(r#"{{"seq": {i}}}"#),
+        )
+        .await;
+    }
+    let records = consume_exactly(&db.topic, 200, Duration::from_secs(60), &standby).await;
+    let takeover = killed.elapsed();
+    let keys = keys_of(&records);
+    let unique: HashSet<&String> = keys.iter().collect();
+    assert_eq!(unique.len(), 200, "nothing lost across the takeover");
+    assert_per_key_order(&first_deliveries(records));
+    eprintln!(
+        "standby took over and delivered within {takeover:.1?} of the kill ({} duplicates)",
+        keys.len() - unique.len()
+    );
+    assert!(
+        takeover < Duration::from_secs(30),
+        "takeover took {takeover:?}"
+    );
+    standby.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// Cutting the replication connection (`pg_terminate_backend` on the walsender)
+/// ends the session, not the process: the relay reconnects from the slot and
+/// nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_replication_connection_reconnects_without_loss() {
+    let mut db = TestDb::create("relay_cut").await;
+    let mut relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    for round in 0..3 {
+        for i in 0..50 {
+            let seq = round * 50 + i;
+            db.insert_event(
+                &format!("e{}", seq % 5),
+                "Created",
+                &format!(r#"{{"seq": {seq}}}"#),
+            )
+            .await;
+        }
+        let old_pid: i32 = db
+            .client
+            .query_one(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let terminated: bool = db
+            .client
+            .query_one("SELECT pg_terminate_backend($1)", &[&old_pid])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(terminated, "round {round}: the walsender was streaming");
+        let client = &db.client;
+        let slot = &db.slot;
+        harness::wait_until(
+            Duration::from_secs(30),
+            "a new walsender on the slot",
+            || async move {
+                let pid: Option<i32> = client
+                    .query_one(
+                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                        &[slot],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                pid.is_some_and(|p| p != old_pid)
+            },
+        )
+        .await;
+    }
+    let records = harness::consume_unique(&db.topic, 150, Duration::from_secs(60), &relay).await;
+    let keys = keys_of(&records);
+    let unique: HashSet<&String> = keys.iter().collect();
+    assert_eq!(unique.len(), 150, "no loss; log:\n{}", relay.log());
+    eprintln!("3 cuts: {} duplicates", keys.len() - unique.len());
+    assert_per_key_order(&first_deliveries(records));
+    assert!(relay.is_running(), "{}", relay.log());
+    assert!(relay.log().contains("reconnecting"), "{}", relay.log());
+    relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
