@@ -29,8 +29,76 @@ pub struct PoisonRow {
     pub error: String,
     pub error_kind: String,
     pub attempts: i32,
-    /// Commit LSN of the transaction that inserted the row.
-    pub lsn: Lsn,
+    /// Commit LSN of the transaction that inserted the row (`None` outside CDC).
+    pub lsn: Option<Lsn>,
+}
+
+/// The `INSERT` of one [`PoisonRow`] into `table` (parameters: see [`insert_row`]).
+/// It inserts nothing when a row with the same idempotency key and LSN exists: the
+/// relay may poison an event again after a crash between the poison commit and the
+/// slot confirmation, and must not record it twice.
+#[must_use]
+pub fn insert_statement(table: &str) -> String {
+    let table = quote_qualified(table);
+    format!(
+        "INSERT INTO {table} (outbox_id, idempotency_key, aggregate_type, aggregate_id,
+             event_type, topic, headers, payload, created_at, row_data, error, error_kind,
+             attempts, lsn)
+         SELECT $1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, $9::text::timestamptz,
+                $10::text::jsonb, $11, $12, $13, $14::text::pg_lsn
+         WHERE NOT EXISTS (
+             SELECT 1 FROM {table}
+             WHERE idempotency_key IS NOT DISTINCT FROM $2
+               AND lsn IS NOT DISTINCT FROM $14::text::pg_lsn)"
+    )
+}
+
+/// Runs [`insert_statement`] (text or prepared) for `row` on a client or inside a
+/// transaction; returns the rows inserted (0 when it was already recorded).
+pub async fn insert_row<C, T>(
+    client: &C,
+    statement: &T,
+    row: &PoisonRow,
+) -> Result<u64, tokio_postgres::Error>
+where
+    C: tokio_postgres::GenericClient + Sync,
+    T: ?Sized + tokio_postgres::ToStatement + Sync + Send,
+{
+    let f = &row.fields;
+    let headers = f.headers.as_deref().map(valid_json_or_string);
+    let row_data: Map<String, Value> = f
+        .columns
+        .iter()
+        .map(|(name, value)| {
+            (
+                name.clone(),
+                value.clone().map_or(Value::Null, Value::String),
+            )
+        })
+        .collect();
+    let row_data = Value::Object(row_data).to_string();
+    let lsn = row.lsn.map(|l| l.to_string());
+    client
+        .execute(
+            statement,
+            &[
+                &f.outbox_id,
+                &f.idempotency_key,
+                &f.aggregate_type,
+                &f.aggregate_id,
+                &f.event_type,
+                &f.topic,
+                &headers,
+                &f.payload,
+                &f.created_at,
+                &row_data,
+                &row.error,
+                &row.error_kind,
+                &row.attempts,
+                &lsn,
+            ],
+        )
+        .await
 }
 
 /// A poison insert the relay asks for, and its answer.
@@ -59,17 +127,7 @@ impl PoisonWriter {
     /// `table` is the configured `outbox.poison_table`.
     #[must_use]
     pub fn new(conninfo: ConnInfo, table: &str) -> PoisonWriter {
-        let table = quote_qualified(table);
-        let statement = format!(
-            "INSERT INTO {table} (outbox_id, idempotency_key, aggregate_type, aggregate_id,
-                 event_type, topic, headers, payload, created_at, row_data, error, error_kind,
-                 attempts, lsn)
-             SELECT $1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, $9::text::timestamptz,
-                    $10::text::jsonb, $11, $12, $13, $14::text::pg_lsn
-             WHERE NOT EXISTS (
-                 SELECT 1 FROM {table}
-                 WHERE idempotency_key IS NOT DISTINCT FROM $2 AND lsn = $14::text::pg_lsn)"
-        );
+        let statement = insert_statement(table);
         PoisonWriter {
             conninfo,
             statement,
@@ -97,40 +155,7 @@ impl PoisonWriter {
         let Some(client) = self.client.as_ref() else {
             return Err("no connection".into());
         };
-        let f = &row.fields;
-        let headers = f.headers.as_deref().map(valid_json_or_string);
-        let row_data: Map<String, Value> = f
-            .columns
-            .iter()
-            .map(|(name, value)| {
-                (
-                    name.clone(),
-                    value.clone().map_or(Value::Null, Value::String),
-                )
-            })
-            .collect();
-        let row_data = Value::Object(row_data).to_string();
-        let lsn = row.lsn.to_string();
-        client
-            .execute(
-                &self.statement,
-                &[
-                    &f.outbox_id,
-                    &f.idempotency_key,
-                    &f.aggregate_type,
-                    &f.aggregate_id,
-                    &f.event_type,
-                    &f.topic,
-                    &headers,
-                    &f.payload,
-                    &f.created_at,
-                    &row_data,
-                    &row.error,
-                    &row.error_kind,
-                    &row.attempts,
-                    &lsn,
-                ],
-            )
+        insert_row(client, self.statement.as_str(), row)
             .await
             .map_err(|e| crate::postgres::describe_error(&e))?;
         Ok(())
@@ -139,7 +164,8 @@ impl PoisonWriter {
 
 /// The headers column is jsonb, but a poisoned row may carry headers that are not
 /// valid JSON (that can be why it was poisoned): keep them as a JSON string.
-fn valid_json_or_string(text: &str) -> String {
+#[must_use]
+pub fn valid_json_or_string(text: &str) -> String {
     if serde_json::from_str::<Value>(text).is_ok() {
         text.to_owned()
     } else {
@@ -161,7 +187,7 @@ pub async fn run_writer(
                 error_kind = %request.row.error_kind,
                 error = %request.row.error,
                 attempts = request.row.attempts,
-                lsn = %request.row.lsn,
+                lsn = %request.row.lsn.unwrap_or(Lsn::ZERO),
                 "event poisoned"
             ),
             Err(e) => tracing::warn!(error = %e, "poison insert failed; will retry"),

@@ -115,7 +115,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rdkafka::types::RDKafkaErrorCode;
-use serde_json::{Map, Value};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_postgres::{Client, Row, Statement, Transaction};
@@ -125,6 +124,7 @@ use crate::config::{Columns, Config, OutboxConfig, quote_ident, quote_qualified}
 use crate::error::{ConfigError, Error, ErrorClass, Result};
 use crate::kafka::{self, DeliveryReport, Publisher, SendRejected};
 use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow, PayloadFormat, PoisonFields};
+use crate::poison::{PoisonRow, insert_row};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::replication::SESSION_OPTIONS;
 use crate::progress::{EventId, Failure};
@@ -596,13 +596,16 @@ impl Poller {
                     self.settings.max_attempts,
                     polled.last_error.as_deref().unwrap_or("none recorded")
                 );
-                let poison = PoisonInsert {
-                    fields: &fields,
-                    error: &error,
-                    error_kind: ATTEMPTS_EXHAUSTED,
+                let poison = PoisonRow {
+                    fields,
+                    error,
+                    error_kind: ATTEMPTS_EXHAUSTED.to_owned(),
                     attempts: polled.attempts,
+                    lsn: None,
                 };
-                poison.execute(&tx, &self.prepared.insert_poison).await?;
+                insert_row(&tx, &self.prepared.insert_poison, &poison)
+                    .await
+                    .map_err(pg_error)?;
                 warn!(outbox_id = %polled.id, attempts = polled.attempts, "row poisoned at start-up: attempts exhausted");
             }
             tx.commit().await.map_err(pg_error)?;
@@ -857,18 +860,21 @@ impl PublishedBatch<'_> {
                     reason,
                 } => ((**fields).clone(), *error_kind, reason.clone()),
             };
-            let poison = PoisonInsert {
-                fields: &fields,
-                error: &error,
-                error_kind,
+            let poison = PoisonRow {
+                fields,
+                error,
+                error_kind: error_kind.to_owned(),
                 attempts,
+                lsn: None,
             };
-            poison.execute(&tx, &prepared.insert_poison).await?;
+            insert_row(&tx, &prepared.insert_poison, &poison)
+                .await
+                .map_err(pg_error)?;
             warn!(
                 outbox_id = %row.polled.id,
-                idempotency_key = fields.idempotency_key.as_deref().unwrap_or(""),
+                idempotency_key = poison.fields.idempotency_key.as_deref().unwrap_or(""),
                 error_kind,
-                error = %error,
+                error = %poison.error,
                 attempts,
                 "event poisoned"
             );
@@ -987,64 +993,6 @@ fn plan_marks(rows: &[BatchRow], max_attempts: i32) -> MarkPlan {
         }
     }
     plan
-}
-
-/// One `poison_outbox` row, inserted inside the batch's transaction so that the
-/// poison copy and the `attempts` that exclude the row commit together.
-struct PoisonInsert<'a> {
-    fields: &'a PoisonFields,
-    error: &'a str,
-    error_kind: &'a str,
-    attempts: i32,
-}
-
-impl PoisonInsert<'_> {
-    async fn execute(&self, tx: &Transaction<'_>, statement: &Statement) -> Result<()> {
-        let f = self.fields;
-        let headers = f.headers.as_deref().map(json_or_string);
-        let row_data: Map<String, Value> = f
-            .columns
-            .iter()
-            .map(|(name, value)| {
-                (
-                    name.clone(),
-                    value.clone().map_or(Value::Null, Value::String),
-                )
-            })
-            .collect();
-        let row_data = Value::Object(row_data).to_string();
-        tx.execute(
-            statement,
-            &[
-                &f.outbox_id,
-                &f.idempotency_key,
-                &f.aggregate_type,
-                &f.aggregate_id,
-                &f.event_type,
-                &f.topic,
-                &headers,
-                &f.payload,
-                &f.created_at,
-                &row_data,
-                &self.error,
-                &self.error_kind,
-                &self.attempts,
-            ],
-        )
-        .await
-        .map_err(pg_error)?;
-        Ok(())
-    }
-}
-
-/// `poison_outbox.headers` is jsonb; headers that are not JSON (possibly why the row
-/// was poisoned) are kept as a JSON string.
-fn json_or_string(text: &str) -> String {
-    if serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok() {
-        text.to_owned()
-    } else {
-        Value::String(text.to_owned()).to_string()
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1230,13 +1178,7 @@ impl Sql {
                  FROM unnest($1::text[], $2::int4[], $3::text[]) AS f(id, attempts, error)
                  WHERE o.{id} = f.id::{id_type}"
             ),
-            insert_poison: format!(
-                "INSERT INTO {poison} (outbox_id, idempotency_key, aggregate_type, aggregate_id,
-                     event_type, topic, headers, payload, created_at, row_data, error, error_kind,
-                     attempts, lsn)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7::text::jsonb, $8, $9::text::timestamptz,
-                     $10::text::jsonb, $11, $12, $13, NULL)"
-            ),
+            insert_poison: crate::poison::insert_statement(&outbox.poison_table),
         }
     }
 }
@@ -1308,6 +1250,7 @@ fn pg_error(e: tokio_postgres::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::poison::valid_json_or_string;
     use clap::Parser;
 
     /// `poll` as the CLI declares it: `--config` and `--set` beside the poller's flags.
@@ -1627,7 +1570,7 @@ mod tests {
 
     #[test]
     fn headers_that_are_not_json_are_kept_as_a_string() {
-        assert_eq!(json_or_string(r#"{"a":1}"#), r#"{"a":1}"#);
-        assert_eq!(json_or_string("not json"), r#""not json""#);
+        assert_eq!(valid_json_or_string(r#"{"a":1}"#), r#"{"a":1}"#);
+        assert_eq!(valid_json_or_string("not json"), r#""not json""#);
     }
 }

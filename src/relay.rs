@@ -500,7 +500,7 @@ impl Relay {
                     error,
                     error_kind: kind.to_owned(),
                     attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
-                    lsn: event.source_lsn.unwrap_or(Lsn::ZERO),
+                    lsn: event.source_lsn,
                 }
             }
             Pending::Unmappable {
@@ -513,7 +513,7 @@ impl Relay {
                 error: reason.clone(),
                 error_kind: (*error_kind).to_owned(),
                 attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
-                lsn: *lsn,
+                lsn: Some(*lsn),
             },
         };
         // The channel holds one request per in-flight event at most, so it is never
