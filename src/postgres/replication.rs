@@ -729,7 +729,12 @@ impl ReplicationStream {
                             ReplicationError::Protocol(format!("bad replication frame: {e}"))
                         });
                     }
-                    COPY_DONE => {
+                    // A walsender ending the stream sends CopyDone; one that exits at
+                    // a server shutdown (`pg_ctl stop -m fast`) once the client caught
+                    // up ends the COPY with CommandComplete ("COPY 0") and no CopyDone
+                    // (WalSndDone → EndCommand in walsender.c). Both end the stream:
+                    // the caller reconnects.
+                    COPY_DONE | COMMAND_COMPLETE | READY_FOR_QUERY => {
                         self.done = true;
                         return Ok(None);
                     }
@@ -1979,6 +1984,21 @@ mod tests {
         let mut huge = 1i16.to_be_bytes().to_vec();
         huge.extend_from_slice(&i32::MAX.to_be_bytes());
         assert!(parse_data_row(&huge).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_walsender_exiting_at_shutdown_ends_the_stream() {
+        // pg_ctl stop -m fast: "COPY 0" CommandComplete, no CopyDone, then EOF.
+        let (mut stream, mut server) = mock_stream();
+        let mut wire = keepalive(0x20, false);
+        wire.extend(message(COMMAND_COMPLETE, b"COPY 0\0"));
+        server.write_all(&wire).await.unwrap();
+        assert!(matches!(
+            stream.next_frame().await.unwrap(),
+            Some(ServerFrame::Keepalive { .. })
+        ));
+        assert_eq!(stream.next_frame().await.unwrap(), None);
+        assert_eq!(stream.next_frame().await.unwrap(), None, "stays ended");
     }
 
     #[tokio::test]

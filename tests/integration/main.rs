@@ -8,6 +8,7 @@
 mod audit;
 mod demo;
 mod environment;
+mod fault_drill;
 mod harness;
 mod kafka_publisher;
 mod poller;
