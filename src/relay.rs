@@ -97,9 +97,11 @@ enum SessionEnd {
 }
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
-pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
+pub async fn run(config: Config, mut shutdown: Shutdown) -> Result<RunSummary> {
     let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
-    let metadata = crate::postgres::connect_info(&conninfo).await?;
+    let Some(metadata) = connect_when_reachable(&conninfo, &mut shutdown).await? else {
+        return Ok(RunSummary::default());
+    };
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
     tracing::info!(
         server_version = %prerequisites.server_version,
@@ -144,6 +146,36 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
         wal_sender_timeout: prerequisites.wal_sender_timeout,
     };
     relay.run(shutdown).await
+}
+
+/// Opens the first metadata connection, waiting with backoff while PostgreSQL is
+/// unreachable or starting up (a transient condition: the relay may start before
+/// its database). Fatal errors (authentication, TLS, missing database) return at
+/// once; `None` when shutdown came first.
+async fn connect_when_reachable(
+    conninfo: &ConnInfo,
+    shutdown: &mut Shutdown,
+) -> Result<Option<tokio_postgres::Client>> {
+    let mut delay = RECONNECT_BACKOFF_INITIAL;
+    let mut logged = false;
+    loop {
+        match crate::postgres::connect_info(conninfo).await {
+            Ok(client) => return Ok(Some(client)),
+            Err(e) if e.class() == ErrorClass::Transient => {
+                if !logged {
+                    tracing::warn!(error = %e, "PostgreSQL unreachable; retrying with backoff");
+                    logged = true;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        tokio::select! {
+            biased;
+            () = &mut *shutdown => return Ok(None),
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(RECONNECT_BACKOFF_MAX);
+    }
 }
 
 struct Relay {

@@ -390,7 +390,10 @@ fn consume_blocking(brokers: &str, topic: &str, n: usize, timeout: Duration) -> 
     for t in metadata.topics().iter().filter(|t| t.name() == topic) {
         for p in t.partitions() {
             assignment
-                .add_partition_offset(topic, p.id(), Offset::Beginning)
+                // Offset 0 rather than Offset::Beginning: test topics are never
+                // truncated, and this needs no ListOffsets round trip, whose
+                // answers from Tansu 0.6 are not reliable (see consumer_for).
+                .add_partition_offset(topic, p.id(), Offset::Offset(0))
                 .expect("assign partition");
         }
     }

@@ -853,3 +853,37 @@ async fn cut_replication_connection_reconnects_without_loss() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// PostgreSQL unreachable at start-up is transient: the relay waits with backoff
+/// (logging once) instead of exiting, and still stops cleanly on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_postgres_at_start_is_retried() {
+    let db = TestDb::create("relay_unreachable").await;
+    let mut relay = RelayProcess::start(
+        &db.config_path,
+        &[(
+            "OUTBOX_RELAY__POSTGRES__URL",
+            "postgresql://postgres@127.0.0.1:1/postgres",
+        )],
+    );
+    harness::wait_until(
+        Duration::from_secs(30),
+        "the relay to report PostgreSQL unreachable",
+        || {
+            let log = relay.log();
+            async move { log.contains("PostgreSQL unreachable; retrying") }
+        },
+    )
+    .await;
+    // Several backoff rounds later it still waits, and has logged once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(relay.is_running(), "{}", relay.log());
+    assert_eq!(
+        relay.log().matches("PostgreSQL unreachable").count(),
+        1,
+        "{}",
+        relay.log()
+    );
+    let status = relay.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status:?}");
+}
