@@ -97,6 +97,7 @@ use tokio::net::TcpStream;
 use super::conninfo::{ChannelBindingMode, ConnInfo, ConnInfoError, Host, SslMode};
 use super::frames::{ServerFrame, StandbyStatus};
 use super::tls::{TlsConfigError, TlsConnector, rustls_error, session_channel_binding};
+use crate::config::quote_ident;
 use crate::error::ErrorClass;
 use crate::lsn::Lsn;
 
@@ -556,7 +557,7 @@ impl ReplicationConnection {
     /// is active and `wait` is false.
     pub async fn drop_slot(&mut self, name: &str, wait: bool) -> Result<(), ReplicationError> {
         check_no_nul("slot name", name)?;
-        let mut command = format!("DROP_REPLICATION_SLOT {}", quote_identifier(name));
+        let mut command = format!("DROP_REPLICATION_SLOT {}", quote_ident(name));
         if wait {
             command.push_str(" WAIT");
         }
@@ -821,12 +822,6 @@ impl ReplicationStream {
 
 // ---------------------------------------------------------------- commands
 
-/// `"name"` with embedded quotes doubled (the replication grammar's rules, as SQL's).
-#[must_use]
-pub fn quote_identifier(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
 /// `'value'` with embedded quotes doubled. Backslashes are not special in the
 /// replication grammar (nor in SQL with `standard_conforming_strings`).
 #[must_use]
@@ -840,7 +835,7 @@ pub fn quote_literal(value: &str) -> String {
 pub fn publication_names_option(names: &[&str]) -> String {
     names
         .iter()
-        .map(|n| quote_identifier(n))
+        .map(|n| quote_ident(n))
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -854,7 +849,7 @@ pub fn create_slot_command(
     snapshot: SnapshotAction,
     server_major: Option<u32>,
 ) -> String {
-    let mut command = format!("CREATE_REPLICATION_SLOT {}", quote_identifier(name));
+    let mut command = format!("CREATE_REPLICATION_SLOT {}", quote_ident(name));
     if temporary {
         command.push_str(" TEMPORARY");
     }
@@ -881,12 +876,12 @@ pub fn create_slot_command(
 pub fn start_replication_command(slot: &str, start: Lsn, options: &[(&str, &str)]) -> String {
     let mut command = format!(
         "START_REPLICATION SLOT {} LOGICAL {start}",
-        quote_identifier(slot)
+        quote_ident(slot)
     );
     if !options.is_empty() {
         let list = options
             .iter()
-            .map(|(name, value)| format!("{} {}", quote_identifier(name), quote_literal(value)))
+            .map(|(name, value)| format!("{} {}", quote_ident(name), quote_literal(value)))
             .collect::<Vec<_>>()
             .join(", ");
         command.push_str(" (");
@@ -1795,8 +1790,8 @@ mod tests {
 
     #[test]
     fn quotes_identifiers_and_literals() {
-        assert_eq!(quote_identifier("slot"), "\"slot\"");
-        assert_eq!(quote_identifier("we\"ird"), "\"we\"\"ird\"");
+        assert_eq!(quote_ident("slot"), "\"slot\"");
+        assert_eq!(quote_ident("we\"ird"), "\"we\"\"ird\"");
         assert_eq!(quote_literal("it's"), "'it''s'");
         assert_eq!(quote_literal(r"back\slash"), r"'back\slash'");
         assert_eq!(
