@@ -185,6 +185,18 @@ async fn duplicates_are_counted() {
     let k0 = db.insert_event("a", "OrderPlaced", "{}").await;
     let k1 = db.insert_event("a", "OrderPaid", "{}").await;
     let k2 = db.insert_event("b", "OrderPlaced", "{}").await;
+    // UUID v7 ids made within one millisecond are not ordered among themselves;
+    // the --from-id range below needs k0 < k1 < k2.
+    for (i, key) in [&k0, &k1, &k2].into_iter().enumerate() {
+        let id = format!("00000000-0000-7000-8000-{:012}", i + 1);
+        db.client
+            .execute(
+                "UPDATE outbox SET id = $1::text::uuid WHERE idempotency_key = $2",
+                &[&id, key],
+            )
+            .await
+            .unwrap();
+    }
     produce(
         &db.topic,
         vec![
