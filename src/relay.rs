@@ -378,15 +378,18 @@ impl Relay {
     ) -> std::result::Result<(), String> {
         match message {
             LogicalReplicationMessage::Begin(begin) => {
+                tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
                 self.current_commit_lsn = begin.final_lsn;
                 self.core
                     .begin(begin.final_lsn, begin.xid)
                     .map_err(|e| e.to_string())
             }
-            LogicalReplicationMessage::Commit(commit) => self
-                .core
-                .commit(commit.commit_lsn, commit.end_lsn, now)
-                .map_err(|e| e.to_string()),
+            LogicalReplicationMessage::Commit(commit) => {
+                tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
+                self.core
+                    .commit(commit.commit_lsn, commit.end_lsn, now)
+                    .map_err(|e| e.to_string())
+            }
             LogicalReplicationMessage::Relation(relation) => {
                 self.mapper.on_relation(&relation);
                 Ok(())
@@ -446,7 +449,8 @@ impl Relay {
         let now = Instant::now();
         let fatal = report.is_fatal();
         match report.result {
-            Ok(_) => {
+            Ok((partition, offset)) => {
+                tracing::trace!(id = %report.id, partition, offset, "delivered");
                 if self.pending.remove(&report.id).is_some() {
                     self.summary.delivered += 1;
                 }
@@ -498,6 +502,7 @@ impl Relay {
                 Action::Produce { id, .. } => self.produce(id),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::SendStatus(status) => {
+                    tracing::trace!(flush = %status.flush, "standby status");
                     send_status(stream, status).await?;
                     self.summary.confirmed = status.flush;
                 }
@@ -510,6 +515,7 @@ impl Relay {
         let Some(Pending::Event { event, .. }) = self.pending.get(&id) else {
             return;
         };
+        tracing::trace!(%id, topic = %event.topic, "produce");
         if let Err(rejected) = self.publisher.send_event(id, event) {
             let kind = kafka::error_kind(rejected.code);
             self.record_failure(id, kind, &rejected.message, rejected.failure);
