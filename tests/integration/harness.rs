@@ -205,6 +205,10 @@ impl TestDb {
     /// slot exists are not in its stream (that is what a cutover is for), so tests
     /// that start a relay on a fresh database wait for this before writing.
     pub async fn wait_streaming(&self, relay: &RelayProcess) {
+        // The relay's own "streaming" line, not only an active slot: while
+        // CREATE_REPLICATION_SLOT waits for its consistent point the slot already
+        // shows as active, and a row committed then is before the slot's start,
+        // so it is never decoded (and a second relay could still win the slot).
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let active: i64 = self
@@ -216,7 +220,7 @@ impl TestDb {
                 .await
                 .expect("read pg_replication_slots")
                 .get(0);
-            if active == 1 {
+            if active == 1 && relay.log().contains("streaming slot=") {
                 return;
             }
             assert!(
