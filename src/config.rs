@@ -29,6 +29,8 @@ pub struct Config {
     pub relay: RelayConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
 }
 
 /// Where the outbox lives and how the relay reads it.
@@ -108,6 +110,21 @@ pub struct RelayConfig {
     /// Seconds to wait for a replication slot held by another process before
     /// giving up (exit code 3). Large values make a second relay a standby.
     pub slot_busy_timeout_secs: u64,
+    /// Seconds between heartbeats (`pg_logical_emit_message` on the metadata
+    /// connection, which keeps an idle slot advancing and measures the round
+    /// trip); 0 turns the heartbeat off (the slot is still sampled every 10 s).
+    pub heartbeat_interval_secs: u64,
+}
+
+/// The Prometheus and health HTTP endpoint.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `host:port` for `/metrics`, `/healthz`, `/readyz`; empty (the default) = off.
+    pub listen: String,
+    /// `/readyz` turns not-ready when events are pending and the confirmed LSN has
+    /// not advanced for this many seconds.
+    pub ready_stall_secs: u64,
 }
 
 /// Logging.
@@ -176,6 +193,16 @@ impl Default for RelayConfig {
             max_attempts: 5,
             shutdown_timeout_secs: 30,
             slot_busy_timeout_secs: 30,
+            heartbeat_interval_secs: 10,
+        }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            listen: String::new(),
+            ready_stall_secs: 60,
         }
     }
 }
@@ -265,6 +292,19 @@ impl Config {
         }
         if self.relay.max_attempts == 0 {
             return invalid("relay.max_attempts must be at least 1".into());
+        }
+        let listen = self.metrics.listen.trim();
+        if !listen.is_empty()
+            && listen
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+        {
+            return invalid(format!(
+                "metrics.listen = {listen:?}: use host:port, e.g. \"127.0.0.1:9187\" (or \"\" for off)"
+            ));
+        }
+        if self.metrics.ready_stall_secs == 0 {
+            return invalid("metrics.ready_stall_secs must be at least 1".into());
         }
         Ok(())
     }
@@ -459,6 +499,7 @@ impl fmt::Debug for Config {
             .field("kafka", &self.kafka)
             .field("relay", &self.relay)
             .field("log", &self.log)
+            .field("metrics", &self.metrics)
             .finish()
     }
 }
@@ -554,6 +595,14 @@ mod tests {
         assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "0")]).is_err());
         assert!(load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__TABLE", "a.b.c")]).is_err());
         assert!(load("not toml [", &[]).is_err());
+        for bad in ["9187", "localhost", "127.0.0.1:http", ":99999"] {
+            assert!(
+                load(MINIMAL, &[("OUTBOX_RELAY__METRICS__LISTEN", bad)]).is_err(),
+                "{bad}"
+            );
+        }
+        let ok = load(MINIMAL, &[("OUTBOX_RELAY__METRICS__LISTEN", "[::1]:0")]).unwrap();
+        assert_eq!(ok.metrics.listen, "[::1]:0");
     }
 
     #[test]
@@ -593,6 +642,9 @@ mod tests {
             "max_attempts",
             "shutdown_timeout_secs",
             "slot_busy_timeout_secs",
+            "heartbeat_interval_secs",
+            "listen",
+            "ready_stall_secs",
         ] {
             assert!(
                 text.contains(&format!("\n{key} = ")),

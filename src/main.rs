@@ -13,7 +13,9 @@ fn init_tracing(log: &LogConfig) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: log files and journald get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     // A second init (tests calling main logic twice) is harmless: keep the first.
     let _ = match log.format {
         LogFormat::Human => builder.try_init(),
@@ -47,7 +49,19 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Run(args) => {
             let config = args.load()?;
             init_tracing(&config.log);
-            let summary = relay::run(config, Box::pin(termination_signal())).await?;
+            let health = outbox_relay::metrics::Health::default();
+            if !config.metrics.listen.trim().is_empty() {
+                let handle = outbox_relay::metrics::install_recorder()?;
+                outbox_relay::metrics::serve(
+                    config.metrics.listen.trim(),
+                    handle,
+                    health.clone(),
+                    std::time::Duration::from_secs(config.metrics.ready_stall_secs),
+                )
+                .await?;
+            }
+            let summary =
+                relay::run_with_health(config, Box::pin(termination_signal()), health).await?;
             tracing::info!(
                 delivered = summary.delivered,
                 poisoned = summary.poisoned,

@@ -33,8 +33,10 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::error::{Error, ErrorClass, Result};
+use crate::heartbeat::{self, HeartbeatConfig};
 use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lsn::Lsn;
+use crate::metrics::Health;
 use crate::outbox::{Mapped, OutboxEvent, OutboxMapper, PoisonFields};
 use crate::poison::{PoisonOutcome, PoisonRequest, PoisonRow, PoisonWriter};
 use crate::postgres::conninfo::ConnInfo;
@@ -47,6 +49,13 @@ use crate::progress::{Action, Core, CoreConfig, EventId, Failure, StatusUpdate};
 /// pgoutput protocol version requested. v1 sends each transaction whole at commit,
 /// which is what the ack tracker models (one transaction at a time).
 const PROTO_VERSION: u8 = 1;
+
+/// pgoutput sends logical-decoding messages (our heartbeats) from this server
+/// version on (`messages` option).
+const MESSAGES_OPTION_SINCE: u32 = 140_000;
+
+/// Slot sampling period when the heartbeat itself is off.
+const SLOT_SAMPLE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Reconnect backoff after a lost replication session.
 const RECONNECT_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
@@ -77,6 +86,8 @@ pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 enum Pending {
     Event {
         event: OutboxEvent,
+        /// Commit time of its transaction (µs since 2000-01-01), for the latency.
+        committed_at: i64,
         last_error: Option<(&'static str, String)>,
     },
     Unmappable {
@@ -97,7 +108,16 @@ enum SessionEnd {
 }
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
-pub async fn run(config: Config, mut shutdown: Shutdown) -> Result<RunSummary> {
+pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
+    run_with_health(config, shutdown, Health::default()).await
+}
+
+/// [`run`], reporting streaming state and progress to `health` (for `/readyz`).
+pub async fn run_with_health(
+    config: Config,
+    mut shutdown: Shutdown,
+    health: Health,
+) -> Result<RunSummary> {
     let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
     let Some(metadata) = connect_when_reachable(&conninfo, &mut shutdown).await? else {
         return Ok(RunSummary::default());
@@ -131,6 +151,17 @@ pub async fn run(config: Config, mut shutdown: Shutdown) -> Result<RunSummary> {
         ..CoreConfig::default()
     };
     drop(metadata);
+    let heartbeat_secs = config.relay.heartbeat_interval_secs;
+    let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat::run(HeartbeatConfig {
+        conninfo: conninfo.clone(),
+        slot: config.postgres.slot.clone(),
+        interval: if heartbeat_secs == 0 {
+            SLOT_SAMPLE_INTERVAL
+        } else {
+            Duration::from_secs(heartbeat_secs)
+        },
+        emit: heartbeat_secs > 0,
+    })));
     let mut relay = Relay {
         config,
         conninfo,
@@ -142,8 +173,12 @@ pub async fn run(config: Config, mut shutdown: Shutdown) -> Result<RunSummary> {
         poison_tx,
         outcomes,
         current_commit_lsn: Lsn::ZERO,
+        current_commit_time: 0,
         summary: RunSummary::default(),
         wal_sender_timeout: prerequisites.wal_sender_timeout,
+        messages_option: prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
+        health,
+        instruments: Instruments::new(),
     };
     relay.run(shutdown).await
 }
@@ -178,6 +213,61 @@ async fn connect_when_reachable(
     }
 }
 
+/// Aborts a background task when dropped (the heartbeat stops with the relay).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Metric handles, registered once so the hot path only touches atomics.
+struct Instruments {
+    in_flight_events: ::metrics::Gauge,
+    in_flight_bytes: ::metrics::Gauge,
+    received: ::metrics::Gauge,
+    confirmed: ::metrics::Gauge,
+    latency: ::metrics::Histogram,
+    transient_errors: ::metrics::Counter,
+    reconnects: ::metrics::Counter,
+    heartbeat_round_trip: ::metrics::Histogram,
+    /// `(relayed, poisoned)` counters per topic.
+    per_topic: HashMap<String, (::metrics::Counter, ::metrics::Counter)>,
+    /// The confirmed LSN at the last [`Relay::observe`], to tell an advance.
+    last_confirmed: Lsn,
+}
+
+impl Instruments {
+    fn new() -> Self {
+        use crate::metrics as m;
+        Instruments {
+            in_flight_events: ::metrics::gauge!(m::IN_FLIGHT_EVENTS),
+            in_flight_bytes: ::metrics::gauge!(m::IN_FLIGHT_BYTES),
+            received: ::metrics::gauge!(m::RECEIVED_LSN),
+            confirmed: ::metrics::gauge!(m::CONFIRMED_LSN),
+            latency: ::metrics::histogram!(m::DELIVERY_LATENCY),
+            transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
+            reconnects: ::metrics::counter!(m::RECONNECTS),
+            heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
+            per_topic: HashMap::new(),
+            last_confirmed: Lsn::ZERO,
+        }
+    }
+
+    fn topic(&mut self, topic: &str) -> &(::metrics::Counter, ::metrics::Counter) {
+        if !self.per_topic.contains_key(topic) {
+            let label = topic.to_owned();
+            let counters = (
+                ::metrics::counter!(crate::metrics::EVENTS_RELAYED, "topic" => label.clone()),
+                ::metrics::counter!(crate::metrics::EVENTS_POISONED, "topic" => label.clone()),
+            );
+            self.per_topic.insert(label, counters);
+        }
+        &self.per_topic[topic]
+    }
+}
+
 struct Relay {
     config: Config,
     conninfo: ConnInfo,
@@ -190,10 +280,16 @@ struct Relay {
     outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
     current_commit_lsn: Lsn,
+    /// Commit time of the open transaction (from its Begin), for the latency metric.
+    current_commit_time: i64,
     summary: RunSummary,
     /// After a lost connection the server keeps our old walsender (and so the slot)
     /// until it notices, at most this long.
     wal_sender_timeout: Duration,
+    /// Ask pgoutput for logical-decoding messages (heartbeats); PostgreSQL 14+.
+    messages_option: bool,
+    health: Health,
+    instruments: Instruments,
 }
 
 impl Relay {
@@ -221,10 +317,14 @@ impl Relay {
                 }
                 Err(e) => return Err(e),
             };
-            match self.stream(stream, &mut shutdown).await? {
+            self.health.set_streaming(true, Instant::now());
+            let ended = self.stream(stream, &mut shutdown).await;
+            self.health.set_streaming(false, Instant::now());
+            match ended? {
                 SessionEnd::Shutdown => return Ok(self.summary.clone()),
                 SessionEnd::Lost(reason) => {
                     self.summary.reconnects += 1;
+                    self.instruments.reconnects.increment(1);
                     tracing::warn!(%reason, confirmed = %self.core.confirmed(), "replication session lost; reconnecting");
                     backoff = RECONNECT_BACKOFF_INITIAL;
                     tokio::select! {
@@ -273,9 +373,21 @@ impl Relay {
         };
         self.pending.clear();
         self.mapper.reset_session();
-        let publication = self.config.postgres.publication.clone();
+        let publications = crate::postgres::replication::publication_names_option(&[self
+            .config
+            .postgres
+            .publication
+            .as_str()]);
+        let version = PROTO_VERSION.to_string();
+        let mut options = vec![
+            ("proto_version", version.as_str()),
+            ("publication_names", publications.as_str()),
+        ];
+        if self.messages_option {
+            options.push(("messages", "true"));
+        }
         let stream = conn
-            .start_logical_replication(&slot_name, start, &[publication.as_str()], PROTO_VERSION)
+            .start_replication_with_options(&slot_name, start, &options)
             .await
             .map_err(|e| {
                 // Lost a race for the slot (e.g. with the walsender of a relay that
@@ -302,6 +414,7 @@ impl Relay {
             if let Err(e) = self.execute_actions(&mut stream).await {
                 return Ok(SessionEnd::Lost(e.to_string()));
             }
+            self.observe();
             if let Some(deadline) = self.core.next_deadline() {
                 timer
                     .as_mut()
@@ -380,6 +493,7 @@ impl Relay {
             LogicalReplicationMessage::Begin(begin) => {
                 tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
                 self.current_commit_lsn = begin.final_lsn;
+                self.current_commit_time = begin.commit_time;
                 self.core
                     .begin(begin.final_lsn, begin.xid)
                     .map_err(|e| e.to_string())
@@ -401,9 +515,13 @@ impl Relay {
                     .map_err(|e| e.to_string())?;
                 self.admit(mapped, now)
             }
+            LogicalReplicationMessage::Message(message) => {
+                self.on_logical_message(&message);
+                Ok(())
+            }
             // Updates, deletes and truncates of the outbox are not events (the
-            // publication normally does not even send them); origins, types and
-            // logical messages carry nothing to relay.
+            // publication normally does not even send them); origins and types
+            // carry nothing to relay.
             _ => Ok(()),
         }
     }
@@ -420,6 +538,7 @@ impl Relay {
                     id,
                     Pending::Event {
                         event,
+                        committed_at: self.current_commit_time,
                         last_error: None,
                     },
                 );
@@ -451,8 +570,9 @@ impl Relay {
         match report.result {
             Ok((partition, offset)) => {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
-                if self.pending.remove(&report.id).is_some() {
+                if let Some(pending) = self.pending.remove(&report.id) {
                     self.summary.delivered += 1;
+                    self.count_delivered(&pending);
                 }
                 self.core.delivered(report.id, now);
             }
@@ -463,6 +583,9 @@ impl Relay {
                     )));
                 }
                 let failure = kafka::classify(code);
+                if failure == Failure::Transient {
+                    self.instruments.transient_errors.increment(1);
+                }
                 self.record_failure(report.id, kafka::error_kind(code), &message, failure);
                 self.core.delivery_failed(report.id, failure, now);
             }
@@ -471,7 +594,10 @@ impl Relay {
     }
 
     fn record_failure(&mut self, id: EventId, kind: &'static str, message: &str, failure: Failure) {
-        if let Some(Pending::Event { last_error, event }) = self.pending.get_mut(&id) {
+        if let Some(Pending::Event {
+            last_error, event, ..
+        }) = self.pending.get_mut(&id)
+        {
             if failure == Failure::Permanent {
                 tracing::debug!(%id, topic = %event.topic, kind, message, "delivery failed");
             }
@@ -483,12 +609,71 @@ impl Relay {
         let now = Instant::now();
         match outcome.result {
             Ok(()) => {
-                if self.pending.remove(&outcome.id).is_some() {
+                if let Some(pending) = self.pending.remove(&outcome.id) {
                     self.summary.poisoned += 1;
+                    self.count_poisoned(&pending);
                 }
                 self.core.poison_committed(outcome.id, now);
             }
             Err(_) => self.core.poison_insert_failed(outcome.id, now),
+        }
+    }
+
+    /// A logical-decoding message: our own heartbeat gives the round trip; any
+    /// other message (other prefixes, other relays' heartbeats) is ignored.
+    fn on_logical_message(&mut self, message: &crate::postgres::pgoutput::LogicalDecodingMessage) {
+        if message.prefix.as_bytes() != heartbeat::PREFIX.as_bytes() {
+            return;
+        }
+        if let Some(sent) = heartbeat::decode(&message.content, std::process::id()) {
+            let rtt = heartbeat::round_trip(sent, std::time::SystemTime::now());
+            tracing::trace!(rtt_ms = rtt.as_secs_f64() * 1000.0, "heartbeat");
+            self.instruments
+                .heartbeat_round_trip
+                .record(rtt.as_secs_f64());
+        }
+    }
+
+    fn count_delivered(&mut self, pending: &Pending) {
+        if let Pending::Event {
+            event,
+            committed_at,
+            ..
+        } = pending
+        {
+            let now = pg_epoch_micros(std::time::SystemTime::now());
+            let micros = now.saturating_sub(*committed_at).max(0);
+            // Lossless enough: latencies are far below 2^53 µs.
+            #[allow(clippy::cast_precision_loss)]
+            let seconds = micros as f64 / 1e6;
+            self.instruments.latency.record(seconds);
+            self.instruments.topic(&event.topic).0.increment(1);
+        }
+    }
+
+    fn count_poisoned(&mut self, pending: &Pending) {
+        let topic = match pending {
+            Pending::Event { event, .. } => event.topic.as_str(),
+            // Unmappable rows have no topic (that may be why they are poison).
+            Pending::Unmappable { .. } => "",
+        };
+        self.instruments.topic(topic).1.increment(1);
+    }
+
+    /// Publishes the window and positions to the gauges and the health state.
+    fn observe(&mut self) {
+        let confirmed = self.core.confirmed();
+        let in_flight = self.core.in_flight_events();
+        let advanced = confirmed > self.instruments.last_confirmed;
+        self.instruments.last_confirmed = confirmed;
+        self.health.observe(in_flight, advanced, Instant::now());
+        let i = &self.instruments;
+        #[allow(clippy::cast_precision_loss)]
+        {
+            i.in_flight_events.set(in_flight as f64);
+            i.in_flight_bytes.set(self.core.in_flight_bytes() as f64);
+            i.received.set(self.core.written().as_u64() as f64);
+            i.confirmed.set(confirmed.as_u64() as f64);
         }
     }
 
@@ -529,7 +714,9 @@ impl Relay {
             return;
         };
         let row = match pending {
-            Pending::Event { event, last_error } => {
+            Pending::Event {
+                event, last_error, ..
+            } => {
                 let (kind, error) = last_error
                     .clone()
                     .unwrap_or(("unknown", "delivery failed".to_owned()));

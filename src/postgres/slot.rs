@@ -27,6 +27,8 @@ use crate::postgres::replication::{CreatedSlot, ReplicationConnection, SnapshotA
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prerequisites {
     pub server_version: String,
+    /// `server_version_num`, e.g. 150018.
+    pub server_version_num: u32,
     /// `wal_sender_timeout`; zero means disabled.
     pub wal_sender_timeout: Duration,
 }
@@ -49,7 +51,8 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
     let row = client
         .query_one(
             "SELECT current_setting('wal_level'), current_setting('server_version'),
-                    (SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout')",
+                    (SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'),
+                    current_setting('server_version_num')::int4",
             &[],
         )
         .await
@@ -62,6 +65,7 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
     let wal_level: String = row.get(0);
     let server_version: String = row.get(1);
     let timeout_ms: Option<i64> = row.get(2);
+    let server_version_num = u32::try_from(row.get::<_, i32>(3)).unwrap_or(0);
     if wal_level != "logical" {
         return Err(Error::Prerequisite(format!(
             "wal_level is '{wal_level}', logical replication needs wal_level = logical \
@@ -123,6 +127,7 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
         Duration::from_millis(u64::try_from(timeout_ms.unwrap_or(60_000)).unwrap_or(0));
     Ok(Prerequisites {
         server_version,
+        server_version_num,
         wal_sender_timeout,
     })
 }
@@ -267,6 +272,7 @@ mod tests {
     fn status_interval_is_well_inside_the_sender_timeout() {
         let p = |ms| Prerequisites {
             server_version: "15".into(),
+            server_version_num: 150_000,
             wal_sender_timeout: Duration::from_millis(ms),
         };
         assert_eq!(p(10_000).status_interval(), Duration::from_secs(10) / 3);

@@ -11,6 +11,7 @@ mod environment;
 mod fault_drill;
 mod harness;
 mod kafka_publisher;
+mod operations;
 mod poller;
 mod relay;
 mod replay;

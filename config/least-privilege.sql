@@ -1,0 +1,23 @@
+-- The least privilege `outbox-relay run` (and `status`, `replay`, `audit`) needs.
+-- Run it as the owner of the outbox tables, after `outbox-relay migrate` (which
+-- needs the owner's rights: it creates the tables, the trigger and the publication).
+-- Rename outbox_relay_app, and adjust the table names if [outbox] in the config
+-- differs from the defaults. Set a password (SCRAM) with \password in psql.
+--
+-- What the relay does with each right:
+--   LOGIN REPLICATION      the replication connection: CREATE_REPLICATION_SLOT and
+--                          START_REPLICATION; and the heartbeat's
+--                          pg_logical_emit_message (no table needed).
+--   SELECT on the outbox   prerequisite checks; `status` and `audit` counts.
+--   SELECT, INSERT on poison_outbox
+--                          write poison rows (the insert checks for an existing
+--                          copy of the same row first, hence SELECT).
+--   UPDATE (replayed_at, replay_count) on poison_outbox
+--                          `replay` marks what it re-published; nothing else can
+--                          change (and DELETE is refused by a trigger anyway).
+-- Nothing else: no DELETE or UPDATE on the outbox, no superuser, no CREATE.
+CREATE ROLE outbox_relay_app LOGIN REPLICATION;
+GRANT USAGE ON SCHEMA public TO outbox_relay_app;
+GRANT SELECT ON public.outbox TO outbox_relay_app;
+GRANT SELECT, INSERT ON public.poison_outbox TO outbox_relay_app;
+GRANT UPDATE (replayed_at, replay_count) ON public.poison_outbox TO outbox_relay_app;

@@ -1,0 +1,288 @@
+//! Running it in production: the metrics and health endpoints, the heartbeat, and
+//! the least-privilege role. Real relay processes, real PostgreSQL, real broker;
+//! the endpoints are read over plain HTTP/1.1 like a Prometheus scraper or a
+//! Kubernetes probe would.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::{self, RelayProcess, TestDb, confirmed_flush, parse_lsn, unique};
+
+/// `GET path` on `addr`; returns the status code and the body.
+async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.expect("read");
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The value of the first sample whose name (with labels) is exactly `series`.
+fn sample(page: &str, series: &str) -> Option<f64> {
+    page.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// Waits for the relay's "listening" line and returns the bound address.
+async fn metrics_addr(relay: &RelayProcess) -> String {
+    let mut found = None;
+    harness::wait_until(
+        Duration::from_secs(30),
+        "metrics endpoint to listen",
+        || {
+            let log = relay.log();
+            found = log
+                .lines()
+                .find(|l| l.contains("metrics and health endpoints listening"))
+                .and_then(|l| l.split("addr=").nth(1))
+                .map(|a| a.trim().to_owned());
+            let ok = found.is_some();
+            async move { ok }
+        },
+    )
+    .await;
+    found.unwrap_or_default()
+}
+
+async fn metrics_page(addr: &str) -> String {
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_readiness_follow_the_relay() {
+    let mut broker = harness::PrivateBroker::start().await;
+    let mut db = TestDb::create("ops_metrics").await;
+    harness::create_topic_on(&broker.brokers(), &db.topic, 3).await;
+    let brokers = broker.brokers();
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[
+            ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
+            ("OUTBOX_RELAY__METRICS__LISTEN", "127.0.0.1:0"),
+            ("OUTBOX_RELAY__METRICS__READY_STALL_SECS", "2"),
+            ("OUTBOX_RELAY__RELAY__HEARTBEAT_INTERVAL_SECS", "1"),
+        ],
+    );
+    let addr = metrics_addr(&relay).await;
+    db.wait_streaming(&relay).await;
+    assert_eq!(http_get(&addr, "/healthz").await, (200, "ok\n".to_owned()));
+    assert_eq!(http_get(&addr, "/readyz").await.0, 200);
+
+    for i in 0..20 {
+        db.insert_event(
+            &format!("e{}", i % 4),
+            "Created",
+            &format!(r#"{{"i": {i}}}"#),
+        )
+        .await;
+    }
+    let records = harness::consume_from(&brokers, &db.topic, 20, Duration::from_secs(60)).await;
+    assert_eq!(records.len(), 20, "log:\n{}", relay.log());
+    let relayed = format!(
+        "outbox_relay_events_relayed_total{{topic=\"{}\"}}",
+        db.topic
+    );
+    let a = addr.clone();
+    harness::wait_until(
+        Duration::from_secs(30),
+        "the counters to show 20 events",
+        || {
+            let (a, relayed) = (a.clone(), relayed.clone());
+            async move {
+                let page = metrics_page(&a).await;
+                sample(&page, &relayed) == Some(20.0)
+                    && sample(&page, "outbox_relay_delivery_latency_seconds_count") == Some(20.0)
+                    && sample(&page, "outbox_relay_heartbeat_round_trip_seconds_count")
+                        .is_some_and(|n| n >= 1.0)
+                    && sample(&page, "outbox_relay_slot_lag_bytes").is_some()
+                    && sample(&page, "outbox_relay_slot_retained_wal_bytes").is_some()
+            }
+        },
+    )
+    .await;
+    let page = metrics_page(&addr).await;
+    let confirmed = sample(&page, "outbox_relay_confirmed_lsn").expect("confirmed gauge");
+    let received = sample(&page, "outbox_relay_received_lsn").expect("received gauge");
+    assert!(confirmed > 0.0 && received >= confirmed, "{page}");
+    assert_eq!(sample(&page, "outbox_relay_streaming"), Some(1.0), "{page}");
+    assert!(
+        page.contains("# TYPE outbox_relay_delivery_latency_seconds histogram"),
+        "{page}"
+    );
+
+    // Broker gone: the event stays in flight, the confirmed LSN stops, and after
+    // ready_stall_secs the relay is not ready (while /healthz stays fine).
+    broker.stop();
+    db.insert_event("e0", "Created", r#"{"i": 20}"#).await;
+    let a = addr.clone();
+    harness::wait_until(
+        Duration::from_secs(60),
+        "/readyz to report the stall",
+        || {
+            let a = a.clone();
+            async move {
+                let (status, body) = http_get(&a, "/readyz").await;
+                status == 503 && body.contains("events pending")
+            }
+        },
+    )
+    .await;
+    assert_eq!(http_get(&addr, "/healthz").await.0, 200);
+    let page = metrics_page(&addr).await;
+    assert!(
+        sample(&page, "outbox_relay_in_flight_events").is_some_and(|n| n >= 1.0),
+        "{page}"
+    );
+
+    broker.resume().await;
+    let a = addr.clone();
+    harness::wait_until(Duration::from_secs(90), "/readyz to recover", || {
+        let a = a.clone();
+        async move { http_get(&a, "/readyz").await.0 == 200 }
+    })
+    .await;
+    let records = harness::consume_from(&brokers, &db.topic, 21, Duration::from_secs(60)).await;
+    assert!(records.len() >= 21, "log:\n{}", relay.log());
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_advances_the_slot_while_other_databases_write() {
+    let mut db = TestDb::create("ops_heartbeat").await;
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[("OUTBOX_RELAY__RELAY__HEARTBEAT_INTERVAL_SECS", "1")],
+    );
+    db.wait_streaming(&relay).await;
+    db.insert_event("e", "Created", "{}").await;
+    harness::consume_exactly(&db.topic, 1, Duration::from_secs(60), &relay).await;
+    // WAL from another database only: this database's outbox stays idle.
+    let (other, conn) = tokio_postgres::connect(&harness::env().pg_url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the postgres database");
+    tokio::spawn(conn);
+    let table = unique("ops_heartbeat_other");
+    other
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (x int); INSERT INTO {table} SELECT generate_series(1, 5000);"
+        ))
+        .await
+        .expect("write in another database");
+    let after: String = other
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .expect("current LSN")
+        .get(0);
+    let after = parse_lsn(&after);
+    let client = &db.client;
+    harness::wait_until(
+        Duration::from_secs(40),
+        "confirmed_flush_lsn to pass the other database's WAL",
+        || async { confirmed_flush(client, &db.slot).await >= after },
+    )
+    .await;
+    other
+        .batch_execute(&format!("DROP TABLE {table}"))
+        .await
+        .expect("drop the table");
+    assert!(!relay.log().contains("heartbeat failed"), "{}", relay.log());
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// The documented least-privilege role (`config/least-privilege.sql`) is enough to
+/// relay, poison and heartbeat, and gives nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_role_relays_poisons_and_heartbeats() {
+    let mut db = TestDb::create("ops_role").await;
+    let role = unique("relay_app");
+    let grants =
+        include_str!("../../config/least-privilege.sql").replace("outbox_relay_app", &role);
+    db.client
+        .batch_execute(&grants)
+        .await
+        .expect("apply the documented grants");
+    let url = db.url.replacen("://postgres@", &format!("://{role}@"), 1);
+    assert_ne!(url, db.url, "test URLs name the postgres user");
+
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[
+            ("OUTBOX_RELAY__POSTGRES__URL", url.as_str()),
+            ("OUTBOX_RELAY__RELAY__HEARTBEAT_INTERVAL_SECS", "1"),
+        ],
+    );
+    db.wait_streaming(&relay).await;
+    for i in 0..5 {
+        db.insert_event("e", "Created", &format!(r#"{{"i": {i}}}"#))
+            .await;
+    }
+    // No entity id: unmappable, so the relay writes it to the poison table.
+    db.client
+        .execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', NULL, 'Created', '{}')",
+            &[],
+        )
+        .await
+        .expect("insert a row without a key");
+    harness::consume_exactly(&db.topic, 5, Duration::from_secs(60), &relay).await;
+    let client = &db.client;
+    harness::wait_until(Duration::from_secs(30), "the poison row", || async {
+        client
+            .query_one("SELECT count(*) FROM poison_outbox", &[])
+            .await
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+    })
+    .await;
+    // Heartbeats ran as the role (they would log a failure otherwise).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!relay.log().contains("heartbeat failed"), "{}", relay.log());
+
+    // ... and the role can do nothing else to the outbox.
+    let row = db
+        .client
+        .query_one(
+            "SELECT has_table_privilege($1, 'outbox', 'DELETE'),
+                    has_table_privilege($1, 'outbox', 'UPDATE'),
+                    has_table_privilege($1, 'outbox', 'INSERT'),
+                    has_table_privilege($1, 'poison_outbox', 'DELETE'),
+                    has_column_privilege($1, 'poison_outbox', 'error', 'UPDATE'),
+                    (SELECT rolsuper OR rolcreatedb OR rolcreaterole FROM pg_roles WHERE rolname = $1)",
+            &[&role],
+        )
+        .await
+        .expect("read privileges");
+    let granted: Vec<bool> = (0..row.len()).map(|i| row.get(i)).collect();
+    assert_eq!(granted, vec![false; 6], "the role has more than it needs");
+
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+    db.client
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await
+        .expect("drop the role");
+}
