@@ -89,7 +89,6 @@
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::io::{IsTerminal, Write as _};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -105,6 +104,7 @@ use tokio_postgres::{Client, IsolationLevel, Row};
 use crate::config::{Config, quote_ident, quote_qualified};
 use crate::error::{ConfigError, Error};
 use crate::lsn::Lsn;
+use crate::meter::Meter;
 use crate::outbox::{
     HEADER_IDEMPOTENCY_KEY, HEADER_SOURCE_LSN, OutboxMapper, OutboxRow, PayloadFormat,
 };
@@ -115,8 +115,6 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
 pub const BATCH_ROWS: i32 = 10_000;
 /// How many lost idempotency keys the report lists.
 pub const LOST_SAMPLE: usize = 20;
-/// Ranges with fewer rows (or topics with fewer records) show no progress.
-const PROGRESS_MIN_TOTAL: u64 = 50_000;
 /// How long a partition is still read after passing the end offset captured at
 /// start without reaching its end (see `PartitionEnds`).
 const PAST_END_GRACE: Duration = Duration::from_secs(5);
@@ -734,128 +732,6 @@ impl Ledger {
 }
 
 // ---------------------------------------------------------------------------
-// Progress on stderr
-// ---------------------------------------------------------------------------
-
-/// A progress bar on a terminal, plain lines every few percent otherwise; silent
-/// for small totals.
-#[derive(Debug)]
-struct Progress {
-    what: String,
-    total: u64,
-    done: u64,
-    /// `done` at the last plain line.
-    printed: u64,
-    enabled: bool,
-    tty: bool,
-    step: u64,
-    next_line: u64,
-    started: Instant,
-    last_draw: Instant,
-}
-
-impl Progress {
-    fn new(what: impl Into<String>, total: u64, enabled: bool) -> Progress {
-        let now = Instant::now();
-        let step = (total / 20).max(100_000);
-        Progress {
-            what: what.into(),
-            total,
-            done: 0,
-            printed: 0,
-            enabled: enabled && total >= PROGRESS_MIN_TOTAL,
-            tty: std::io::stderr().is_terminal(),
-            step,
-            next_line: step,
-            started: now,
-            last_draw: now,
-        }
-    }
-
-    fn inc(&mut self, n: u64) {
-        self.done += n;
-        if !self.enabled {
-            return;
-        }
-        if self.tty {
-            if self.last_draw.elapsed() >= Duration::from_millis(200) {
-                self.draw_bar();
-            }
-        } else if self.done >= self.next_line {
-            self.print_line();
-            while self.next_line <= self.done {
-                self.next_line += self.step;
-            }
-        }
-    }
-
-    fn finish(&mut self) {
-        if !self.enabled {
-            return;
-        }
-        if self.tty {
-            self.draw_bar();
-            let _ = writeln!(std::io::stderr());
-        } else if self.printed != self.done {
-            self.print_line();
-        }
-        self.enabled = false;
-    }
-
-    fn rate(&self) -> f64 {
-        let secs = self.started.elapsed().as_secs_f64();
-        if secs > 0.0 {
-            self.done as f64 / secs
-        } else {
-            0.0
-        }
-    }
-
-    /// The total, or what was done when the estimate was short (a topic's end
-    /// offsets are an estimate).
-    fn shown_total(&self) -> u64 {
-        self.total.max(self.done)
-    }
-
-    fn percent(&self) -> u64 {
-        (self.done * 100)
-            .checked_div(self.shown_total())
-            .unwrap_or(100)
-    }
-
-    fn draw_bar(&mut self) {
-        const WIDTH: u64 = 30;
-        let filled = usize::try_from(self.percent() * WIDTH / 100).unwrap_or(0);
-        let empty = usize::try_from(WIDTH).unwrap_or(0).saturating_sub(filled);
-        let _ = write!(
-            std::io::stderr(),
-            "\raudit: {} [{}{}] {:>3}% {}/{} ({:.0}/s)   ",
-            self.what,
-            "#".repeat(filled),
-            " ".repeat(empty),
-            self.percent(),
-            self.done,
-            self.shown_total(),
-            self.rate()
-        );
-        self.last_draw = Instant::now();
-    }
-
-    fn print_line(&mut self) {
-        let _ = writeln!(
-            std::io::stderr(),
-            "audit: {} {}/{} ({}%, {:.0}/s)",
-            self.what,
-            self.done,
-            self.shown_total(),
-            self.percent(),
-            self.rate()
-        );
-        self.printed = self.done;
-    }
-}
-
-// ---------------------------------------------------------------------------
 // PostgreSQL side
 // ---------------------------------------------------------------------------
 
@@ -1174,7 +1050,12 @@ async fn load(
 
     let statement = tx.prepare(&rows_query(config, cols, &clause, true)).await?;
     let portal = tx.bind(&statement, &params_ref(&params)).await?;
-    let mut bar = Progress::new("outbox rows", total, progress);
+    let mut bar = Meter::new(
+        "audit",
+        "outbox rows",
+        total,
+        progress && total >= crate::meter::MIN_TOTAL,
+    );
     loop {
         let batch = tx.query_portal(&portal, BATCH_ROWS).await?;
         for row in &batch {
@@ -1506,7 +1387,12 @@ fn read_topic(
     consumer
         .assign(&assignment)
         .map_err(|e| broker_error(&format!("assigning {topic}"), &e))?;
-    let mut bar = Progress::new(format!("topic {topic}"), total, progress);
+    let mut bar = Meter::new(
+        "audit",
+        format!("topic {topic}"),
+        total,
+        progress && total >= crate::meter::MIN_TOTAL,
+    );
     let mut last_activity = Instant::now();
     let mut last_error: Option<String> = None;
     let mut read = 0u64;
@@ -1990,18 +1876,6 @@ mod tests {
              FROM \"public\".\"outbox\" WHERE x ORDER BY \"created_at\", \"id\""
         );
         assert!(!rows_query(&config, &cols, "", false).contains("ORDER BY"));
-    }
-
-    #[test]
-    fn progress_total_grows_when_the_estimate_was_short() {
-        let mut p = Progress::new("x", 10, false);
-        assert!(!p.enabled);
-        p.inc(5);
-        assert_eq!((p.percent(), p.shown_total()), (50, 10));
-        p.inc(10);
-        assert_eq!((p.percent(), p.shown_total()), (100, 15));
-        assert_eq!(Progress::new("y", 0, false).percent(), 100);
-        assert!(!Progress::new("z", PROGRESS_MIN_TOTAL - 1, true).enabled);
     }
 
     #[test]

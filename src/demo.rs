@@ -16,6 +16,7 @@ use rdkafka::mocking::MockCluster;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
+use crate::meter::Meter;
 
 /// The dev-env script, so the demo works from an installed binary too.
 const DEV_ENV_SCRIPT: &str = include_str!("../scripts/dev-env");
@@ -158,15 +159,10 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
         args.writers, args.events, args.rows_per_tx
     );
     let started = Instant::now();
+    let begin = current_lsn(&client).await?;
     write_events(&config.postgres.url, args).await?;
-    let end: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await?
-        .get(0);
-    let end: Lsn = end
-        .parse()
-        .map_err(|e| Error::Other(format!("bad LSN from the server: {e}")))?;
-    wait_confirmed(&client, end, &relay).await?;
+    let end = current_lsn(&client).await?;
+    wait_confirmed(&client, (begin, started), end, &relay).await?;
     let elapsed = started.elapsed();
     let status = crate::status::read(&client, &config).await?;
     let _ = stop_tx.send(());
@@ -211,12 +207,17 @@ impl DemoSummary {
     }
 }
 
+/// Waits until the relay holds the slot *and* the slot has its consistent point.
+/// While CREATE_REPLICATION_SLOT still searches for that point the slot is already
+/// listed as active but `confirmed_flush_lsn` is NULL, and a transaction committed
+/// then is before the slot's start: it would never be decoded.
 async fn wait_for_slot(client: &tokio_postgres::Client) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let active: i64 = client
             .query_one(
-                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                "SELECT count(*) FROM pg_replication_slots
+                 WHERE slot_name = $1 AND active AND confirmed_flush_lsn IS NOT NULL",
                 &[&SLOT],
             )
             .await?
@@ -233,12 +234,27 @@ async fn wait_for_slot(client: &tokio_postgres::Client) -> Result<()> {
     }
 }
 
+async fn current_lsn(client: &tokio_postgres::Client) -> Result<Lsn> {
+    let lsn: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    lsn.parse()
+        .map_err(|e| Error::Other(format!("bad LSN from the server: {e}")))
+}
+
+/// Waits until the slot is confirmed at `end`, showing the WAL relayed since
+/// `begin` (written from `started` on) as progress.
 async fn wait_confirmed(
     client: &tokio_postgres::Client,
+    (begin, started): (Lsn, Instant),
     end: Lsn,
     relay: &tokio::task::JoinHandle<Result<crate::relay::RunSummary>>,
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(600);
+    let total = end.as_u64().saturating_sub(begin.as_u64());
+    let mut meter = Meter::new("demo", "WAL bytes relayed", total, true).started_at(started);
+    let mut shown = begin;
     loop {
         let confirmed: Option<String> = client
             .query_one(
@@ -248,7 +264,13 @@ async fn wait_confirmed(
             .await?
             .get(0);
         let confirmed: Lsn = confirmed.and_then(|c| c.parse().ok()).unwrap_or(Lsn::ZERO);
+        let now_at = confirmed.min(end);
+        if now_at > shown {
+            meter.inc(now_at.as_u64() - shown.as_u64());
+            shown = now_at;
+        }
         if confirmed >= end {
+            meter.finish();
             return Ok(());
         }
         if relay.is_finished() {

@@ -21,6 +21,7 @@ pub mod error;
 pub mod heartbeat;
 pub mod kafka;
 pub mod lsn;
+pub mod meter;
 pub mod metrics;
 pub mod migrate;
 pub mod outbox;

@@ -72,7 +72,8 @@
 //! the poison table. A page is handed to the [`Publisher`] in one go (no `await` per
 //! send) and its [`DeliveryReport`]s are collected from the report channel; then the
 //! acknowledged rows of the page are marked with one `UPDATE … WHERE poison_id =
-//! ANY($1)`. A progress line goes to stderr every [`PROGRESS_EVERY`] rows.
+//! ANY($1)`. Replays of [`PROGRESS_MIN_ROWS`] rows or more show progress on stderr
+//! (`crate::meter`).
 //!
 //! The producer is the relay's ([`kafka::producer_config`]: idempotent, `acks=all`,
 //! the same partitioner, so a replayed event lands on its entity's partition), with
@@ -109,14 +110,15 @@ use crate::config::{Config, OutboxConfig, quote_qualified};
 use crate::error::{ConfigError, Error};
 use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lsn::Lsn;
+use crate::meter::Meter;
 use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow, PayloadFormat};
 use crate::progress::EventId;
 
 /// Most rows read (and in flight) per page.
 pub const PAGE_ROWS: usize = 500;
 
-/// A progress line goes to stderr each time this many more rows were processed.
-pub const PROGRESS_EVERY: u64 = 1000;
+/// Replays of at least this many rows show progress on stderr.
+pub const PROGRESS_MIN_ROWS: u64 = 1000;
 
 /// `message.timeout.ms` of the replay producer (see the module doc).
 pub const DELIVERY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -513,11 +515,6 @@ fn payload_format_for_type(type_name: Option<&str>) -> PayloadFormat {
     }
 }
 
-/// Whether a progress line is due after going from `before` to `after` rows.
-fn progress_due(before: u64, after: u64) -> bool {
-    after / PROGRESS_EVERY > before / PROGRESS_EVERY
-}
-
 /// Row counts taken once, at the start.
 #[derive(Debug, Clone, Copy, Default)]
 struct Counts {
@@ -885,7 +882,17 @@ async fn replay(
     };
     let page_rows = PAGE_ROWS.min(config.relay.max_in_flight_events.max(1));
     let mut after = 0;
-    let mut processed = 0u64;
+    let what = if args.dry_run {
+        "poison rows (dry run)"
+    } else {
+        "poison rows"
+    };
+    let mut meter = Meter::new(
+        "replay",
+        what,
+        counts.selected,
+        counts.selected >= PROGRESS_MIN_ROWS,
+    );
     loop {
         let page = store
             .page(
@@ -916,29 +923,16 @@ async fn replay(
                 "not every acknowledged poison row could be marked"
             );
         }
-        let before = processed;
-        processed += rows.len() as u64;
+        meter.inc(rows.len() as u64);
         for row in rows {
             report.add(row);
-        }
-        if counts.selected >= PROGRESS_EVERY && progress_due(before, processed) {
-            eprintln!(
-                "replay: {processed}/{} rows processed ({} {}, {} failed)",
-                counts.selected,
-                report.published,
-                if args.dry_run {
-                    "would publish"
-                } else {
-                    "published"
-                },
-                report.failed
-            );
         }
         if let Some(reason) = fatal {
             report.aborted = Some(reason);
             break;
         }
     }
+    meter.finish();
     tracing::info!(
         published = report.published,
         failed = report.failed,
@@ -1012,15 +1006,6 @@ mod tests {
             payload_format_for_type(Some("varchar")),
             PayloadFormat::Text
         );
-    }
-
-    #[test]
-    fn progress_every_thousand_rows() {
-        assert!(!progress_due(0, 999));
-        assert!(progress_due(999, 1000));
-        assert!(progress_due(500, 1500));
-        assert!(!progress_due(1000, 1999));
-        assert!(progress_due(1500, 3500));
     }
 
     fn kafka_config(template: &str) -> KafkaConfig {
