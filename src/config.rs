@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
@@ -18,7 +18,7 @@ use crate::error::ConfigError;
 pub const ENV_PREFIX: &str = "OUTBOX_RELAY__";
 
 /// The whole configuration.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub postgres: PostgresConfig,
@@ -34,10 +34,12 @@ pub struct Config {
 }
 
 /// Where the outbox lives and how the relay reads it.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PostgresConfig {
     /// libpq-style URL, e.g. `postgresql://relay:secret@db:5432/app?sslmode=require`.
+    /// Serialized with the password masked, like `Debug`.
+    #[serde(serialize_with = "serialize_redacted")]
     pub url: String,
     /// Logical replication slot (created with `pgoutput` when missing).
     #[serde(default = "default_slot")]
@@ -48,7 +50,7 @@ pub struct PostgresConfig {
 }
 
 /// The outbox table, its poison side table, and the column names.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OutboxConfig {
     /// `schema.table` or `table` (then `public`).
@@ -60,7 +62,7 @@ pub struct OutboxConfig {
 
 /// Column names of the outbox table (defaults match our migration; Debezium's
 /// `aggregatetype`, `aggregateid`, `type` are accepted by the mapper as aliases).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Columns {
     pub id: String,
@@ -75,7 +77,7 @@ pub struct Columns {
 }
 
 /// Broker connection and record shape.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
@@ -96,7 +98,7 @@ pub struct KafkaConfig {
 }
 
 /// Relay tuning.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
     /// In-flight window: events produced and not yet resolved.
@@ -117,7 +119,7 @@ pub struct RelayConfig {
 }
 
 /// The Prometheus and health HTTP endpoint.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// `host:port` for `/metrics`, `/healthz`, `/readyz`; empty (the default) = off.
@@ -128,7 +130,7 @@ pub struct MetricsConfig {
 }
 
 /// Logging.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// `human` or `json`.
@@ -138,7 +140,7 @@ pub struct LogConfig {
 }
 
 /// Log line format.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     #[default]
@@ -429,6 +431,10 @@ pub fn quote_qualified(s: &str) -> String {
     }
 }
 
+fn serialize_redacted<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(url))
+}
+
 /// Replaces the password of a `postgresql://user:password@host/db` URL (or a
 /// `password=` key/value) with `***`, for logs and `Debug`.
 #[must_use]
@@ -610,6 +616,8 @@ mod tests {
         let c = load(MINIMAL, &[]).unwrap();
         let shown = format!("{c:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
+        let serialized = toml::to_string(&c).unwrap();
+        assert!(!serialized.contains("s3cret"), "{serialized}");
         assert!(shown.contains("relay:***@db"), "{shown}");
     }
 
@@ -635,21 +643,36 @@ mod tests {
         let text = include_str!("../config/relay.example.toml");
         let c = load(text, &[]).unwrap();
         assert_eq!(c.relay.max_attempts, RelayConfig::default().max_attempts);
-        // Every relay key is documented in the example.
-        for key in [
-            "max_in_flight_events",
-            "max_in_flight_bytes",
-            "max_attempts",
-            "shutdown_timeout_secs",
-            "slot_busy_timeout_secs",
-            "heartbeat_interval_secs",
-            "listen",
-            "ready_stall_secs",
-        ] {
-            assert!(
-                text.contains(&format!("\n{key} = ")),
-                "{key} missing from the example"
-            );
+        // Every key the config has is documented in the example: the example is
+        // the configuration reference.
+        let example: toml::Table = toml::from_str(text).unwrap();
+        let ours = toml::Table::try_from(load(MINIMAL, &[]).unwrap()).unwrap();
+        let mut missing = Vec::new();
+        undocumented(&ours, &example, "", &mut missing);
+        assert!(
+            missing.is_empty(),
+            "keys missing from config/relay.example.toml: {missing:?}"
+        );
+    }
+
+    fn undocumented(ours: &toml::Table, example: &toml::Table, path: &str, out: &mut Vec<String>) {
+        for (key, value) in ours {
+            let here = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{path}.{key}")
+            };
+            // Free-form librdkafka settings: the example shows a few, not all.
+            if here == "kafka.producer" {
+                continue;
+            }
+            match (value, example.get(key)) {
+                (_, None) => out.push(here),
+                (toml::Value::Table(a), Some(toml::Value::Table(b))) => {
+                    undocumented(a, b, &here, out);
+                }
+                _ => {}
+            }
         }
     }
 

@@ -204,7 +204,7 @@ const TIMESTAMP_TYPES: &[u32] = &[OID_TIMESTAMPTZ, OID_TIMESTAMP];
 ///
 /// With an envelope the record value is
 /// `{"event_id":…,"event_type":…,"schema_version":…,"occurred_at":…,"producer":…,"payload":…}`.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct EnvelopeConfig {
     /// Written as `"producer"`, e.g. the service name.
