@@ -82,7 +82,10 @@ pub fn round_trip(sent_micros: i64, now: SystemTime) -> Duration {
 
 /// Runs until the task is aborted (the relay aborts it when it stops).
 pub async fn run(config: HeartbeatConfig) {
-    let mut tick = tokio::time::interval(config.interval);
+    // The first tick soon after start (the slot may be created by then), not at
+    // once (it is not) nor a whole interval later (the gauges would stay empty).
+    let first = tokio::time::Instant::now() + config.interval.min(Duration::from_secs(1));
+    let mut tick = tokio::time::interval_at(first, config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut client: Option<Client> = None;
     let mut failing = false;
