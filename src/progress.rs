@@ -94,10 +94,16 @@
 //!
 //! # Limits
 //!
-//! * Application-level retries (after the producer itself gave up) re-produce an event
-//!   after later events may have been acked; per-key order then relies on the producer's own
-//!   in-order retries (idempotent producer, long `message.timeout.ms`) making such failures
-//!   rare. First produces are always issued in commit order.
+//! * Per-key order and application-level retries. First produces are issued in commit
+//!   order, and the idempotent producer keeps them in order per partition through its own
+//!   retries. A delivery the producer gives up on (a per-record error such as
+//!   `MessageSizeTooLarge`) is retried here, and a retry could overtake nothing only if
+//!   no later event of the key were produced meanwhile. So from the moment an event
+//!   fails, later events of its key (`admit_keyed`) are *held* — admitted, counted in the
+//!   window, not produced — until it is delivered or poisoned; then they are produced in
+//!   order. What this cannot undo: events of the key produced *before* the failure was
+//!   reported (at most the producer's in-flight requests for that partition) may land
+//!   before the retried event. A poisoned event is out of order by nature when replayed.
 //! * Streamed in-progress transactions (pgoutput protocol v2 `Stream*` messages) are not
 //!   modelled: the core expects `Begin`, rows, `Commit`, one transaction at a time.
 //!
@@ -109,7 +115,7 @@
 //! <https://www.postgresql.org/docs/current/runtime-config-replication.html>
 //! (`wal_sender_timeout`).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -320,6 +326,9 @@ enum EventState {
     Backoff { until: Instant, then: Then },
     /// A poison insert is requested or outstanding.
     Poisoning,
+    /// Not produced yet: an earlier event of the same key is being retried (see
+    /// "Per-key order" in the module docs). Released in admission order.
+    Held,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -332,6 +341,10 @@ struct Event {
     /// Transient failures (produce or poison insert), for the backoff exponent.
     transient_failures: u32,
     state: EventState,
+    /// The record key's hash, when per-key order is to be kept.
+    key: Option<u64>,
+    /// A delivery of it failed at least once (it then blocks its key until resolved).
+    failed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -366,6 +379,10 @@ pub struct Core {
     in_flight_bytes: usize,
     retries: BTreeSet<(Instant, EventId)>,
     actions: VecDeque<Pending>,
+    /// Keys with events that failed and are not resolved yet, and how many.
+    blocked_keys: HashMap<u64, u32>,
+    /// Events of a blocked key admitted after the block, in admission order.
+    held: HashMap<u64, VecDeque<EventId>>,
 }
 
 impl Core {
@@ -390,6 +407,8 @@ impl Core {
             in_flight_bytes: 0,
             retries: BTreeSet::new(),
             actions: VecDeque::new(),
+            blocked_keys: HashMap::new(),
+            held: HashMap::new(),
         }
     }
 
@@ -457,8 +476,32 @@ impl Core {
     /// Errors: [`ProtocolError::ChangeOutsideTransaction`] without a `Begin`;
     /// [`ProtocolError::WindowFull`] if called while [`Core::can_read`] is false.
     pub fn admit(&mut self, bytes: usize, now: Instant) -> Result<EventId, ProtocolError> {
-        let id = self.admit_event(bytes, EventState::Producing { attempt: 1 })?;
-        self.actions.push_back(Pending::Produce { id, attempt: 1 });
+        self.admit_keyed(bytes, None, now)
+    }
+
+    /// [`Core::admit`] for a record whose key hashes to `key`: while an earlier event
+    /// of that key is being retried, this one is held (no produce) until the earlier
+    /// one is delivered or poisoned, so it cannot overtake it.
+    pub fn admit_keyed(
+        &mut self,
+        bytes: usize,
+        key: Option<u64>,
+        now: Instant,
+    ) -> Result<EventId, ProtocolError> {
+        let blocked = key.is_some_and(|k| self.blocked_keys.contains_key(&k));
+        let state = if blocked {
+            EventState::Held
+        } else {
+            EventState::Producing { attempt: 1 }
+        };
+        let id = self.admit_event(bytes, state)?;
+        if let Some(event) = self.events.get_mut(&id) {
+            event.key = key;
+        }
+        match key {
+            Some(k) if blocked => self.held.entry(k).or_default().push_back(id),
+            _ => self.actions.push_back(Pending::Produce { id, attempt: 1 }),
+        }
         self.poll_status(now);
         Ok(id)
     }
@@ -501,6 +544,8 @@ impl Core {
                 permanent_failures: 0,
                 transient_failures: 0,
                 state,
+                key: None,
+                failed: false,
             },
         );
         self.in_flight_bytes = self.in_flight_bytes.saturating_add(bytes);
@@ -571,6 +616,12 @@ impl Core {
         if let Some(event) = self.events.get_mut(&id)
             && matches!(event.state, EventState::Producing { .. })
         {
+            if !event.failed {
+                event.failed = true;
+                if let Some(k) = event.key {
+                    *self.blocked_keys.entry(k).or_default() += 1;
+                }
+            }
             match failure {
                 Failure::Permanent => {
                     event.permanent_failures = event.permanent_failures.saturating_add(1);
@@ -785,10 +836,36 @@ impl Core {
         };
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(event.bytes);
         self.resolved_since_status = self.resolved_since_status.saturating_add(1);
+        if event.failed
+            && let Some(k) = event.key
+        {
+            self.unblock(k);
+        }
         if let Some(entry) = self.txs.get_mut(&event.tx) {
             entry.pending = entry.pending.saturating_sub(1);
         }
         self.settle(event.tx);
+    }
+
+    /// One failed event of key `k` resolved; when it was the last, the held events of
+    /// `k` are produced, in admission order.
+    fn unblock(&mut self, k: u64) {
+        let Some(count) = self.blocked_keys.get_mut(&k) else {
+            return;
+        };
+        *count = count.saturating_sub(1);
+        if *count > 0 {
+            return;
+        }
+        self.blocked_keys.remove(&k);
+        for id in self.held.remove(&k).unwrap_or_default() {
+            if let Some(event) = self.events.get_mut(&id)
+                && event.state == EventState::Held
+            {
+                event.state = EventState::Producing { attempt: 1 };
+                self.actions.push_back(Pending::Produce { id, attempt: 1 });
+            }
+        }
     }
 
     /// If the entry `seq` is committed with nothing pending, folds it away: at the front
@@ -955,6 +1032,28 @@ mod tests {
             for &(at, id) in &self.retries {
                 let e = self.events.get(&id).expect("timer of a gone event");
                 assert!(matches!(e.state, EventState::Backoff { until, .. } if until == at));
+            }
+            // Per-key holds: a key is blocked exactly by its failed events, and
+            // exactly the held events of blocked keys wait in `held`, in order.
+            let mut failed_per_key: HashMap<u64, u32> = HashMap::new();
+            for e in self.events.values() {
+                if e.failed
+                    && let Some(k) = e.key
+                {
+                    *failed_per_key.entry(k).or_default() += 1;
+                }
+            }
+            assert_eq!(failed_per_key, self.blocked_keys, "blocked keys");
+            let held: usize = self.held.values().map(VecDeque::len).sum();
+            let held_states = self
+                .events
+                .values()
+                .filter(|e| e.state == EventState::Held)
+                .count();
+            assert_eq!(held, held_states, "held events");
+            for (k, ids) in &self.held {
+                assert!(self.blocked_keys.contains_key(k), "held under a free key");
+                assert!(ids.iter().is_sorted(), "held out of admission order");
             }
             let open_seq = self.open.map(|o| o.seq);
             let last_seq = self.txs.keys().next_back().copied();
@@ -1644,6 +1743,8 @@ mod tests {
         lsn: Lsn,
         bytes: usize,
         unmappable: bool,
+        /// The record key (a few hot entities, so keys repeat within the window).
+        key: u64,
     }
 
     /// A walsender: sends every transaction whose commit starts at or after the slot's
@@ -1716,6 +1817,8 @@ mod tests {
         idle_advances: u64,
         statuses: u64,
         big_transactions: u64,
+        /// Events admitted while an earlier event of their key was being retried.
+        held: u64,
     }
 
     struct Sim {
@@ -1742,9 +1845,12 @@ mod tests {
         unresolved: Vec<usize>,
         first_unresolved: usize,
         produced_ever: Vec<Vec<bool>>,
-        last_first_ever: Option<(usize, usize)>,
+        /// Per key, the last event first-produced ever / by the current core.
+        last_first_ever: HashMap<u64, (usize, usize)>,
         produced_this_core: HashSet<(usize, usize)>,
-        last_first_this_core: Option<(usize, usize)>,
+        last_first_this_core: HashMap<u64, (usize, usize)>,
+        /// Events of the current core whose delivery failed and that are unresolved.
+        failed_now: BTreeSet<(usize, usize)>,
         last_sent_flush: Lsn,
         last_status_at: Instant,
         prev_confirmed: Lsn,
@@ -1792,6 +1898,7 @@ mod tests {
                             1 + rng.index(400)
                         },
                         unmappable: rng.percent(4),
+                        key: rng.below(4),
                     })
                     .collect();
                 wal.push(SimTx {
@@ -1830,9 +1937,10 @@ mod tests {
                 unresolved: wal.iter().map(|t| t.events.len()).collect(),
                 first_unresolved: 0,
                 produced_ever: wal.iter().map(|t| vec![false; t.events.len()]).collect(),
-                last_first_ever: None,
+                last_first_ever: HashMap::new(),
                 produced_this_core: HashSet::new(),
-                last_first_this_core: None,
+                last_first_this_core: HashMap::new(),
+                failed_now: BTreeSet::new(),
                 last_sent_flush: slot,
                 last_status_at: now,
                 prev_confirmed: slot,
@@ -1938,11 +2046,19 @@ mod tests {
                     let id = if e.unmappable {
                         self.core.admit_unmappable(e.bytes)
                     } else {
-                        self.core.admit(e.bytes, now)
+                        self.core.admit_keyed(e.bytes, Some(e.key), now)
                     };
                     id.map(|id| {
                         if self.ids.insert(id, (i, k)).is_some() {
                             self.fail(&format!("{id} issued twice"));
+                        }
+                        if self
+                            .core
+                            .events
+                            .get(&id)
+                            .is_some_and(|e| e.state == EventState::Held)
+                        {
+                            self.stats.held += 1;
                         }
                     })
                 }
@@ -1989,23 +2105,35 @@ mod tests {
                 self.fail("an unmappable row was produced");
             }
             if attempt == 1 {
+                let key = self.wal[i].events[k].key;
                 if !self.produced_this_core.insert((i, k)) {
                     self.fail("an event was first-produced twice by one core");
                 }
-                if self.last_first_this_core.is_some_and(|p| p >= (i, k)) {
-                    self.fail("first produces out of commit order");
+                if self
+                    .last_first_this_core
+                    .get(&key)
+                    .is_some_and(|&p| p >= (i, k))
+                {
+                    self.fail("first produces of a key out of commit order");
                 }
-                self.last_first_this_core = Some((i, k));
+                self.last_first_this_core.insert(key, (i, k));
+                if self
+                    .failed_now
+                    .range(..(i, k))
+                    .any(|&(fi, fk)| self.wal[fi].events[fk].key == key)
+                {
+                    self.fail("produced while an earlier event of its key was being retried");
+                }
                 if self.produced_ever[i][k] {
                     self.stats.duplicates += 1;
                     if self.wal[i].final_lsn < self.restart_from {
                         self.fail("duplicate from a transaction confirmed before the restart");
                     }
                 } else {
-                    if self.last_first_ever.is_some_and(|p| p >= (i, k)) {
-                        self.fail("events first produced out of commit order");
+                    if self.last_first_ever.get(&key).is_some_and(|&p| p >= (i, k)) {
+                        self.fail("events of a key first produced out of commit order");
                     }
-                    self.last_first_ever = Some((i, k));
+                    self.last_first_ever.insert(key, (i, k));
                     self.produced_ever[i][k] = true;
                 }
             } else if let Some(at) = self.transient_at.remove(&id) {
@@ -2040,19 +2168,35 @@ mod tests {
             let id = self.broker.swap_remove(self.rng.index(self.broker.len()));
             let roll = if draining { 0 } else { self.rng.below(100) };
             let now = self.now;
+            // Reports for the current core's produces (not an old session's).
+            let current = self
+                .core
+                .events
+                .get(&id)
+                .is_some_and(|e| matches!(e.state, EventState::Producing { .. }));
+            let event = self.ids.get(&id).copied();
             match roll {
                 0..80 => {
                     self.mark_resolved(id);
                     self.core.delivered(id, now);
                     self.done_ids.push(id);
+                    if let (true, Some(ik)) = (current, event) {
+                        self.failed_now.remove(&ik);
+                    }
                 }
                 80..87 => {
                     *self.permanent.entry(id).or_default() += 1;
                     self.core.delivery_failed(id, Failure::Permanent, now);
+                    if let (true, Some(ik)) = (current, event) {
+                        self.failed_now.insert(ik);
+                    }
                 }
                 _ => {
                     self.transient_at.insert(id, now);
                     self.core.delivery_failed(id, Failure::Transient, now);
+                    if let (true, Some(ik)) = (current, event) {
+                        self.failed_now.insert(ik);
+                    }
                 }
             }
         }
@@ -2065,6 +2209,14 @@ mod tests {
                 .poison_db
                 .swap_remove(self.rng.index(self.poison_db.len()));
             if draining || self.rng.percent(85) {
+                let current = self
+                    .core
+                    .events
+                    .get(&id)
+                    .is_some_and(|e| e.state == EventState::Poisoning);
+                if let (true, Some(&ik)) = (current, self.ids.get(&id)) {
+                    self.failed_now.remove(&ik);
+                }
                 self.mark_resolved(id);
                 self.core.poison_committed(id, self.now);
                 self.done_ids.push(id);
@@ -2158,7 +2310,8 @@ mod tests {
             self.server = Server::connect(&self.wal, self.slot_confirmed);
             self.restart_from = self.slot_confirmed;
             self.produced_this_core.clear();
-            self.last_first_this_core = None;
+            self.last_first_this_core.clear();
+            self.failed_now.clear();
             self.last_status_at = self.now;
             self.prev_confirmed = self.core.confirmed();
             self.last_commit_fed = None;
@@ -2245,6 +2398,7 @@ mod tests {
             total.idle_advances += s.idle_advances;
             total.statuses += s.statuses;
             total.big_transactions += s.big_transactions;
+            total.held += s.held;
         }
         // The schedules must actually exercise every path.
         let Stats {
@@ -2258,6 +2412,7 @@ mod tests {
             idle_advances,
             statuses,
             big_transactions,
+            held,
         } = total;
         for (name, n) in [
             ("crashes", crashes),
@@ -2270,12 +2425,14 @@ mod tests {
             ("idle advances", idle_advances),
             ("statuses", statuses),
             ("transactions larger than the window", big_transactions),
+            ("events held behind a retried event of their key", held),
         ] {
             assert!(n > 10, "simulation never exercised {name} ({n})");
         }
         eprintln!(
             "simulation: {schedules} schedules x {steps} steps, 0 violations, {:.1?}; \
-             {crashes} crashes, {reconnects} reconnects, {duplicates} duplicates",
+             {crashes} crashes, {reconnects} reconnects, {duplicates} duplicates, \
+             {held} events held behind a retry of their key",
             started.elapsed()
         );
     }
@@ -2291,7 +2448,7 @@ mod tests {
         #[derive(Debug, Clone)]
         enum Op {
             Begin(u64, u32),
-            Admit(usize),
+            Admit(usize, Option<u64>),
             Unmappable(usize),
             Commit(u64, u64),
             CommitOpen(u64),
@@ -2308,7 +2465,7 @@ mod tests {
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
                 (0..10_000_u64, any::<u32>()).prop_map(|(l, x)| Op::Begin(l, x)),
-                (0..300_usize).prop_map(Op::Admit),
+                (0..300_usize, proptest::option::of(0..3_u64)).prop_map(|(b, k)| Op::Admit(b, k)),
                 (0..300_usize).prop_map(Op::Unmappable),
                 (0..10_000_u64, 0..10_000_u64).prop_map(|(a, b)| Op::Commit(a, b)),
                 (1..100_u64).prop_map(Op::CommitOpen),
@@ -2352,7 +2509,7 @@ mod tests {
                                 open_final = Some(l);
                             }
                         }
-                        Op::Admit(b) => { let _ = core.admit(b, now); }
+                        Op::Admit(b, k) => { let _ = core.admit_keyed(b, k, now); }
                         Op::Unmappable(b) => { let _ = core.admit_unmappable(b); }
                         Op::Commit(a, b) => {
                             if core.commit(Lsn(a), Lsn(b), now).is_ok() {
