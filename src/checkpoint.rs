@@ -114,7 +114,11 @@ pub struct SlotProgress {
 /// `"schema".outbox_relay_checkpoint` for the configured outbox.
 pub fn table(cfg: &Config) -> Result<String> {
     let (schema, _) = config::qualified_name(&cfg.outbox.table).map_err(Error::Other)?;
-    Ok(format!("{}.{}", quote_ident(&schema), quote_ident(TABLE_NAME)))
+    Ok(format!(
+        "{}.{}",
+        quote_ident(&schema),
+        quote_ident(TABLE_NAME)
+    ))
 }
 
 /// SQL condition: the row aliased `alias` was inserted by a transaction that precedes
@@ -322,7 +326,10 @@ mod tests {
         let ckpt = 1_000_000;
         let horizon = 1_000_500;
         assert!(precedes(999_999, horizon, ckpt));
-        assert!(!precedes(1_000_000, horizon, ckpt), "xmin itself may be running");
+        assert!(
+            !precedes(1_000_000, horizon, ckpt),
+            "xmin itself may be running"
+        );
         assert!(!precedes(1_000_001, horizon, ckpt));
         assert!(!precedes(1_000_499, horizon, ckpt));
     }
@@ -335,7 +342,10 @@ mod tests {
         let xid32 = |full: i64| u32::try_from(full.rem_euclid(EPOCH)).unwrap();
         assert!(precedes(xid32(ckpt - 1), horizon, ckpt));
         assert!(!precedes(xid32(ckpt), horizon, ckpt));
-        assert!(!precedes(xid32(5 * EPOCH + 5), horizon, ckpt), "after the wrap");
+        assert!(
+            !precedes(xid32(5 * EPOCH + 5), horizon, ckpt),
+            "after the wrap"
+        );
         assert!(!precedes(xid32(horizon - 1), horizon, ckpt));
     }
 
@@ -363,7 +373,10 @@ mod tests {
     #[test]
     fn sql_uses_the_statement_horizon_and_the_parameter() {
         let sql = precedes_sql("o", 3);
-        assert!(sql.contains("pg_snapshot_xmax(pg_current_snapshot())"), "{sql}");
+        assert!(
+            sql.contains("pg_snapshot_xmax(pg_current_snapshot())"),
+            "{sql}"
+        );
         assert!(sql.contains("o.xmin::text::bigint"), "{sql}");
         assert!(sql.contains("- $3 < 2147483648"), "{sql}");
         assert!(sql.contains("% 4294967296"), "{sql}");
@@ -378,7 +391,10 @@ mod tests {
         )
         .unwrap();
         let sql = mark_sent_sql(&cfg);
-        assert!(sql.starts_with("UPDATE \"app\".\"events\" SET sent_at"), "{sql}");
+        assert!(
+            sql.starts_with("UPDATE \"app\".\"events\" SET sent_at"),
+            "{sql}"
+        );
         assert!(sql.contains("\"id\" = ANY(ARRAY("), "{sql}");
         assert!(sql.contains("o.sent_at IS NULL AND"), "{sql}");
         assert!(sql.ends_with("LIMIT $2))"), "{sql}");

@@ -126,7 +126,11 @@ impl Enqueuer {
     /// # Errors
     ///
     /// [`EnqueueError`]; a failed statement also aborts `tx`, as any other would.
-    pub async fn enqueue(&self, tx: &Transaction<'_>, event: &Event) -> Result<String, EnqueueError> {
+    pub async fn enqueue(
+        &self,
+        tx: &Transaction<'_>,
+        event: &Event,
+    ) -> Result<String, EnqueueError> {
         let payload = event.payload.to_string();
         let headers = event.headers.as_ref().map(ToString::to_string);
         let row = tx
@@ -194,7 +198,11 @@ mod tests {
             table: "app.events".into(),
             ..OutboxConfig::default()
         };
-        assert!(Enqueuer::new(&outbox).sql().starts_with("SELECT \"app\".outbox_enqueue("));
+        assert!(
+            Enqueuer::new(&outbox)
+                .sql()
+                .starts_with("SELECT \"app\".outbox_enqueue(")
+        );
     }
 
     #[test]

@@ -239,7 +239,10 @@ mod tests {
         // Databases migrated before the option existed keep their checksums.
         let c = cfg("");
         let publication = render(MIGRATIONS[2].sql, &c).unwrap();
-        assert!(publication.contains("WITH (publish = 'insert');"), "{publication}");
+        assert!(
+            publication.contains("WITH (publish = 'insert');"),
+            "{publication}"
+        );
         assert_eq!(MIGRATIONS[0].sql_for(&c), MIGRATIONS[0].sql);
     }
 
@@ -249,10 +252,18 @@ mod tests {
             "[outbox]\ntable = \"app.events\"\npartitioned = true\npartition_interval = \"hour\"\n",
         );
         let table = render(MIGRATIONS[0].sql_for(&c), &c).unwrap();
-        assert!(table.contains("PARTITION BY RANGE (\"created_at\")"), "{table}");
-        assert!(table.contains("PRIMARY KEY (\"id\", \"created_at\")"), "{table}");
         assert!(
-            table.contains("outbox_relay_ensure_partitions(\n    '\"app\".\"events\"'::regclass, 'hour', 3)"),
+            table.contains("PARTITION BY RANGE (\"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains("PRIMARY KEY (\"id\", \"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "outbox_relay_ensure_partitions(\n    '\"app\".\"events\"'::regclass, 'hour', 3)"
+            ),
             "{table}"
         );
         let publication = render(MIGRATIONS[2].sql, &c).unwrap();
@@ -261,7 +272,9 @@ mod tests {
 
     #[test]
     fn enqueue_function_uses_configured_names() {
-        let c = cfg("[outbox]\ntable = \"app.events\"\n[outbox.columns]\nidempotency_key = \"dedupe\"\n");
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\n[outbox.columns]\nidempotency_key = \"dedupe\"\n",
+        );
         let sql = render(MIGRATIONS[3].sql, &c).unwrap();
         assert!(sql.contains("FUNCTION \"app\".outbox_enqueue("), "{sql}");
         assert!(sql.contains("INSERT INTO \"app\".\"events\" AS o"), "{sql}");

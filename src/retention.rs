@@ -119,7 +119,11 @@ impl CycleReport {
     /// One line for humans.
     #[must_use]
     pub fn render(&self) -> String {
-        let verb = if self.dry_run { "would delete" } else { "deleted" };
+        let verb = if self.dry_run {
+            "would delete"
+        } else {
+            "deleted"
+        };
         format!(
             "retention: {verb} {} rows, {} partitions ({} kept, {} created); checkpoint used {}, slot confirmed {}",
             self.deleted_rows,
@@ -381,7 +385,10 @@ mod tests {
             d.starts_with("DELETE FROM \"public\".\"outbox\" WHERE ctid = ANY(ARRAY("),
             "{d}"
         );
-        assert!(d.contains("o.\"ts\" < now() - make_interval(secs => $1::float8)"), "{d}");
+        assert!(
+            d.contains("o.\"ts\" < now() - make_interval(secs => $1::float8)"),
+            "{d}"
+        );
         assert!(d.contains("o.sent_at IS NOT NULL OR"), "{d}");
         assert!(d.contains("o.xmin::text::bigint"), "{d}");
         assert!(d.contains("LIMIT $3))"), "{d}");

@@ -7,6 +7,7 @@
 
 mod audit;
 mod demo;
+mod enqueue;
 mod environment;
 mod fault_drill;
 mod harness;
@@ -15,3 +16,4 @@ mod poller;
 mod relay;
 mod replay;
 mod replication_connection;
+mod retention;
