@@ -12,5 +12,8 @@ CREATE TABLE IF NOT EXISTS {{schema}}.outbox_relay_checkpoint (
     wal_lsn       pg_lsn      NOT NULL,
     snapshot_xmin xid8        NOT NULL,
     taken_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- The slot's confirmed_flush_lsn when the checkpoint was taken: if the slot is
+    -- dropped later, the newest of these still tells what the relay had confirmed.
+    slot_confirmed_lsn pg_lsn,
     PRIMARY KEY (slot, wal_lsn)
 );

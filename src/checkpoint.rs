@@ -13,7 +13,7 @@
 //!
 //! ```sql
 //! INSERT INTO outbox_relay_checkpoint (slot, wal_lsn, snapshot_xmin)
-//! SELECT $1, pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot())
+//! SELECT $1::text, pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot())
 //! ```
 //!
 //! `pg_current_snapshot()` is the statement's snapshot, taken *before* the statement
@@ -105,8 +105,11 @@ pub struct Checkpoint {
 /// The slot as far as checkpoints are concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotProgress {
-    /// `confirmed_flush_lsn`, when the slot exists in this database.
+    /// `confirmed_flush_lsn` of the slot; when the slot no longer exists, the newest
+    /// one recorded with a checkpoint (`slot_missing` is then set).
     pub confirmed_flush: Option<Lsn>,
+    /// The slot does not exist (dropped, or never created).
+    pub slot_missing: bool,
     /// The newest checkpoint at or below it.
     pub confirmed: Option<Checkpoint>,
 }
@@ -151,7 +154,7 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
             &format!(
                 "SELECT count(*) FROM {table} c WHERE c.slot = $1 AND c.wal_lsn > COALESCE(
                      (SELECT confirmed_flush_lsn FROM pg_replication_slots
-                       WHERE slot_name = $1 AND database = current_database()), '0/0')"
+                       WHERE slot_name = $1::text AND database = current_database()), '0/0')"
             ),
             &[slot],
         )
@@ -169,8 +172,10 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
     let row = client
         .query_opt(
             &format!(
-                "INSERT INTO {table} (slot, wal_lsn, snapshot_xmin)
-                 SELECT $1, pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot())
+                "INSERT INTO {table} (slot, wal_lsn, snapshot_xmin, slot_confirmed_lsn)
+                 SELECT $1::text, pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot()),
+                        (SELECT confirmed_flush_lsn FROM pg_replication_slots
+                          WHERE slot_name = $1::text AND database = current_database())
                  ON CONFLICT DO NOTHING
                  RETURNING wal_lsn::text, snapshot_xmin::text::bigint, taken_at"
             ),
@@ -181,22 +186,33 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
 }
 
 /// The slot's confirmed position and the newest checkpoint it has passed.
+///
+/// When the slot is gone (dropped after an emergency, say), the newest
+/// `slot_confirmed_lsn` recorded with a checkpoint stands in for it: a slot's
+/// confirmed position never goes back, so what it had confirmed then stays
+/// confirmed.
 pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotProgress> {
     let table = table(cfg)?;
     let slot = &cfg.postgres.slot;
-    let confirmed_flush: Option<String> = client
-        .query_opt(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
-              WHERE slot_name = $1 AND database = current_database()",
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT (SELECT confirmed_flush_lsn::text FROM pg_replication_slots
+                          WHERE slot_name = $1::text AND database = current_database()),
+                        EXISTS (SELECT 1 FROM pg_replication_slots
+                                 WHERE slot_name = $1::text AND database = current_database()),
+                        (SELECT max(slot_confirmed_lsn)::text FROM {table} WHERE slot = $1)"
+            ),
             &[slot],
         )
-        .await?
-        .map(|r| r.try_get(0))
-        .transpose()?
-        .flatten();
+        .await?;
+    let (live, exists, recorded): (Option<String>, bool, Option<String>) =
+        (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let confirmed_flush = if exists { live } else { recorded };
     let Some(confirmed_flush) = confirmed_flush.as_deref().map(parse_lsn).transpose()? else {
         return Ok(SlotProgress {
             confirmed_flush: None,
+            slot_missing: !exists,
             confirmed: None,
         });
     };
@@ -212,6 +228,7 @@ pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotP
         .await?;
     Ok(SlotProgress {
         confirmed_flush: Some(confirmed_flush),
+        slot_missing: !exists,
         confirmed: row.map(|r| checkpoint_from_row(&r)).transpose()?,
     })
 }

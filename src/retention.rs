@@ -247,6 +247,7 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
 pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Result<CycleReport> {
     let sql = RetentionSql::new(config)?;
     let period = config.retention.period()?.as_secs_f64();
+    check_table_kind(client, config).await?;
     let mut report = CycleReport {
         dry_run,
         ..CycleReport::default()
@@ -275,13 +276,16 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
         report.checkpoint_taken = checkpoint::take(&*client, config)
             .await?
             .map(|c| c.wal_lsn.to_string());
-    } else if !has_slot {
-        warn!(
-            slot = %config.postgres.slot,
-            "no replication slot: only rows the poller marked sent are deleted"
-        );
     }
     let progress = checkpoint::progress(&*client, config).await?;
+    if progress.slot_missing {
+        warn!(
+            slot = %config.postgres.slot,
+            recorded_confirmed = ?progress.confirmed_flush.map(|l| l.to_string()),
+            "no replication slot: using the last confirmed position recorded with a \
+             checkpoint, and rows the poller marked sent"
+        );
+    }
     report.confirmed_flush = progress.confirmed_flush.map(|l| l.to_string());
     report.checkpoint_used = progress.confirmed.as_ref().map(|c| c.wal_lsn.to_string());
     if let (Some(newest), false) = (&progress.confirmed, dry_run) {
@@ -294,6 +298,35 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
         report.deleted_rows = delete_rows(client, config, &sql, period, ckpt, dry_run).await?;
     }
     Ok(report)
+}
+
+/// Refuses a config that does not match the table: deleting by `ctid` from a
+/// partitioned table would hit rows of several partitions.
+async fn check_table_kind(client: &Client, config: &Config) -> Result<()> {
+    let row = client
+        .query_opt(
+            "SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)",
+            &[&quote_qualified(&config.outbox.table)],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Err(crate::Error::Prerequisite(format!(
+            "table {} does not exist: run `outbox-relay migrate`",
+            config.outbox.table
+        )));
+    };
+    let partitioned: bool = row.try_get(0)?;
+    if partitioned != config.outbox.partitioned {
+        return Err(crate::Error::Config(crate::error::ConfigError::Invalid(
+            format!(
+                "outbox.partitioned = {} but table {} is {}partitioned",
+                config.outbox.partitioned,
+                config.outbox.table,
+                if partitioned { "" } else { "not " }
+            ),
+        )));
+    }
+    Ok(())
 }
 
 /// Deletes eligible rows in batches until a batch comes back short.

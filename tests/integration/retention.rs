@@ -343,6 +343,17 @@ async fn run_poller(
 
 #[tokio::test]
 async fn fallback_to_the_poller_loses_nothing_and_resends_at_most_one_checkpoint_interval() {
+    fallback(false).await;
+}
+
+/// The slot was dropped (e.g. to stop it from retaining WAL) before the fallback:
+/// the confirmed position recorded with the checkpoints stands in for it.
+#[tokio::test]
+async fn fallback_after_the_slot_was_dropped_uses_the_recorded_position() {
+    fallback(true).await;
+}
+
+async fn fallback(drop_slot: bool) {
     let mut db = TestDb::create("fallback").await;
     db.append_config("\n[retention]\nperiod = \"7d\"\n");
     db.create_slot().await;
@@ -385,6 +396,29 @@ async fn fallback_to_the_poller_loses_nothing_and_resends_at_most_one_checkpoint
     }
     let keys = writing.await.unwrap();
     let at_kill = killed_at.unwrap();
+    if drop_slot {
+        // The walsender of the killed relay may hold the slot a moment longer.
+        wait_until(Duration::from_secs(30), "the slot dropped", || async {
+            db.client
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                      WHERE slot_name = $1 AND NOT active",
+                    &[&db.slot],
+                )
+                .await
+                .unwrap();
+            count(
+                &db,
+                &format!(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                    db.slot
+                ),
+            )
+            .await
+                == 0
+        })
+        .await;
+    }
 
     let args = PollArgs {
         after_cdc: true,
@@ -422,7 +456,7 @@ async fn fallback_to_the_poller_loses_nothing_and_resends_at_most_one_checkpoint
     let duplicates = records.len() - seen.len();
     let resent_by_poller = summary.delivered;
     println!(
-        "fallback: {} events, {} written before the kill, {} marked from the checkpoint, \
+        "fallback (slot dropped: {drop_slot}): {} events, {} written before the kill, {} marked from the checkpoint, \
          {} published by the poller, {duplicates} duplicates",
         keys.len(),
         at_kill,
