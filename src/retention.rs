@@ -374,10 +374,19 @@ async fn drop_partitions(
         let part: String = row.try_get(0)?;
         let tx = client.transaction().await?;
         if !dry_run {
-            tx.batch_execute(&format!(
-                "SET LOCAL lock_timeout = '{PARTITION_LOCK_TIMEOUT}'; LOCK TABLE {part} IN ACCESS EXCLUSIVE MODE"
-            ))
-            .await?;
+            let locked = tx
+                .batch_execute(&format!(
+                    "SET LOCAL lock_timeout = '{PARTITION_LOCK_TIMEOUT}'; LOCK TABLE {part} IN ACCESS EXCLUSIVE MODE"
+                ))
+                .await;
+            if let Err(e) = locked {
+                if !is_lock_conflict(&e) {
+                    return Err(e.into());
+                }
+                warn!(partition = %part, "partition busy; trying again next cycle");
+                report.kept_partitions.push(part);
+                continue;
+            }
         }
         let unconfirmed: bool = tx
             .query_one(&RetentionSql::partition_has_unconfirmed(&part), &[&xmin])
@@ -395,6 +404,14 @@ async fn drop_partitions(
         report.dropped_partitions.push(part);
     }
     Ok(())
+}
+
+/// Lock timeout or deadlock: the writers won, the partition waits for next cycle.
+fn is_lock_conflict(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.code().is_some_and(|c| {
+        *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::T_R_DEADLOCK_DETECTED
+    })
 }
 
 #[cfg(test)]
