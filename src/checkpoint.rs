@@ -259,9 +259,13 @@ pub struct Marked {
 pub fn mark_sent_sql(cfg: &Config) -> String {
     let t = config::quote_qualified(&cfg.outbox.table);
     let id = quote_ident(&cfg.outbox.columns.id);
+    let created_at = quote_ident(&cfg.outbox.columns.created_at);
+    // ORDER BY follows the poller's partial index (created_at, id) WHERE sent_at IS
+    // NULL: marked rows leave it, so each batch starts where the last one ended.
     format!(
         "UPDATE {t} SET sent_at = statement_timestamp() WHERE {id} = ANY(ARRAY(
-             SELECT o.{id} FROM {t} o WHERE o.sent_at IS NULL AND {} LIMIT $2))",
+             SELECT o.{id} FROM {t} o WHERE o.sent_at IS NULL AND {}
+              ORDER BY o.{created_at}, o.{id} LIMIT $2))",
         precedes_sql("o", 1)
     )
 }

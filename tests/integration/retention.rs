@@ -17,6 +17,60 @@ use crate::harness::{
     self, RelayProcess, TestDb, confirmed_flush, consume_unique, parse_lsn, wait_until,
 };
 
+/// The SQL rule and its Rust mirror agree on a real server, including 32-bit
+/// values that only make sense across a wraparound and an ancient checkpoint.
+#[tokio::test]
+async fn checkpoint_rule_in_sql_matches_the_rust_mirror() {
+    let db = TestDb::create("ckpt_rule").await;
+    let horizon: i64 = db
+        .client
+        .query_one(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let rows: Vec<u32> = [
+        -300_i64,
+        -101,
+        -100,
+        -99,
+        -1,
+        0,
+        50,
+        4_294_967_000 - horizon,
+    ]
+    .iter()
+    .map(|d| u32::try_from((horizon + d).rem_euclid(1 << 32)).unwrap())
+    .collect();
+    let values = rows
+        .iter()
+        .map(|x| format!("('{x}'::xid)"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut answers = HashSet::new();
+    for ckpt in [horizon - 100, horizon - (1_i64 << 31) - 5] {
+        let sql = format!(
+            "SELECT o.xmin::text::bigint, pg_snapshot_xmax(pg_current_snapshot())::text::bigint, {}
+               FROM (VALUES {values}) AS o(xmin)",
+            outbox_relay::checkpoint::precedes_sql("o", 1)
+        );
+        for row in db.client.query(&sql, &[&ckpt]).await.unwrap() {
+            let x = u32::try_from(row.get::<_, i64>(0)).unwrap();
+            let h: i64 = row.get(1);
+            let sql_says: bool = row.get(2);
+            answers.insert(sql_says);
+            assert_eq!(
+                sql_says,
+                outbox_relay::checkpoint::precedes(x, h, ckpt),
+                "xmin {x}, horizon {h}, checkpoint {ckpt}"
+            );
+        }
+    }
+    assert_eq!(answers.len(), 2, "both answers exercised");
+}
+
 async fn cycle(config: &Config) -> CycleReport {
     let mut client = outbox_relay::postgres::connect(&config.postgres.url)
         .await
