@@ -335,7 +335,12 @@ async fn partitioned_outbox_old_partition_dropped_only_once_confirmed() {
     assert_eq!(count(&db, "SELECT count(*) FROM outbox_old").await, 20);
 
     // The relay has not run: the old partition's rows are not confirmed, it stays.
+    // (One more partition ahead is asked for: the cycle creates it.)
+    let mut config = config;
+    config.outbox.partitions_ahead = 2;
     let report = cycle(&config).await;
+    assert_eq!(report.created_partitions, 1, "{report:?}");
+    assert_eq!(count(&db, partitions).await, 4);
     assert!(report.dropped_partitions.is_empty(), "{report:?}");
     assert_eq!(report.kept_partitions, ["public.outbox_old"], "{report:?}");
 
@@ -362,7 +367,7 @@ async fn partitioned_outbox_old_partition_dropped_only_once_confirmed() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert_eq!(count(&db, partitions).await, 2);
+    assert_eq!(count(&db, partitions).await, 3, "today and two ahead");
     assert_eq!(
         count(&db, "SELECT count(*) FROM outbox").await,
         20,
