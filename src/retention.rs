@@ -9,7 +9,7 @@
 //!
 //! Each cycle:
 //!
-//! 1. takes a [checkpoint](crate::checkpoint) `(wal_lsn, snapshot_xmin)`;
+//! 1. takes a [`checkpoint`] `(wal_lsn, snapshot_xmin)`;
 //! 2. reads the newest checkpoint the slot's `confirmed_flush_lsn` has passed and
 //!    prunes the older ones (it supersedes them);
 //! 3. deletes, in statements of `retention.batch_size` rows (each its own short
