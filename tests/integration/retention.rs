@@ -537,3 +537,40 @@ async fn fallback(drop_slot: bool) {
     );
     db.drop_slot().await;
 }
+
+/// `retention` without `--once` runs a cycle per interval and stops on SIGTERM.
+#[tokio::test]
+async fn retention_command_runs_cycles_until_sigterm() {
+    let mut db = TestDb::create("ret_cli").await;
+    db.append_config("\n[retention]\nperiod = \"0s\"\ninterval = \"200ms\"\n");
+    db.create_slot().await;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["retention", "--json", "--config"])
+        .arg(&db.config_path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let checkpoints = "SELECT count(*) FROM outbox_relay_checkpoint";
+    wait_until(Duration::from_secs(30), "a few cycles", || async {
+        count(&db, checkpoints).await >= 3
+    })
+    .await;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let lines = String::from_utf8_lossy(&out.stdout);
+    assert!(lines.lines().count() >= 3, "{lines}");
+    for line in lines.lines() {
+        let report: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(report["dry_run"], false);
+    }
+    db.drop_slot().await;
+}
