@@ -544,7 +544,7 @@ async fn retention_command_runs_cycles_until_sigterm() {
     let mut db = TestDb::create("ret_cli").await;
     db.append_config("\n[retention]\nperiod = \"0s\"\ninterval = \"200ms\"\n");
     db.create_slot().await;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .args(["retention", "--json", "--config"])
         .arg(&db.config_path)
         .stdout(std::process::Stdio::piped())
