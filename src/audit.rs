@@ -230,7 +230,7 @@ impl FromStr for TimeSpec {
 }
 
 /// `90s`, `15m`, `1h30m`, `2d`, `1w` (also `ms`); at least one `<number><unit>`.
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     if s.is_empty() {
         return Err("empty".into());
     }

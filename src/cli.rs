@@ -69,6 +69,14 @@ pub enum Command {
         #[command(flatten)]
         args: crate::replay::ReplayArgs,
     },
+    /// Delete outbox rows (or drop partitions) the relay has confirmed and that are
+    /// older than retention.period; never touches a row not yet confirmed.
+    Retention {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::retention::RetentionArgs,
+    },
     /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
     Status {
         #[command(flatten)]

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::audit::parse_duration;
 use crate::error::ConfigError;
 
 /// Prefix of environment variables that override config keys.
@@ -31,6 +32,8 @@ pub struct Config {
     pub log: LogConfig,
     #[serde(default)]
     pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
 }
 
 /// Where the outbox lives and how the relay reads it.
@@ -57,7 +60,75 @@ pub struct OutboxConfig {
     pub table: String,
     /// Side table for undeliverable rows.
     pub poison_table: String,
+    /// Create the outbox partitioned by `created_at` range (`migrate`), so that
+    /// retention drops whole partitions instead of deleting rows.
+    pub partitioned: bool,
+    /// Width of one partition: `hour`, `day`, `week` or `month` (UTC).
+    pub partition_interval: PartitionInterval,
+    /// Partitions kept ready beyond the current one (`migrate` and `retention`).
+    pub partitions_ahead: u32,
     pub columns: Columns,
+}
+
+/// Width of one partition of a partitioned outbox (a `date_trunc` field).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PartitionInterval {
+    Hour,
+    #[default]
+    Day,
+    Week,
+    Month,
+}
+
+impl PartitionInterval {
+    /// The `date_trunc` field (and `interval` unit) for this width.
+    #[must_use]
+    pub fn sql_unit(self) -> &'static str {
+        match self {
+            PartitionInterval::Hour => "hour",
+            PartitionInterval::Day => "day",
+            PartitionInterval::Week => "week",
+            PartitionInterval::Month => "month",
+        }
+    }
+}
+
+/// `outbox-relay retention`: what is deleted, how much at a time, how often.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Rows (or partitions) younger than this are kept even when delivered, e.g. `7d`.
+    pub period: String,
+    /// Rows deleted per statement (one short transaction each).
+    pub batch_size: u32,
+    /// Pause between two cycles (checkpoint, delete) of `retention` without `--once`.
+    pub interval: String,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            period: "7d".into(),
+            batch_size: 1000,
+            interval: "1m".into(),
+        }
+    }
+}
+
+impl RetentionConfig {
+    /// `period` as a duration (validated by [`Config::validate`]).
+    pub fn period(&self) -> Result<std::time::Duration, ConfigError> {
+        parse_duration(&self.period)
+            .map_err(|m| ConfigError::Invalid(format!("retention.period {:?}: {m}", self.period)))
+    }
+
+    /// `interval` as a duration (validated by [`Config::validate`]).
+    pub fn interval(&self) -> Result<std::time::Duration, ConfigError> {
+        parse_duration(&self.interval).map_err(|m| {
+            ConfigError::Invalid(format!("retention.interval {:?}: {m}", self.interval))
+        })
+    }
 }
 
 /// Column names of the outbox table (defaults match our migration; Debezium's
@@ -166,6 +237,9 @@ impl Default for OutboxConfig {
         OutboxConfig {
             table: "public.outbox".into(),
             poison_table: "public.poison_outbox".into(),
+            partitioned: false,
+            partition_interval: PartitionInterval::Day,
+            partitions_ahead: 3,
             columns: Columns::default(),
         }
     }
@@ -307,6 +381,16 @@ impl Config {
         }
         if self.metrics.ready_stall_secs == 0 {
             return invalid("metrics.ready_stall_secs must be at least 1".into());
+        }
+        self.retention.period()?;
+        if self.retention.interval()?.is_zero() {
+            return invalid("retention.interval must be more than 0s".into());
+        }
+        if self.retention.batch_size == 0 || self.retention.batch_size > 1_000_000 {
+            return invalid("retention.batch_size must be 1..=1000000".into());
+        }
+        if self.outbox.partitions_ahead > 1000 {
+            return invalid("outbox.partitions_ahead must be at most 1000".into());
         }
         Ok(())
     }
@@ -506,6 +590,7 @@ impl fmt::Debug for Config {
             .field("relay", &self.relay)
             .field("log", &self.log)
             .field("metrics", &self.metrics)
+            .field("retention", &self.retention)
             .finish()
     }
 }
@@ -674,6 +759,34 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    #[test]
+    fn retention_keys_are_validated() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.retention.period().unwrap().as_secs(), 7 * 86_400);
+        assert_eq!(c.retention.interval().unwrap().as_secs(), 60);
+        assert!(!c.outbox.partitioned);
+        assert_eq!(c.outbox.partition_interval.sql_unit(), "day");
+        for (name, value) in [
+            ("OUTBOX_RELAY__RETENTION__PERIOD", "seven days"),
+            ("OUTBOX_RELAY__RETENTION__INTERVAL", "0s"),
+            ("OUTBOX_RELAY__RETENTION__BATCH_SIZE", "0"),
+            ("OUTBOX_RELAY__OUTBOX__PARTITION_INTERVAL", "fortnight"),
+        ] {
+            assert!(load(MINIMAL, &[(name, value)]).is_err(), "{name}={value}");
+        }
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RETENTION__PERIOD", "36h"),
+                ("OUTBOX_RELAY__OUTBOX__PARTITIONED", "true"),
+                ("OUTBOX_RELAY__OUTBOX__PARTITION_INTERVAL", "hour"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.retention.period().unwrap().as_secs(), 36 * 3600);
+        assert!(c.outbox.partitioned);
     }
 
     #[test]

@@ -12,11 +12,18 @@
 //! Modules follow the data flow: [`postgres`] (connections, replication stream,
 //! `pgoutput` decoding) → [`outbox`] (row → Kafka record) → [`kafka`] (producer) →
 //! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
+//!
+//! Around it: [`enqueue`] (writer helpers: the event and the business change in one
+//! transaction), [`retention`] (deleting delivered rows or dropping partitions) and
+//! [`checkpoint`] (how both, and the poller's fallback mode, know what the relay
+//! confirmed).
 
 pub mod audit;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod enqueue;
 pub mod error;
 pub mod heartbeat;
 pub mod kafka;
@@ -31,6 +38,7 @@ pub mod postgres;
 pub mod progress;
 pub mod relay;
 pub mod replay;
+pub mod retention;
 pub mod status;
 
 pub use error::{Error, Result};

@@ -138,6 +138,12 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
                 ExitCode::from(1)
             })
         }
+        Command::Retention { config, args } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            outbox_relay::retention::run(&config, &args, Box::pin(termination_signal())).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Replay { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);

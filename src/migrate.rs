@@ -8,6 +8,13 @@
 //! migration crate) is what allows this templating; it is small: each migration runs
 //! in its own transaction under an advisory lock and is recorded in
 //! `outbox_relay_migrations` with a checksum of the SQL it ran.
+//!
+//! Besides the tables, the migrations install the writer helper
+//! `outbox_enqueue(…)` (`0004`, see [`crate::enqueue`]) and the checkpoint table
+//! retention and the poller's fallback mode rely on (`0005`, see
+//! [`crate::checkpoint`]). With `outbox.partitioned = true` the outbox is created
+//! from `0001_outbox_partitioned.sql` instead (see [`crate::retention`]); that choice
+//! is made at the first `migrate` and is not converted later.
 
 use tokio_postgres::Client;
 
@@ -20,6 +27,19 @@ pub struct Migration {
     pub version: i32,
     pub name: &'static str,
     pub sql: &'static str,
+    /// Used instead of `sql` when `outbox.partitioned` is set.
+    pub partitioned_sql: Option<&'static str>,
+}
+
+impl Migration {
+    /// The SQL this migration runs for this config (before templating).
+    #[must_use]
+    pub fn sql_for(&self, cfg: &Config) -> &'static str {
+        match self.partitioned_sql {
+            Some(sql) if cfg.outbox.partitioned => sql,
+            _ => self.sql,
+        }
+    }
 }
 
 /// All migrations, in the order they apply.
@@ -28,16 +48,31 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 1,
         name: "outbox",
         sql: include_str!("../migrations/0001_outbox.sql"),
+        partitioned_sql: Some(include_str!("../migrations/0001_outbox_partitioned.sql")),
     },
     Migration {
         version: 2,
         name: "poison_outbox",
         sql: include_str!("../migrations/0002_poison_outbox.sql"),
+        partitioned_sql: None,
     },
     Migration {
         version: 3,
         name: "publication",
         sql: include_str!("../migrations/0003_publication.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 4,
+        name: "enqueue",
+        sql: include_str!("../migrations/0004_enqueue.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 5,
+        name: "relay_checkpoint",
+        sql: include_str!("../migrations/0005_relay_checkpoint.sql"),
+        partitioned_sql: None,
     },
 ];
 
@@ -58,7 +93,13 @@ pub fn render(sql: &str, cfg: &Config) -> Result<String> {
         config::qualified_name(&cfg.outbox.poison_table).map_err(Error::Other)?;
     let c = &cfg.outbox.columns;
     let publication = &cfg.postgres.publication;
-    let vars: [(&str, String); 16] = [
+    let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let publication_options = if cfg.outbox.partitioned {
+        "publish = 'insert', publish_via_partition_root = true"
+    } else {
+        "publish = 'insert'"
+    };
+    let vars: [(&str, String); 20] = [
         ("schema", quote_ident(&schema)),
         ("outbox_table", quote_qualified(&cfg.outbox.table)),
         ("outbox_table_name", table.replace('"', "")),
@@ -78,6 +119,16 @@ pub fn render(sql: &str, cfg: &Config) -> Result<String> {
         ("col_headers", quote_ident(&c.headers)),
         ("col_payload", quote_ident(&c.payload)),
         ("col_created_at", quote_ident(&c.created_at)),
+        (
+            "outbox_table_literal",
+            literal(&quote_qualified(&cfg.outbox.table)),
+        ),
+        (
+            "partition_interval_literal",
+            literal(cfg.outbox.partition_interval.sql_unit()),
+        ),
+        ("partitions_ahead", cfg.outbox.partitions_ahead.to_string()),
+        ("publication_options", publication_options.to_owned()),
     ];
     let mut out = sql.to_owned();
     for (name, value) in &vars {
@@ -116,7 +167,7 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
         .await?;
     let mut result = Applied::default();
     for m in MIGRATIONS {
-        let sql = render(m.sql, cfg)?;
+        let sql = render(m.sql_for(cfg), cfg)?;
         let tx = client.transaction().await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
             .await?;
@@ -174,10 +225,60 @@ mod tests {
     #[test]
     fn every_placeholder_is_known() {
         let c = cfg("");
+        let p = cfg("[outbox]\npartitioned = true\n");
         for m in MIGRATIONS {
             let sql = render(m.sql, &c).unwrap();
             assert!(!sql.contains("{{"), "{}", m.name);
+            let sql = render(m.sql_for(&p), &p).unwrap();
+            assert!(!sql.contains("{{"), "{}", m.name);
         }
+    }
+
+    #[test]
+    fn plain_outbox_sql_is_unchanged_by_the_partitioning_option() {
+        // Databases migrated before the option existed keep their checksums.
+        let c = cfg("");
+        let publication = render(MIGRATIONS[2].sql, &c).unwrap();
+        assert!(
+            publication.contains("WITH (publish = 'insert');"),
+            "{publication}"
+        );
+        assert_eq!(MIGRATIONS[0].sql_for(&c), MIGRATIONS[0].sql);
+    }
+
+    #[test]
+    fn partitioned_outbox_is_range_partitioned_and_published_via_root() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\npartitioned = true\npartition_interval = \"hour\"\n",
+        );
+        let table = render(MIGRATIONS[0].sql_for(&c), &c).unwrap();
+        assert!(
+            table.contains("PARTITION BY RANGE (\"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains("PRIMARY KEY (\"id\", \"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "outbox_relay_ensure_partitions(\n    '\"app\".\"events\"'::regclass, 'hour', 3)"
+            ),
+            "{table}"
+        );
+        let publication = render(MIGRATIONS[2].sql, &c).unwrap();
+        assert!(publication.contains("publish_via_partition_root = true"));
+    }
+
+    #[test]
+    fn enqueue_function_uses_configured_names() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\n[outbox.columns]\nidempotency_key = \"dedupe\"\n",
+        );
+        let sql = render(MIGRATIONS[3].sql, &c).unwrap();
+        assert!(sql.contains("FUNCTION \"app\".outbox_enqueue("), "{sql}");
+        assert!(sql.contains("INSERT INTO \"app\".\"events\" AS o"), "{sql}");
+        assert!(sql.contains("RETURNING o.\"dedupe\""), "{sql}");
     }
 
     #[test]

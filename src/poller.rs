@@ -104,6 +104,18 @@
 //! The batch's transaction also stays open while acks are awaited, which holds back the
 //! vacuum horizon for as long as a broker outage lasts.
 //!
+//! # Falling back from the CDC relay
+//!
+//! `--after-cdc` is the emergency switch from `run` to `poll` (logical replication
+//! unavailable, the slot lost, …). The CDC relay never marks rows, so before
+//! polling the poller marks `sent_at` on every row the relay's slot has confirmed,
+//! by the newest [checkpoint](crate::checkpoint) the slot passed (set-based batches
+//! of `--batch-size`). The rows between that checkpoint and the relay's true position
+//! are sent again: duplicates with their original idempotency key, never losses. How
+//! many is bounded by the traffic between two checkpoints (`retention.interval`),
+//! plus the longest transaction open when the checkpoint was taken. Without any
+//! confirmed checkpoint, every unsent row is sent again (with a warning).
+//!
 //! # Testing seam
 //!
 //! [`Poller::publish_batch`] (steps 1–3) and [`PublishedBatch::mark`] (step 4) are
@@ -168,6 +180,11 @@ pub struct PollArgs {
     /// Permanent delivery failures before a row is poisoned [default: relay.max_attempts].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(i32::MAX)))]
     pub max_attempts: Option<u32>,
+    /// Fall back from the CDC relay: first mark sent every row the relay confirmed
+    /// (by the newest checkpoint its slot passed, see `retention`), then poll the
+    /// rest. Rows after that checkpoint are sent again (duplicates, never losses).
+    #[arg(long)]
+    pub after_cdc: bool,
 }
 
 impl Default for PollArgs {
@@ -177,6 +194,7 @@ impl Default for PollArgs {
             workers: DEFAULT_WORKERS,
             poll_interval_ms: DEFAULT_POLL_INTERVAL_MS,
             max_attempts: None,
+            after_cdc: false,
         }
     }
 }
@@ -230,6 +248,8 @@ pub struct PollSummary {
     pub batches: u64,
     /// Transient errors that made a worker roll back and reconnect or back off.
     pub retries: u64,
+    /// Rows marked sent at start-up by `--after-cdc` (delivered by the CDC relay).
+    pub marked_after_cdc: u64,
 }
 
 impl PollSummary {
@@ -284,6 +304,13 @@ pub async fn run(config: Config, args: &PollArgs, shutdown: Shutdown) -> Result<
     }
     let mut summary = PollSummary::default();
     if let Some(first) = pollers.first_mut() {
+        if args.after_cdc {
+            // Before any worker polls: rows the relay delivered are not sent again.
+            let marked =
+                crate::checkpoint::mark_confirmed_sent(&first.client, &config, settings.batch_size)
+                    .await?;
+            summary.marked_after_cdc = marked.rows;
+        }
         // Before any worker polls, so no two sweeps race for the same row.
         summary.poisoned += first.poison_exhausted().await?;
     }

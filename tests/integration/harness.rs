@@ -117,6 +117,12 @@ impl TestDb {
     }
 
     pub async fn create_with(prefix: &str, partitions: i32) -> TestDb {
+        Self::create_configured(prefix, partitions, "").await
+    }
+
+    /// Like [`TestDb::create_with`], with extra TOML in the config before `migrate`
+    /// runs (e.g. `[outbox] partitioned = true`).
+    pub async fn create_configured(prefix: &str, partitions: i32, extra_toml: &str) -> TestDb {
         let env = env();
         let name = unique(prefix);
         let admin = connect(&env.pg_url).await;
@@ -129,8 +135,9 @@ impl TestDb {
         let topic = format!("{name}.events");
         create_topic(&topic, partitions).await;
         let config_path = std::env::temp_dir().join(format!("{name}.toml"));
-        std::fs::write(&config_path, config_toml(&url, &slot, &topic, &env.brokers))
-            .expect("write test config");
+        let mut toml = config_toml(&url, &slot, &topic, &env.brokers);
+        toml.push_str(extra_toml);
+        std::fs::write(&config_path, toml).expect("write test config");
         let out = run_cli(&["migrate", "--config", path_str(&config_path)]);
         assert!(
             out.status.success(),

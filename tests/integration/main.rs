@@ -7,6 +7,7 @@
 
 mod audit;
 mod demo;
+mod enqueue;
 mod environment;
 mod fault_drill;
 mod harness;
@@ -16,3 +17,4 @@ mod poller;
 mod relay;
 mod replay;
 mod replication_connection;
+mod retention;
