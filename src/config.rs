@@ -108,6 +108,23 @@ pub struct RelayConfig {
     /// Seconds to wait for a replication slot held by another process before
     /// giving up (exit code 3). Large values make a second relay a standby.
     pub slot_busy_timeout_secs: u64,
+    /// What `run` does when it has to create the slot: publish the rows a polling
+    /// relay had not sent first (`auto`), or only stream from the new slot (`off`).
+    pub cutover: CutoverMode,
+}
+
+/// `relay.cutover`: whether `run` cuts over from a polling relay when it creates the
+/// replication slot (see [`crate::cutover`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CutoverMode {
+    /// Creating the slot also publishes every unsent, unpoisoned outbox row in the
+    /// slot's exported snapshot. On an empty outbox this costs one query.
+    #[default]
+    Auto,
+    /// Creating the slot streams only what commits after it; rows already in the
+    /// outbox are left to `outbox-relay cutover` (or to nobody).
+    Off,
 }
 
 /// Logging.
@@ -176,6 +193,7 @@ impl Default for RelayConfig {
             max_attempts: 5,
             shutdown_timeout_secs: 30,
             slot_busy_timeout_secs: 30,
+            cutover: CutoverMode::Auto,
         }
     }
 }
