@@ -16,6 +16,7 @@
 pub mod audit;
 pub mod cli;
 pub mod config;
+pub mod cutover;
 pub mod demo;
 pub mod error;
 pub mod kafka;

@@ -1,5 +1,5 @@
-//! Schema migrations: `outbox`, `poison_outbox` (with its no-DELETE trigger) and the
-//! publication, applied in order by `outbox-relay migrate`.
+//! Schema migrations: `outbox`, `poison_outbox` (with its no-DELETE trigger), the
+//! publication and the cutover marker table, applied in order by `outbox-relay migrate`.
 //!
 //! The SQL lives in `migrations/NNNN_name.sql` and is embedded in the binary. Table,
 //! column and publication names come from the config, so users with an existing
@@ -38,6 +38,11 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 3,
         name: "publication",
         sql: include_str!("../migrations/0003_publication.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "cutover",
+        sql: include_str!("../migrations/0004_cutover.sql"),
     },
 ];
 

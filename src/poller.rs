@@ -1148,8 +1148,9 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Sql {
     select_batch: String,
-    /// Every row the poller would still send, in its order, unlocked and unlimited:
-    /// the backlog a cutover publishes (`$1` is `max_attempts`).
+    /// Every row the poller would still send, in its order, unlocked and unlimited,
+    /// leaving out rows that have a poison row (poisoned by the CDC relay, or
+    /// replayed): the backlog a cutover publishes (`$1` is `max_attempts`).
     pub(crate) backlog: String,
     sweep: String,
     mark_sent: String,
@@ -1177,7 +1178,11 @@ impl Sql {
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
             backlog: format!(
-                "{select} WHERE o.sent_at IS NULL AND o.attempts < $1 ORDER BY o.{created_at}, o.{id}"
+                "{select} WHERE o.sent_at IS NULL AND o.attempts < $1 AND NOT EXISTS (
+                     SELECT 1 FROM {poison} p
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                 ORDER BY o.{created_at}, o.{id}",
+                col(IDEMPOTENCY_KEY)
             ),
             sweep: format!(
                 "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (
