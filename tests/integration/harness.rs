@@ -467,6 +467,16 @@ impl RelayProcess {
     /// Starts `outbox-relay run --config FILE` with extra environment overrides
     /// (`OUTBOX_RELAY__…`).
     pub fn start(config_path: &Path, env_overrides: &[(&str, &str)]) -> RelayProcess {
+        Self::start_command(&["run"], config_path, env_overrides)
+    }
+
+    /// Starts another long-running command (e.g. `["poll", "--batch-size", "100"]`)
+    /// with `--config FILE`, the same way.
+    pub fn start_command(
+        command: &[&str],
+        config_path: &Path,
+        env_overrides: &[(&str, &str)],
+    ) -> RelayProcess {
         let log_path = config_path.with_extension(format!("{}.log", unique("relay")));
         let log = std::fs::File::create(&log_path).expect("create relay log");
         // OUTBOX_RELAY_TEST_BIN runs another build (e.g. the release binary) for
@@ -474,7 +484,8 @@ impl RelayProcess {
         let bin = std::env::var("OUTBOX_RELAY_TEST_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox-relay").to_owned());
         let mut cmd = Command::new(bin);
-        cmd.args(["run", "--config", path_str(config_path)])
+        cmd.args(command)
+            .args(["--config", path_str(config_path)])
             .stdout(std::process::Stdio::null())
             .stderr(log);
         for (k, v) in env_overrides {
