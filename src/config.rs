@@ -611,12 +611,29 @@ mod tests {
             "max_attempts",
             "shutdown_timeout_secs",
             "slot_busy_timeout_secs",
+            "cutover",
         ] {
             assert!(
                 text.contains(&format!("\n{key} = ")),
                 "{key} missing from the example"
             );
         }
+    }
+
+    #[test]
+    fn cutover_is_auto_unless_turned_off() {
+        assert_eq!(load(MINIMAL, &[]).unwrap().relay.cutover, CutoverMode::Auto);
+        let off = load(&format!("{MINIMAL}\n[relay]\ncutover = \"off\"\n"), &[]).unwrap();
+        assert_eq!(off.relay.cutover, CutoverMode::Off);
+        let env = [("OUTBOX_RELAY__RELAY__CUTOVER", "off")];
+        assert_eq!(load(MINIMAL, &env).unwrap().relay.cutover, CutoverMode::Off);
+        assert!(
+            load(
+                &format!("{MINIMAL}\n[relay]\ncutover = \"sometimes\"\n"),
+                &[]
+            )
+            .is_err()
+        );
     }
 
     #[test]
