@@ -40,8 +40,10 @@
 //!    at a time).
 //! 4. Map each row with the poller's (and so the stream's) mapping and publish the
 //!    window through a dedicated [`Publisher`]: every send is queued, then every
-//!    ack awaited. The `source_lsn` header is the slot's consistent point — an upper
-//!    bound of the row's commit LSN that sorts before every streamed event.
+//!    ack awaited. The `source_lsn` header is the slot's consistent point: an upper
+//!    bound of the row's commit LSN, and a lower bound of every streamed one (the
+//!    slot streams transactions whose commit record starts at or after it), so
+//!    ordering by `source_lsn` never puts a streamed event before a backlog event.
 //! 5. Mark the window as the poller would ([`poller::write_marks`]): `sent_at` for
 //!    acked rows, `attempts`/`last_error` for refused ones, a `poison_outbox` row
 //!    once `max_attempts` is reached (unmappable rows at once), and the progress
@@ -65,6 +67,16 @@
 //!
 //! What is not protected: a poller still running during the cutover can send a row
 //! the cutover sends too. Stop the poller first (the README's runbook).
+//!
+//! # Costs
+//!
+//! The snapshot's transaction stays open while the backlog is published, which
+//! holds back vacuum's horizon for that long, like any long transaction; the slot
+//! retains WAL from its consistent point meanwhile. The marks are the poller's
+//! `UPDATE`s, so the relay's role needs `UPDATE` on the outbox for a cutover (and
+//! `INSERT`/`UPDATE` on the marker table). An outbox without the poller's
+//! `sent_at`/`attempts` columns (e.g. Debezium's) has nothing "unsent": `auto`
+//! then just streams from the new slot.
 
 use std::time::Duration;
 
@@ -271,6 +283,18 @@ async fn prepare_locked(
         }
         Decision::CutOver => false,
     };
+    if !restarted
+        && trigger == Trigger::Run(CutoverMode::Auto)
+        && !has_poller_columns(metadata, config).await?
+    {
+        // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
+        tracing::warn!(
+            table = %config.outbox.table,
+            "the outbox has no sent_at/attempts columns, so no polling relay to cut over from: \
+             the new slot streams what commits after it"
+        );
+        return Ok(Outcome::Stream);
+    }
     let mut summary = cut_over(config, conninfo, conn, metadata, marker_table).await?;
     summary.restarted = restarted;
     Ok(Outcome::CutOver(summary))
@@ -631,6 +655,23 @@ async fn table_exists(client: &Client, quoted: &str) -> Result<bool> {
         .map_err(poller::pg_error)?
         .try_get(0)
         .map_err(poller::pg_error)
+}
+
+/// Whether the outbox has the poller's bookkeeping columns.
+async fn has_poller_columns(client: &Client, config: &Config) -> Result<bool> {
+    let table = crate::config::quote_qualified(&config.outbox.table);
+    let found: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attname IN ('sent_at', 'attempts')
+               AND attnum > 0 AND NOT attisdropped",
+            &[&table],
+        )
+        .await
+        .map_err(poller::pg_error)?
+        .try_get(0)
+        .map_err(poller::pg_error)?;
+    Ok(found == 2)
 }
 
 async fn read_marker(client: &Client, table: &str, slot: &str) -> Result<Marker> {

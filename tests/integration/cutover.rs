@@ -202,35 +202,49 @@ async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
     assert_eq!(counts.len(), committed.len());
     assert_per_key_order(&records);
 
-    // Who sent what: the poller (no source_lsn), the cutover (the consistent point),
-    // the stream (later commit LSNs).
+    // Who sent what: the poller (no source_lsn, marked sent), the cutover (the
+    // consistent point, marked sent), the stream (commit LSNs at or after the
+    // consistent point, never marked).
     let (cp, published, poisoned, completed) = marker(&db).await.expect("a marker row");
     assert!(completed, "the cutover completed");
     assert_eq!(poisoned, 0);
     let cp = harness::parse_lsn(&cp.expect("consistent point recorded"));
-    let by_poller = records
+    let marked: HashSet<String> = db
+        .client
+        .query(
+            "SELECT idempotency_key FROM outbox WHERE sent_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
         .iter()
-        .filter(|r| r.header("source_lsn").is_none())
-        .count();
-    let by_cutover = records
-        .iter()
-        .filter(|r| r.header("source_lsn").map(harness::parse_lsn) == Some(cp))
-        .count();
-    let by_stream = records.len() - by_poller - by_cutover;
+        .map(|r| r.get(0))
+        .collect();
+    let (mut by_poller, mut by_cutover, mut by_stream) = (0, 0i64, 0);
+    for r in &records {
+        let was_marked = marked.contains(r.header("idempotency_key").unwrap());
+        match (r.header("source_lsn").map(harness::parse_lsn), was_marked) {
+            (None, true) => by_poller += 1,
+            (Some(lsn), true) => {
+                assert_eq!(lsn, cp, "the cutover's source_lsn is the consistent point");
+                by_cutover += 1;
+            }
+            (Some(lsn), false) => {
+                assert!(
+                    lsn >= cp,
+                    "nothing streamed from before the consistent point"
+                );
+                by_stream += 1;
+            }
+            (None, false) => panic!("a record without source_lsn that nobody marked: {r:?}"),
+        }
+    }
     println!("poller {by_poller}, cutover {by_cutover} (marker {published}), stream {by_stream}");
     assert!(by_poller > 0 && by_stream > 0, "both relays took part");
-    assert_eq!(i64::try_from(by_cutover).unwrap(), published);
-    assert!(
-        records
-            .iter()
-            .filter_map(|r| r.header("source_lsn"))
-            .all(|lsn| harness::parse_lsn(lsn) >= cp),
-        "nothing streamed from before the consistent point"
-    );
-    // The cutover marked what it sent, as the poller would have.
+    assert_eq!(by_cutover, published, "the cutover marked what it sent");
     assert_eq!(
-        count(&db, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL").await,
-        i64::try_from(by_poller + by_cutover).unwrap()
+        marked.len(),
+        by_poller + usize::try_from(by_cutover).unwrap()
     );
 
     let report = audit(&db);
@@ -437,6 +451,35 @@ async fn a_crash_mid_cutover_is_resumed_without_loss() {
     );
     let report = audit(&db);
     assert_eq!(report["lost"], 0, "{report}");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_without_poller_columns_is_not_cut_over() {
+    let db = TestDb::create("cutover_nopoll").await;
+    db.client
+        .batch_execute("ALTER TABLE outbox DROP COLUMN sent_at, DROP COLUMN attempts")
+        .await
+        .unwrap();
+    let before = insert(&db, Some("e"), 0).await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let after = insert(&db, Some("e"), 1).await;
+    let records = harness::consume_exactly(&db.topic, 1, Duration::from_secs(30), &relay).await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let keys: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r.header("idempotency_key"))
+        .collect();
+    assert_eq!(
+        keys,
+        vec![after.as_str()],
+        "only what commits after the slot"
+    );
+    assert_ne!(before, after);
+    assert!(marker(&db).await.is_none(), "no cutover recorded");
+    assert!(relay.log().contains("no polling relay to cut over from"));
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }

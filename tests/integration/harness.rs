@@ -207,10 +207,15 @@ impl TestDb {
     pub async fn wait_streaming(&self, relay: &RelayProcess) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
+            // Active alone is not enough: the walsender creating the slot holds it
+            // too, before the consistent point; START_REPLICATION moves it past
+            // `startup`.
             let active: i64 = self
                 .client
                 .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    "SELECT count(*) FROM pg_replication_slots s
+                     JOIN pg_stat_replication r ON r.pid = s.active_pid
+                     WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')",
                     &[&self.slot],
                 )
                 .await
