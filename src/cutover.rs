@@ -136,7 +136,12 @@ pub enum CutoverError {
 
 impl From<CutoverError> for Error {
     fn from(e: CutoverError) -> Self {
-        Error::Prerequisite(e.to_string())
+        match e {
+            // Right after a crash during CREATE_REPLICATION_SLOT the old walsender
+            // may still hold the slot until it notices: `run` retries with backoff.
+            CutoverError::UnfinishedSlotActive { .. } => Error::Transient(e.to_string()),
+            _ => Error::Prerequisite(e.to_string()),
+        }
     }
 }
 
@@ -910,6 +915,20 @@ mod tests {
         let r = to_batch_row(&mapper, polled, &OutboxRow::default(), Lsn::ZERO);
         assert!(matches!(r.result, RowResult::Unmappable { .. }));
         assert!(still_to_send(vec![r], 5).is_empty());
+    }
+
+    #[test]
+    fn a_busy_unfinished_slot_is_retried_other_errors_are_prerequisites() {
+        let busy = CutoverError::UnfinishedSlotActive {
+            slot: "s".into(),
+            pid: 7,
+        };
+        assert_eq!(
+            Error::from(busy).class(),
+            crate::error::ErrorClass::Transient
+        );
+        let missing = Error::from(CutoverError::MarkerTableMissing("t".into()));
+        assert_eq!(missing.exit_code(), std::process::ExitCode::from(3));
     }
 
     #[test]
