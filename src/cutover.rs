@@ -336,7 +336,13 @@ async fn cut_over(
     marker_table: &str,
 ) -> Result<CutoverSummary> {
     let slot_name = &config.postgres.slot;
-    begin_marker(metadata, marker_table, slot_name).await?;
+    // Everything that can fail for lack of a column, a connection or the broker is
+    // set up before the slot exists, so such a failure leaves nothing behind. The
+    // reader session formats values as the replication session does, so records
+    // are byte-identical to the stream's.
+    let mut backlog = Backlog::open(config, metadata, marker_table).await?;
+    let mut reader = poller::session(conninfo).await?;
+    begin_marker(backlog.metadata, marker_table, slot_name).await?;
     let created = conn
         .create_logical_slot(slot_name, false, SnapshotAction::Export)
         .await
@@ -351,7 +357,8 @@ async fn cut_over(
         .clone()
         .ok_or_else(|| CutoverError::NoSnapshot(slot_name.clone()))?;
     let consistent_point = created.consistent_point;
-    metadata
+    backlog
+        .metadata
         .execute(
             &format!(
                 "UPDATE {marker_table} SET consistent_point = $2::text::pg_lsn WHERE slot_name = $1"
@@ -366,15 +373,11 @@ async fn cut_over(
         snapshot = %snapshot,
         "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
     );
-    // The session formats values as the replication session does, so records are
-    // byte-identical to the stream's.
-    let mut reader = poller::session(conninfo).await?;
-    let mut backlog = Backlog::open(config, metadata, marker_table).await?;
     let summary = backlog
         .publish(&mut reader, &snapshot, consistent_point)
         .await?;
-    drop(backlog);
-    metadata
+    backlog
+        .metadata
         .execute(
             &format!(
                 "UPDATE {marker_table} SET completed_at = clock_timestamp(), published = $2, poisoned = $3

@@ -463,6 +463,18 @@ async fn an_outbox_without_poller_columns_is_not_cut_over() {
         .await
         .unwrap();
     let before = insert(&db, Some("e"), 0).await;
+    // The explicit command refuses, and leaves neither slot nor marker behind.
+    let out = run_cli(&["cutover", "--config", db.config_path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("sent_at"),
+        "{out:?}"
+    );
+    assert!(marker(&db).await.is_none());
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = current_database() || '_slot'").await,
+        0
+    );
     let relay = RelayProcess::start(&db.config_path, &[]);
     db.wait_streaming(&relay).await;
     let after = insert(&db, Some("e"), 1).await;
