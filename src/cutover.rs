@@ -935,6 +935,19 @@ mod tests {
     }
 
     #[test]
+    fn the_snapshot_is_exported_with_each_servers_syntax() {
+        use crate::postgres::replication::create_slot_command;
+        assert_eq!(
+            create_slot_command("s", false, SnapshotAction::Export, Some(15)),
+            "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
+        );
+        assert_eq!(
+            create_slot_command("s", false, SnapshotAction::Export, Some(14)),
+            "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput EXPORT_SNAPSHOT"
+        );
+    }
+
+    #[test]
     fn window_is_the_in_flight_window_bounded() {
         assert_eq!(window_size(0), 1);
         assert_eq!(window_size(500), 500);
