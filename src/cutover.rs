@@ -30,7 +30,7 @@
 //! resolved, which also keeps per-entity order: every backlog event is acked
 //! before the first streamed one is produced.
 //!
-//! # The procedure ([`cut_over`])
+//! # The procedure
 //!
 //! 1. Record the cutover as started in `outbox_relay_cutover` (migration 0004).
 //! 2. Create the slot with an exported snapshot; record its consistent point.
@@ -44,7 +44,7 @@
 //!    bound of the row's commit LSN, and a lower bound of every streamed one (the
 //!    slot streams transactions whose commit record starts at or after it), so
 //!    ordering by `source_lsn` never puts a streamed event before a backlog event.
-//! 5. Mark the window as the poller would ([`poller::write_marks`]): `sent_at` for
+//! 5. Mark the window as the poller would (`poller::write_marks`): `sent_at` for
 //!    acked rows, `attempts`/`last_error` for refused ones, a `poison_outbox` row
 //!    once `max_attempts` is reached (unmappable rows at once), and the progress
 //!    counters of the marker row, in one transaction. Refused rows are retried (with
@@ -945,6 +945,31 @@ mod tests {
             create_slot_command("s", false, SnapshotAction::Export, Some(14)),
             "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput EXPORT_SNAPSHOT"
         );
+    }
+
+    #[test]
+    fn the_command_reports_what_it_did() {
+        let c = config();
+        let done = render(
+            &c,
+            &Outcome::CutOver(CutoverSummary {
+                consistent_point: Lsn::from(0x16_0000),
+                rows: 6,
+                published: 5,
+                poisoned: 1,
+                restarted: true,
+            }),
+        );
+        assert!(done.contains("consistent point 0/160000"), "{done}");
+        assert!(
+            done.contains("backlog 6 rows: 5 published, 1 poisoned"),
+            "{done}"
+        );
+        assert!(
+            done.contains("interrupted cutover was started over"),
+            "{done}"
+        );
+        assert!(render(&c, &Outcome::AlreadyDone).contains("already completed"));
     }
 
     #[test]

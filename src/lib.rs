@@ -11,7 +11,8 @@
 //!
 //! Modules follow the data flow: [`postgres`] (connections, replication stream,
 //! `pgoutput` decoding) → [`outbox`] (row → Kafka record) → [`kafka`] (producer) →
-//! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
+//! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm). [`cutover`]
+//! takes over from a polling relay ([`poller`]) when the slot is created.
 
 pub mod audit;
 pub mod cli;
