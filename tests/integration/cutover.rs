@@ -495,3 +495,45 @@ async fn an_outbox_without_poller_columns_is_not_cut_over() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_starting_together_cut_over_once() {
+    let db = TestDb::create("cutover_twice").await;
+    db.client
+        .execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'e' || (g % 10), 'OrderPlaced', jsonb_build_object('seq', g)
+             FROM generate_series(1, 3000) g",
+            &[],
+        )
+        .await
+        .unwrap();
+    // Small windows make the cutover last; the second relay is a standby.
+    let env = [
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "100"),
+        ("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "3600"),
+    ];
+    let first = RelayProcess::start(&db.config_path, &env);
+    let mut second = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&first).await;
+    insert(&db, Some("late"), 0).await;
+    let records = consume_unique(&db.topic, 3001, Duration::from_secs(120), &first).await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let counts = deliveries(&records);
+    assert_eq!(counts.len(), 3001);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "the backlog was published once"
+    );
+    let (_, published, _, completed) = marker(&db).await.unwrap();
+    assert_eq!((published, completed), (3000, true));
+    assert!(second.is_running(), "the second relay waits as a standby");
+    let cutovers = [first.log(), second.log()]
+        .iter()
+        .filter(|log| log.contains("cutover complete"))
+        .count();
+    assert_eq!(cutovers, 1, "one relay cut over");
+    first.terminate(Duration::from_secs(30)).await;
+    second.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
