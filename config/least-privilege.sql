@@ -15,9 +15,18 @@
 --   UPDATE (replayed_at, replay_count) on poison_outbox
 --                          `replay` marks what it re-published; nothing else can
 --                          change (and DELETE is refused by a trigger anyway).
+--   SELECT, INSERT, UPDATE on outbox_relay_cutover
+--                          `run` records each slot it creates there (with
+--                          relay.cutover = "auto", the default) and when the
+--                          cutover completed.
 -- Nothing else: no DELETE or UPDATE on the outbox, no superuser, no CREATE.
+-- Cutting over from a poller with a backlog also marks the rows it publishes, as
+-- the poller does: for that one start, also grant
+--   GRANT UPDATE (sent_at, attempts, last_error) ON public.outbox TO outbox_relay_app;
+-- (or run `outbox-relay cutover` once as the owner), then revoke it.
 CREATE ROLE outbox_relay_app LOGIN REPLICATION;
 GRANT USAGE ON SCHEMA public TO outbox_relay_app;
 GRANT SELECT ON public.outbox TO outbox_relay_app;
 GRANT SELECT, INSERT ON public.poison_outbox TO outbox_relay_app;
 GRANT UPDATE (replayed_at, replay_count) ON public.poison_outbox TO outbox_relay_app;
+GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_cutover TO outbox_relay_app;

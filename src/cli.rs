@@ -42,6 +42,10 @@ impl ConfigArg {
 pub enum Command {
     /// Run the CDC relay: stream outbox inserts from the replication slot to Kafka.
     Run(ConfigArg),
+    /// Cut over from a polling relay: create the slot with an exported snapshot and
+    /// publish the rows the poller had not sent, so that `run` streams the rest.
+    /// Stop the poller first.
+    Cutover(ConfigArg),
     /// Create the outbox and poison tables and the publication (idempotent).
     Migrate(ConfigArg),
     /// Run the polling relay (no logical replication needed; the benchmark baseline).

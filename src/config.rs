@@ -187,6 +187,9 @@ pub struct RelayConfig {
     /// connection, which keeps an idle slot advancing and measures the round
     /// trip); 0 turns the heartbeat off (the slot is still sampled every 10 s).
     pub heartbeat_interval_secs: u64,
+    /// What `run` does when it has to create the slot: publish the rows a polling
+    /// relay had not sent first (`auto`), or only stream from the new slot (`off`).
+    pub cutover: CutoverMode,
 }
 
 /// The Prometheus and health HTTP endpoint.
@@ -198,6 +201,20 @@ pub struct MetricsConfig {
     /// `/readyz` turns not-ready when events are pending and the confirmed LSN has
     /// not advanced for this many seconds.
     pub ready_stall_secs: u64,
+}
+
+/// `relay.cutover`: whether `run` cuts over from a polling relay when it creates the
+/// replication slot (see [`crate::cutover`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CutoverMode {
+    /// Creating the slot also publishes every unsent, unpoisoned outbox row in the
+    /// slot's exported snapshot. On an empty outbox this costs one query.
+    #[default]
+    Auto,
+    /// Creating the slot streams only what commits after it; rows already in the
+    /// outbox are left to `outbox-relay cutover` (or to nobody).
+    Off,
 }
 
 /// Logging.
@@ -270,6 +287,7 @@ impl Default for RelayConfig {
             shutdown_timeout_secs: 30,
             slot_busy_timeout_secs: 30,
             heartbeat_interval_secs: 10,
+            cutover: CutoverMode::Auto,
         }
     }
 }
@@ -787,6 +805,22 @@ mod tests {
         .unwrap();
         assert_eq!(c.retention.period().unwrap().as_secs(), 36 * 3600);
         assert!(c.outbox.partitioned);
+    }
+
+    #[test]
+    fn cutover_is_auto_unless_turned_off() {
+        assert_eq!(load(MINIMAL, &[]).unwrap().relay.cutover, CutoverMode::Auto);
+        let off = load(&format!("{MINIMAL}\n[relay]\ncutover = \"off\"\n"), &[]).unwrap();
+        assert_eq!(off.relay.cutover, CutoverMode::Off);
+        let env = [("OUTBOX_RELAY__RELAY__CUTOVER", "off")];
+        assert_eq!(load(MINIMAL, &env).unwrap().relay.cutover, CutoverMode::Off);
+        assert!(
+            load(
+                &format!("{MINIMAL}\n[relay]\ncutover = \"sometimes\"\n"),
+                &[]
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -17,11 +17,13 @@
 //! transaction), [`retention`] (deleting delivered rows or dropping partitions) and
 //! [`checkpoint`] (how both, and the poller's fallback mode, know what the relay
 //! confirmed).
+//! [`cutover`] takes over from a polling relay ([`poller`]) when the slot is created.
 
 pub mod audit;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod cutover;
 pub mod demo;
 pub mod enqueue;
 pub mod error;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
-use outbox_relay::{Error, audit, demo, migrate, postgres, relay, replay};
+use outbox_relay::{Error, audit, cutover, demo, migrate, postgres, relay, replay};
 
 fn init_tracing(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -69,6 +69,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
                 reconnects = summary.reconnects,
                 "relay stopped"
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cutover(args) => {
+            let config = args.load()?;
+            init_tracing(&config.log);
+            let outcome = cutover::run_command(&config, Box::pin(termination_signal())).await?;
+            println!("{}", cutover::render(&config, &outcome));
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { config, json } => {

@@ -1,5 +1,5 @@
-//! Schema migrations: `outbox`, `poison_outbox` (with its no-DELETE trigger) and the
-//! publication, applied in order by `outbox-relay migrate`.
+//! Schema migrations: `outbox`, `poison_outbox` (with its no-DELETE trigger), the
+//! publication and the cutover marker table, applied in order by `outbox-relay migrate`.
 //!
 //! The SQL lives in `migrations/NNNN_name.sql` and is embedded in the binary. Table,
 //! column and publication names come from the config, so users with an existing
@@ -72,6 +72,12 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 5,
         name: "relay_checkpoint",
         sql: include_str!("../migrations/0005_relay_checkpoint.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 6,
+        name: "cutover",
+        sql: include_str!("../migrations/0006_cutover.sql"),
         partitioned_sql: None,
     },
 ];

@@ -657,7 +657,7 @@ impl Poller {
 }
 
 /// A connection with the replication session's text-output settings.
-async fn session(conninfo: &ConnInfo) -> Result<Client> {
+pub(crate) async fn session(conninfo: &ConnInfo) -> Result<Client> {
     let client = crate::postgres::connect_info(conninfo).await?;
     client
         .batch_execute(&session_settings_sql(SESSION_OPTIONS))
@@ -678,7 +678,7 @@ fn session_settings_sql(options: &str) -> String {
 }
 
 /// Sends every row of the batch, then waits for all reports (never one at a time).
-async fn publish(
+pub(crate) async fn publish(
     publisher: &Publisher,
     reports: &mut mpsc::Receiver<DeliveryReport>,
     base: u64,
@@ -850,95 +850,107 @@ impl PublishedBatch<'_> {
             max_attempts,
             rows,
         } = self;
-        let plan = plan_marks(&rows, max_attempts);
-        if !plan.sent.is_empty() {
-            let updated = tx
-                .execute(&prepared.mark_sent, &[&plan.sent])
-                .await
-                .map_err(pg_error)?;
-            if updated != plan.sent.len() as u64 {
-                warn!(
-                    expected = plan.sent.len(),
-                    updated, "marking sent rows updated an unexpected number of rows"
-                );
-            }
-        }
-        if !plan.failed.ids.is_empty() {
-            tx.execute(
-                &prepared.record_failures,
-                &[&plan.failed.ids, &plan.failed.attempts, &plan.failed.errors],
-            )
+        let outcome = write_marks(&tx, prepared, max_attempts, &rows).await?;
+        tx.commit().await.map_err(pg_error)?;
+        Ok(outcome)
+    }
+}
+
+/// Step 4 without the commit: marks acked rows sent, records failures and poisons
+/// exhausted rows inside `tx` (the poller's batch, or a cutover's marks).
+pub(crate) async fn write_marks(
+    tx: &Transaction<'_>,
+    prepared: &Prepared,
+    max_attempts: i32,
+    rows: &[BatchRow],
+) -> Result<BatchOutcome> {
+    let plan = plan_marks(rows, max_attempts);
+    if !plan.sent.is_empty() {
+        let updated = tx
+            .execute(&prepared.mark_sent, &[&plan.sent])
             .await
             .map_err(pg_error)?;
-        }
-        for &(index, attempts) in &plan.poison {
-            let Some(row) = rows.get(index) else { continue };
-            let (fields, error_kind, error) = match &row.result {
-                RowResult::Event { event, delivery } => {
-                    let (kind, message) = match delivery {
-                        Delivery::Failed { kind, message, .. } => (*kind, message.as_str()),
-                        _ => ("unknown", "delivery failed"),
-                    };
-                    (event.poison_fields(), kind, message.to_owned())
-                }
-                RowResult::Unmappable {
-                    fields,
-                    error_kind,
-                    reason,
-                } => ((**fields).clone(), *error_kind, reason.clone()),
-            };
-            let poison = PoisonRow {
-                fields,
-                error,
-                error_kind: error_kind.to_owned(),
-                attempts,
-                lsn: None,
-            };
-            insert_row(&tx, &prepared.insert_poison, &poison)
-                .await
-                .map_err(pg_error)?;
+        if updated != plan.sent.len() as u64 {
             warn!(
-                outbox_id = %row.polled.id,
-                idempotency_key = poison.fields.idempotency_key.as_deref().unwrap_or(""),
-                error_kind,
-                error = %poison.error,
-                attempts,
-                "event poisoned"
+                expected = plan.sent.len(),
+                updated, "marking sent rows updated an unexpected number of rows"
             );
         }
-        tx.commit().await.map_err(pg_error)?;
-        Ok(BatchOutcome {
-            fetched: rows.len(),
-            delivered: plan.sent.len(),
-            failed: plan.failed.ids.len(),
-            poisoned: plan.poison.len(),
-            transient: plan.transient,
-        })
     }
+    if !plan.failed.ids.is_empty() {
+        tx.execute(
+            &prepared.record_failures,
+            &[&plan.failed.ids, &plan.failed.attempts, &plan.failed.errors],
+        )
+        .await
+        .map_err(pg_error)?;
+    }
+    for &(index, attempts) in &plan.poison {
+        let Some(row) = rows.get(index) else { continue };
+        let (fields, error_kind, error) = match &row.result {
+            RowResult::Event { event, delivery } => {
+                let (kind, message) = match delivery {
+                    Delivery::Failed { kind, message, .. } => (*kind, message.as_str()),
+                    _ => ("unknown", "delivery failed"),
+                };
+                (event.poison_fields(), kind, message.to_owned())
+            }
+            RowResult::Unmappable {
+                fields,
+                error_kind,
+                reason,
+            } => ((**fields).clone(), *error_kind, reason.clone()),
+        };
+        let poison = PoisonRow {
+            fields,
+            error,
+            error_kind: error_kind.to_owned(),
+            attempts,
+            lsn: None,
+        };
+        insert_row(tx, &prepared.insert_poison, &poison)
+            .await
+            .map_err(pg_error)?;
+        warn!(
+            outbox_id = %row.polled.id,
+            idempotency_key = poison.fields.idempotency_key.as_deref().unwrap_or(""),
+            error_kind,
+            error = %poison.error,
+            attempts,
+            "event poisoned"
+        );
+    }
+    Ok(BatchOutcome {
+        fetched: rows.len(),
+        delivered: plan.sent.len(),
+        failed: plan.failed.ids.len(),
+        poisoned: plan.poison.len(),
+        transient: plan.transient,
+    })
 }
 
 /// One polled row: what the marks need, and what became of it.
 #[derive(Debug)]
-struct BatchRow {
-    polled: Polled,
-    result: RowResult,
+pub(crate) struct BatchRow {
+    pub(crate) polled: Polled,
+    pub(crate) result: RowResult,
 }
 
 /// The bookkeeping columns of a polled row.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Polled {
+pub(crate) struct Polled {
     /// The `id` column as text, to address the row in the marking statements.
-    id: String,
+    pub(crate) id: String,
     /// `attempts` before this batch.
-    attempts: i32,
-    last_error: Option<String>,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
 }
 
 #[derive(Debug)]
 // The large variant is the common one (one per row); boxing it would cost an
 // allocation per event to save memory on the rare unmappable row.
 #[allow(clippy::large_enum_variant)]
-enum RowResult {
+pub(crate) enum RowResult {
     Event {
         event: OutboxEvent,
         delivery: Delivery,
@@ -952,7 +964,7 @@ enum RowResult {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Delivery {
+pub(crate) enum Delivery {
     Pending,
     Acked,
     Failed {
@@ -1028,13 +1040,13 @@ fn plan_marks(rows: &[BatchRow], max_attempts: i32) -> MarkPlan {
 
 /// Columns of the outbox table as the poller reads them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Layout {
+pub(crate) struct Layout {
     /// The configured column of each [`OutboxRow`] field (in [`field_columns`]
     /// order), `None` when the table has no such column (read as NULL).
     fields: [Option<String>; FIELDS],
     /// SQL type of the id column (`format_type`), for `text[]::type[]` casts.
     id_type: String,
-    payload_format: PayloadFormat,
+    pub(crate) payload_format: PayloadFormat,
 }
 
 const FIELDS: usize = 9;
@@ -1116,7 +1128,7 @@ fn resolve_layout(
 
 /// Reads the outbox table's columns; a missing table or column is a prerequisite
 /// error (exit code 3).
-async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Result<Layout> {
+pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Result<Layout> {
     let table = quote_qualified(&outbox.table);
     let poison = quote_qualified(&outbox.poison_table);
     let exists = client
@@ -1161,8 +1173,12 @@ async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Result<Layout
 
 /// The poller's statements, built once from the config and the table layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Sql {
+pub(crate) struct Sql {
     select_batch: String,
+    /// Every row the poller would still send, in its order, unlocked and unlimited,
+    /// leaving out rows that have a poison row (poisoned by the CDC relay, or
+    /// replayed): the backlog a cutover publishes (`$1` is `max_attempts`).
+    pub(crate) backlog: String,
     sweep: String,
     mark_sent: String,
     record_failures: String,
@@ -1170,7 +1186,7 @@ struct Sql {
 }
 
 impl Sql {
-    fn new(outbox: &OutboxConfig, layout: &Layout) -> Sql {
+    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout) -> Sql {
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
         let col = |field: usize| match &layout.fields[field] {
@@ -1188,6 +1204,13 @@ impl Sql {
         let select = format!("SELECT {list}, o.attempts::int4, o.last_error::text FROM {table} o");
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
+            backlog: format!(
+                "{select} WHERE o.sent_at IS NULL AND o.attempts < $1 AND NOT EXISTS (
+                     SELECT 1 FROM {poison} p
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                 ORDER BY o.{created_at}, o.{id}",
+                col(IDEMPOTENCY_KEY)
+            ),
             sweep: format!(
                 "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
@@ -1212,7 +1235,7 @@ impl Sql {
 
 /// [`Sql`] prepared on one connection.
 #[derive(Debug)]
-struct Prepared {
+pub(crate) struct Prepared {
     select_batch: Statement,
     sweep: Statement,
     mark_sent: Statement,
@@ -1221,7 +1244,7 @@ struct Prepared {
 }
 
 impl Prepared {
-    async fn new(client: &Client, sql: &Sql) -> Result<Prepared> {
+    pub(crate) async fn new(client: &Client, sql: &Sql) -> Result<Prepared> {
         let prepare = |text: &str| {
             let text = text.to_owned();
             async move { client.prepare(&text).await.map_err(pg_error) }
@@ -1237,7 +1260,7 @@ impl Prepared {
 }
 
 /// One row of the batch (or sweep) query.
-fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Polled, OutboxRow)> {
+pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Polled, OutboxRow)> {
     let text = |i: usize| -> Result<Option<Bytes>> {
         let value: Option<&str> = row.try_get(i).map_err(pg_error)?;
         Ok(value.map(|v| Bytes::copy_from_slice(v.as_bytes())))
@@ -1270,7 +1293,7 @@ fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Polled, OutboxR
 /// loss, server shutdown, serialization failures and resource exhaustion are transient
 /// (the batch is rolled back and retried); missing privileges are a prerequisite error;
 /// anything else stops the poller.
-fn pg_error(e: tokio_postgres::Error) -> Error {
+pub(crate) fn pg_error(e: tokio_postgres::Error) -> Error {
     crate::postgres::process_error(e.into(), "PostgreSQL: ")
 }
 

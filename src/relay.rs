@@ -342,10 +342,21 @@ impl Relay {
     async fn start_session(&mut self, first: bool) -> Result<ReplicationStream> {
         // A fresh metadata connection per session: the previous one may have died
         // with the server.
-        let metadata = crate::postgres::connect_info(&self.conninfo).await?;
+        let mut metadata = crate::postgres::connect_info(&self.conninfo).await?;
         let mut conn = ReplicationConnection::connect(&self.conninfo)
             .await
             .map_err(replication_error)?;
+        // A missing slot (or an interrupted cutover) first gets the backlog the
+        // poller had not sent; then the slot exists and streaming starts at its
+        // consistent point.
+        crate::cutover::prepare(
+            &self.config,
+            &self.conninfo,
+            &mut conn,
+            &mut metadata,
+            crate::cutover::Trigger::Run(self.config.relay.cutover),
+        )
+        .await?;
         let slot_name = self.config.postgres.slot.clone();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
         if !first {

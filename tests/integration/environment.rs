@@ -161,6 +161,16 @@ async fn migrate_is_idempotent_and_builds_the_schema() {
         .unwrap()
         .get(0);
     assert_eq!(tables, 1);
+    let cutover_table: bool = db
+        .client
+        .query_one(
+            "SELECT to_regclass('public.outbox_relay_cutover') IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(cutover_table, "the cutover marker table exists");
     // The generated ids are UUID version 7 and differ per row.
     let row = db
         .client

@@ -212,16 +212,19 @@ impl TestDb {
     /// slot exists are not in its stream (that is what a cutover is for), so tests
     /// that start a relay on a fresh database wait for this before writing.
     pub async fn wait_streaming(&self, relay: &RelayProcess) {
-        // The relay's own "streaming" line, not only an active slot: while
-        // CREATE_REPLICATION_SLOT waits for its consistent point the slot already
-        // shows as active, and a row committed then is before the slot's start,
-        // so it is never decoded (and a second relay could still win the slot).
+        // An active slot alone is not enough: while CREATE_REPLICATION_SLOT waits
+        // for its consistent point the creating walsender holds it too, and a row
+        // committed then is before the slot's start, so it is never decoded (and a
+        // second relay could still win the slot). START_REPLICATION moves the
+        // walsender past `startup`, and the relay logs its own "streaming" line.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let active: i64 = self
                 .client
                 .query_one(
-                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    "SELECT count(*) FROM pg_replication_slots s
+                     JOIN pg_stat_replication r ON r.pid = s.active_pid
+                     WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')",
                     &[&self.slot],
                 )
                 .await
@@ -478,6 +481,16 @@ impl RelayProcess {
     /// Starts `outbox-relay run --config FILE` with extra environment overrides
     /// (`OUTBOX_RELAY__…`).
     pub fn start(config_path: &Path, env_overrides: &[(&str, &str)]) -> RelayProcess {
+        Self::start_command(&["run"], config_path, env_overrides)
+    }
+
+    /// Starts another long-running command (e.g. `["poll", "--batch-size", "100"]`)
+    /// with `--config FILE`, the same way.
+    pub fn start_command(
+        command: &[&str],
+        config_path: &Path,
+        env_overrides: &[(&str, &str)],
+    ) -> RelayProcess {
         let log_path = config_path.with_extension(format!("{}.log", unique("relay")));
         let log = std::fs::File::create(&log_path).expect("create relay log");
         // OUTBOX_RELAY_TEST_BIN runs another build (e.g. the release binary) for
@@ -485,7 +498,8 @@ impl RelayProcess {
         let bin = std::env::var("OUTBOX_RELAY_TEST_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox-relay").to_owned());
         let mut cmd = Command::new(bin);
-        cmd.args(["run", "--config", path_str(config_path)])
+        cmd.args(command)
+            .args(["--config", path_str(config_path)])
             .stdout(std::process::Stdio::null())
             .stderr(log);
         for (k, v) in env_overrides {

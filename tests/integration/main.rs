@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod audit;
+mod cutover;
 mod demo;
 mod enqueue;
 mod environment;

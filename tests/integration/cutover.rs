@@ -1,0 +1,539 @@
+//! Cutover from a polling relay: the real `outbox-relay poll`, `cutover` and `run`
+//! processes against the real PostgreSQL and broker. Asserts, from the topic and
+//! the outbox, that no event is lost, none is sent by both relays, and per-key
+//! order holds across the switch.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crate::harness::{self, Record, RelayProcess, TestDb, consume, consume_unique, run_cli};
+
+/// One writer: transactions of 1-3 outbox rows (and a business row) on its own
+/// entities until `stop`, every 7th rolled back. Payloads carry the entity's
+/// sequence number. Returns the committed and the rolled-back idempotency keys.
+async fn writer(url: String, w: usize, stop: Arc<AtomicBool>) -> (Vec<String>, Vec<String>) {
+    let mut client = harness::connect(&url).await;
+    let entities: Vec<String> = (0..4).map(|e| format!("w{w}-e{e}")).collect();
+    let mut seq: HashMap<String, u64> = HashMap::new();
+    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+    let mut i = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let tx = client.transaction().await.expect("begin");
+        let mut keys = Vec::new();
+        let rollback = i % 7 == 6;
+        for r in 0..1 + i % 3 {
+            let entity = &entities[(i + r) % entities.len()];
+            let n = seq.entry(entity.clone()).or_default();
+            let payload = format!(r#"{{"entity": "{entity}", "seq": {n}}}"#);
+            if !rollback {
+                *n += 1;
+            }
+            tx.execute(
+                "INSERT INTO business_orders (entity, amount) VALUES ($1, 1)",
+                &[entity],
+            )
+            .await
+            .expect("business row");
+            let key: String = tx
+                .query_one(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb) RETURNING idempotency_key",
+                    &[entity, &payload],
+                )
+                .await
+                .expect("outbox row")
+                .get(0);
+            keys.push(key);
+        }
+        if rollback {
+            tx.rollback().await.expect("rollback");
+            rolled_back.extend(keys);
+        } else {
+            tx.commit().await.expect("commit");
+            committed.extend(keys);
+        }
+        i += 1;
+        // Pace the writers (a few hundred transactions per second each).
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    (committed, rolled_back)
+}
+
+async fn count(db: &TestDb, sql: &str) -> i64 {
+    db.client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// The marker row: (consistent point, published, poisoned, completed).
+async fn marker(db: &TestDb) -> Option<(Option<String>, i64, i64, bool)> {
+    db.client
+        .query_opt(
+            "SELECT consistent_point::text, published, poisoned, completed_at IS NOT NULL
+             FROM outbox_relay_cutover WHERE slot_name = $1",
+            &[&db.slot],
+        )
+        .await
+        .unwrap()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+}
+
+/// Delivery count per idempotency key.
+fn deliveries(records: &[Record]) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for r in records {
+        *counts
+            .entry(r.header("idempotency_key").unwrap().to_owned())
+            .or_default() += 1;
+    }
+    counts
+}
+
+/// Per-key order: in partition order, each key's `seq` only grows (first
+/// deliveries only, as a deduplicating consumer sees them).
+fn assert_per_key_order(records: &[Record]) {
+    let mut sorted = records.to_vec();
+    sorted.sort_by_key(|r| (r.partition, r.offset));
+    let mut seen = HashSet::new();
+    let mut last: HashMap<Vec<u8>, i64> = HashMap::new();
+    for r in sorted {
+        if !seen.insert(r.header("idempotency_key").unwrap().to_owned()) {
+            continue;
+        }
+        let payload: serde_json::Value =
+            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
+        let seq = payload["seq"].as_i64().unwrap();
+        let key = r.key.clone().unwrap();
+        if let Some(prev) = last.get(&key) {
+            assert!(
+                seq > *prev,
+                "key {} out of order: seq {seq} after {prev}",
+                String::from_utf8_lossy(&key)
+            );
+        }
+        last.insert(key, seq);
+    }
+}
+
+/// `outbox-relay audit --json`, parsed.
+fn audit(db: &TestDb) -> serde_json::Value {
+    let config = db.config_path.to_str().unwrap();
+    let out = run_cli(&["audit", "--json", "--config", config]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "audit --json printed no JSON ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// A random-ish delay in `0..max_ms`, printed so that a failure can be replayed
+/// with `CUTOVER_TEST_DELAY_MS`.
+fn random_delay(max_ms: u64) -> Duration {
+    let ms = std::env::var("CUTOVER_TEST_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            let random = uuid::Uuid::now_v7().as_u128() as u64;
+            random % max_ms
+        });
+    println!("switching {ms} ms after the poller's first marks (CUTOVER_TEST_DELAY_MS={ms})");
+    Duration::from_millis(ms)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
+    let db = TestDb::create("cutover_main").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..4)
+        .map(|w| tokio::spawn(writer(db.url.clone(), w, Arc::clone(&stop))))
+        .collect();
+
+    // The poller drains the outbox while the writers write.
+    let poller = RelayProcess::start_command(
+        &["poll", "--batch-size", "200", "--poll-interval-ms", "50"],
+        &db.config_path,
+        &[],
+    );
+    harness::wait_until(Duration::from_secs(60), "the poller marks rows", || async {
+        count(&db, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL").await >= 100
+    })
+    .await;
+    tokio::time::sleep(random_delay(1500)).await;
+
+    // The switch: a graceful stop of the poller, then `run` (relay.cutover = auto).
+    let status = poller.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "the poller stops cleanly: {status:?}");
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    // Keep writing while the relay streams.
+    let streamed_from = count(&db, "SELECT count(*) FROM outbox").await;
+    harness::wait_until(
+        Duration::from_secs(60),
+        "more rows after the switch",
+        || async { count(&db, "SELECT count(*) FROM outbox").await >= streamed_from + 300 },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+    for w in writers {
+        let (c, r) = w.await.unwrap();
+        committed.extend(c);
+        rolled_back.extend(r);
+    }
+
+    let records =
+        consume_unique(&db.topic, committed.len(), Duration::from_secs(120), &relay).await;
+    // A little longer, to see late duplicates.
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let counts = deliveries(&records);
+    let lost: Vec<&String> = committed
+        .iter()
+        .filter(|k| !counts.contains_key(*k))
+        .collect();
+    assert!(lost.is_empty(), "lost {} events: {lost:?}", lost.len());
+    let twice: Vec<(&String, &usize)> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "sent more than once: {twice:?}");
+    assert!(
+        rolled_back.iter().all(|k| !counts.contains_key(k)),
+        "a rolled-back event was published"
+    );
+    assert_eq!(counts.len(), committed.len());
+    assert_per_key_order(&records);
+
+    // Who sent what: the poller (no source_lsn, marked sent), the cutover (the
+    // consistent point, marked sent), the stream (commit LSNs at or after the
+    // consistent point, never marked).
+    let (cp, published, poisoned, completed) = marker(&db).await.expect("a marker row");
+    assert!(completed, "the cutover completed");
+    assert_eq!(poisoned, 0);
+    let cp = harness::parse_lsn(&cp.expect("consistent point recorded"));
+    let marked: HashSet<String> = db
+        .client
+        .query(
+            "SELECT idempotency_key FROM outbox WHERE sent_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (mut by_poller, mut by_cutover, mut by_stream) = (0, 0i64, 0);
+    for r in &records {
+        let was_marked = marked.contains(r.header("idempotency_key").unwrap());
+        match (r.header("source_lsn").map(harness::parse_lsn), was_marked) {
+            (None, true) => by_poller += 1,
+            (Some(lsn), true) => {
+                assert_eq!(lsn, cp, "the cutover's source_lsn is the consistent point");
+                by_cutover += 1;
+            }
+            (Some(lsn), false) => {
+                assert!(
+                    lsn >= cp,
+                    "nothing streamed from before the consistent point"
+                );
+                by_stream += 1;
+            }
+            (None, false) => panic!("a record without source_lsn that nobody marked: {r:?}"),
+        }
+    }
+    println!("poller {by_poller}, cutover {by_cutover} (marker {published}), stream {by_stream}");
+    assert!(by_poller > 0 && by_stream > 0, "both relays took part");
+    assert_eq!(by_cutover, published, "the cutover marked what it sent");
+    assert_eq!(
+        marked.len(),
+        by_poller + usize::try_from(by_cutover).unwrap()
+    );
+
+    let report = audit(&db);
+    assert_eq!(report["lost"], 0, "{report}");
+    assert_eq!(report["duplicates"], 0, "{report}");
+    assert_eq!(report["out_of_order_keys"], 0, "{report}");
+    assert_eq!(
+        report["expected"].as_u64(),
+        Some(committed.len() as u64),
+        "{report}"
+    );
+
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// Inserts one outbox row; returns its idempotency key.
+async fn insert(db: &TestDb, entity: Option<&str>, seq: i64) -> String {
+    db.client
+        .query_one(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb) RETURNING idempotency_key",
+            &[&entity, &format!(r#"{{"seq": {seq}}}"#)],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cutover_publishes_only_unsent_unpoisoned_rows() {
+    let db = TestDb::create("cutover_backlog").await;
+    let mut keys = Vec::new();
+    for i in 0..12 {
+        keys.push(insert(&db, Some(&format!("e{}", i % 3)), i).await);
+    }
+    // What the poller left behind: 4 rows sent, 2 poisoned by it (attempts
+    // exhausted, with their poison rows), 1 poisoned by a CDC relay (a poison row
+    // only), and an unmappable row (no entity id) nobody tried yet.
+    let (sent, rest) = keys.split_at(4);
+    let (poisoned, unsent) = rest.split_at(3);
+    db.client
+        .execute(
+            "UPDATE outbox SET sent_at = now() WHERE idempotency_key = ANY($1)",
+            &[&sent],
+        )
+        .await
+        .unwrap();
+    db.client
+        .execute(
+            "UPDATE outbox SET attempts = 5, last_error = 'too large'
+             WHERE idempotency_key = ANY($1)",
+            &[&&poisoned[..2]],
+        )
+        .await
+        .unwrap();
+    db.client
+        .execute(
+            "INSERT INTO poison_outbox (outbox_id, idempotency_key, aggregate_id, error, error_kind, attempts)
+             SELECT id::text, idempotency_key, aggregate_id, 'too large', 'message_size_too_large', 5
+             FROM outbox WHERE idempotency_key = ANY($1)",
+            &[&poisoned],
+        )
+        .await
+        .unwrap();
+    let unmappable = insert(&db, None, 99).await;
+
+    let config = db.config_path.to_str().unwrap();
+    let out = run_cli(&["cutover", "--config", config]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "cutover failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("backlog 6 rows: 5 published, 1 poisoned"),
+        "{stdout}"
+    );
+
+    let records = consume(&db.topic, unsent.len() + 1, Duration::from_secs(20)).await;
+    let mut got: Vec<String> = records
+        .iter()
+        .map(|r| r.header("idempotency_key").unwrap().to_owned())
+        .collect();
+    got.sort();
+    let mut want = unsent.to_vec();
+    want.sort();
+    assert_eq!(got, want, "exactly the unsent, unpoisoned, mappable rows");
+    let (cp, published, poisoned_count, completed) = marker(&db).await.unwrap();
+    assert_eq!((published, poisoned_count, completed), (5, 1, true));
+    let cp = cp.unwrap();
+    assert!(
+        records
+            .iter()
+            .all(|r| r.header("source_lsn") == Some(cp.as_str()))
+    );
+    assert_per_key_order(&records);
+    // Marked like the poller marks: published rows sent, the unmappable one poisoned.
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL").await,
+        9
+    );
+    let kind: String = db
+        .client
+        .query_one(
+            "SELECT error_kind FROM poison_outbox WHERE idempotency_key = $1",
+            &[&unmappable],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kind, "null_key");
+
+    // Running it again does nothing; `run` streams from the consistent point.
+    let again = run_cli(&["cutover", "--config", config]);
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stdout).contains("already completed"));
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let later = insert(&db, Some("e0"), 100).await;
+    let records =
+        harness::consume_exactly(&db.topic, unsent.len() + 1, Duration::from_secs(30), &relay)
+            .await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    assert_eq!(records.len(), unsent.len() + 1, "nothing re-sent by run");
+    let streamed = records
+        .iter()
+        .find(|r| r.header("idempotency_key") == Some(later.as_str()))
+        .expect("the new row is streamed");
+    assert!(harness::parse_lsn(streamed.header("source_lsn").unwrap()) > harness::parse_lsn(&cp));
+    relay.terminate(Duration::from_secs(30)).await;
+
+    // A slot that was not made by a cutover is refused by the command.
+    db.drop_slot().await;
+    db.client
+        .execute("DELETE FROM outbox_relay_cutover", &[])
+        .await
+        .unwrap();
+    db.create_slot().await;
+    let refused = run_cli(&["cutover", "--config", config]);
+    assert_eq!(refused.status.code(), Some(3));
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_mid_cutover_is_resumed_without_loss() {
+    let db = TestDb::create("cutover_crash").await;
+    // A backlog big enough for many windows of 50 rows.
+    db.client
+        .execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'e' || (g % 10), 'OrderPlaced', jsonb_build_object('seq', g)
+             FROM generate_series(1, 20000) g",
+            &[],
+        )
+        .await
+        .unwrap();
+    let window = [("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "50")];
+    let relay = RelayProcess::start(&db.config_path, &window);
+    harness::wait_until(Duration::from_secs(60), "the cutover publishes", || async {
+        marker(&db)
+            .await
+            .is_some_and(|(_, published, _, _)| published >= 100)
+    })
+    .await;
+    relay.kill9().await;
+    let (_, published_before, _, completed) = marker(&db).await.unwrap();
+    assert!(
+        !completed,
+        "killed mid-cutover (raise the backlog if this fails)"
+    );
+    assert!(
+        count(&db, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = current_database() || '_slot'").await == 1,
+        "the slot exists although the cutover did not finish"
+    );
+
+    // Rows committed after the crash belong to the resumed cutover or the stream.
+    for i in 0..20 {
+        insert(&db, Some("late"), i).await;
+    }
+    let relay = RelayProcess::start(&db.config_path, &window);
+    db.wait_streaming(&relay).await;
+    for i in 20..40 {
+        insert(&db, Some("late"), i).await;
+    }
+    let expected = 20_040;
+    let records = consume_unique(&db.topic, expected, Duration::from_secs(180), &relay).await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let counts = deliveries(&records);
+    assert_eq!(counts.len(), expected, "every event delivered");
+    let duplicates: usize = counts.values().map(|n| n - 1).sum();
+    println!("published before the crash {published_before}, duplicates {duplicates}");
+    // Only the window in flight at the crash (published, not yet marked).
+    assert!(duplicates <= 50, "{duplicates} duplicates");
+    assert!(
+        relay.log().contains("cutover was interrupted"),
+        "{}",
+        relay.log()
+    );
+    assert!(
+        marker(&db).await.unwrap().3,
+        "the resumed cutover completed"
+    );
+    let report = audit(&db);
+    assert_eq!(report["lost"], 0, "{report}");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_without_poller_columns_is_not_cut_over() {
+    let db = TestDb::create("cutover_nopoll").await;
+    db.client
+        .batch_execute("ALTER TABLE outbox DROP COLUMN sent_at, DROP COLUMN attempts")
+        .await
+        .unwrap();
+    let before = insert(&db, Some("e"), 0).await;
+    // The explicit command refuses, and leaves neither slot nor marker behind.
+    let out = run_cli(&["cutover", "--config", db.config_path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("sent_at"),
+        "{out:?}"
+    );
+    assert!(marker(&db).await.is_none());
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = current_database() || '_slot'").await,
+        0
+    );
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let after = insert(&db, Some("e"), 1).await;
+    let records = harness::consume_exactly(&db.topic, 1, Duration::from_secs(30), &relay).await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let keys: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r.header("idempotency_key"))
+        .collect();
+    assert_eq!(
+        keys,
+        vec![after.as_str()],
+        "only what commits after the slot"
+    );
+    assert_ne!(before, after);
+    assert!(marker(&db).await.is_none(), "no cutover recorded");
+    assert!(relay.log().contains("no polling relay to cut over from"));
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_starting_together_cut_over_once() {
+    let db = TestDb::create("cutover_twice").await;
+    db.client
+        .execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'e' || (g % 10), 'OrderPlaced', jsonb_build_object('seq', g)
+             FROM generate_series(1, 3000) g",
+            &[],
+        )
+        .await
+        .unwrap();
+    // Small windows make the cutover last; the second relay is a standby.
+    let env = [
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "100"),
+        ("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "3600"),
+    ];
+    let first = RelayProcess::start(&db.config_path, &env);
+    let mut second = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&first).await;
+    insert(&db, Some("late"), 0).await;
+    let records = consume_unique(&db.topic, 3001, Duration::from_secs(120), &first).await;
+    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let counts = deliveries(&records);
+    assert_eq!(counts.len(), 3001);
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "the backlog was published once"
+    );
+    let (_, published, _, completed) = marker(&db).await.unwrap();
+    assert_eq!((published, completed), (3000, true));
+    assert!(second.is_running(), "the second relay waits as a standby");
+    let cutovers = [first.log(), second.log()]
+        .iter()
+        .filter(|log| log.contains("cutover complete"))
+        .count();
+    assert_eq!(cutovers, 1, "one relay cut over");
+    first.terminate(Duration::from_secs(30)).await;
+    second.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
