@@ -14,6 +14,7 @@
 //! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
 
 pub mod audit;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod demo;
