@@ -172,19 +172,47 @@ impl Fixture {
         })
     }
 
-    /// Writes a non-transactional logical message after the workload and returns its
-    /// LSN: a WAL position past the last event's commit that every reader reaches
-    /// promptly (the walsender's keepalive reports it), used as the drain target.
+    /// Commits one marker row after the workload and returns a WAL position taken
+    /// inside its transaction, after its insert: past every workload commit, before
+    /// the marker's own commit.
+    ///
+    /// A reader that confirmed this position has resolved every workload event,
+    /// and the CDC relay confirms it as soon as the marker is acked. (A position
+    /// after the last commit that no transaction follows, such as a
+    /// non-transactional logical message, would be confirmed only at the
+    /// walsender's next keepalive, seconds later.) `pg_recvlogical --endpos` stops
+    /// at the marker's commit, the first record past it.
     pub async fn end_marker(&self) -> Result<Lsn> {
-        let lsn: String = self
-            .client
-            .query_one(
-                "SELECT pg_logical_emit_message(false, 'outbox-relay-bench', 'end')::text",
-                &[],
-            )
-            .await?
-            .get(0);
-        parse_lsn(&lsn)
+        self.client.batch_execute("BEGIN").await?;
+        let lsn = async {
+            self.client
+                .execute(
+                    &format!(
+                        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload)
+                         VALUES ('bench', 'end-marker', 'BenchEnd', '{{}}')",
+                        self.table
+                    ),
+                    &[],
+                )
+                .await?;
+            let lsn: String = self
+                .client
+                .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+                .await?
+                .get(0);
+            parse_lsn(&lsn)
+        }
+        .await;
+        match lsn {
+            Ok(lsn) => {
+                self.client.batch_execute("COMMIT").await?;
+                Ok(lsn)
+            }
+            Err(e) => {
+                let _ = self.client.batch_execute("ROLLBACK").await;
+                Err(e)
+            }
+        }
     }
 
     /// `pg_current_wal_lsn()`.

@@ -19,9 +19,10 @@
 //! The backlog workload pre-inserts N events (slot created first, so they are all
 //! in its stream), then times each mode from its start until the last event is
 //! acknowledged by the broker: for the CDC relay, until the slot's confirmed LSN
-//! passes a marker written after the last commit (the relay confirms only acked
-//! transactions); for the poller, until no row is unsent (it marks only acked
-//! rows). Both are then checked by counting the records on the topic.
+//! passes a position inside a marker transaction committed after the workload
+//! (the relay confirms only acked transactions); for the poller, until no row is
+//! unsent (it marks only acked rows). Both are then checked by counting the
+//! records on the topic.
 //!
 //! The steady workload writes at a fixed rate (25/50/80% of the CDC maximum just
 //! measured) from open-loop writers and reports the latency from the row's
