@@ -102,6 +102,7 @@ fn bars(
         .disable_y_mesh()
         .y_labels(n)
         .y_label_formatter(&label_of)
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .x_desc(unit)
         .draw()
         .map_err(|e| e.to_string())?;
