@@ -150,6 +150,23 @@ fn deadline_for(target: Target) -> Duration {
 // Child processes
 // ---------------------------------------------------------------------------
 
+/// `outbox-relay <args> --config <fixture config>` (this very binary), with no
+/// `OUTBOX_RELAY__` variables inherited: they would override the run's unique
+/// names.
+pub fn relay_command(fixture: &Fixture, args: &[&str]) -> Result<tokio::process::Command> {
+    let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+    cmd.args(args).arg("--config").arg(&fixture.config_path);
+    for (name, _) in std::env::vars_os() {
+        let inherited_override = name.to_str().is_some_and(|n| {
+            n.starts_with(crate::config::ENV_PREFIX) || n == "OUTBOX_RELAY_CONFIG"
+        });
+        if inherited_override {
+            cmd.env_remove(name);
+        }
+    }
+    Ok(cmd)
+}
+
 /// A child process of this binary (or `pg_recvlogical`) with its stderr in a file.
 struct RelayChild {
     child: tokio::process::Child,
@@ -160,20 +177,9 @@ struct RelayChild {
 }
 
 impl RelayChild {
-    /// `outbox-relay <args> --config <fixture config>`, with no `OUTBOX_RELAY__`
-    /// variables inherited (they would override the run's unique names).
+    /// `outbox-relay <args>` for the fixture (see [`relay_command`]).
     fn spawn(fixture: &Fixture, args: &[&str]) -> Result<RelayChild> {
-        let exe = std::env::current_exe()?;
-        let mut cmd = tokio::process::Command::new(exe);
-        cmd.args(args).arg("--config").arg(&fixture.config_path);
-        for (name, _) in std::env::vars_os() {
-            let strip = name.to_str().is_some_and(|n| {
-                n.starts_with(crate::config::ENV_PREFIX) || n == "OUTBOX_RELAY_CONFIG"
-            });
-            if strip {
-                cmd.env_remove(name);
-            }
-        }
+        let cmd = relay_command(fixture, args)?;
         RelayChild::start(
             cmd,
             &format!("outbox-relay {}", args.join(" ")),

@@ -182,22 +182,16 @@ impl Report {
         }
     }
 
-    /// Copies the headline steady latencies into the per-mode results.
+    /// Copies the headline steady latencies into the results of the same modes
+    /// (the steady poller runs with the settings of one backlog row).
     pub fn attach_latencies(&mut self) {
         for result in &mut self.results {
-            let label = if result.mode.starts_with("poll-") {
-                super::steady::POLL_LABEL
-            } else {
-                result.mode.as_str()
-            };
-            if result.mode.starts_with("poll-") && self.best_poll.as_deref() != Some(&result.mode) {
-                continue;
-            }
             result.latency = self
                 .steady
                 .iter()
                 .find(|s| {
-                    s.mode == label && (s.fraction - super::steady::HEADLINE_FRACTION).abs() < 1e-9
+                    s.mode == result.mode
+                        && (s.fraction - super::steady::HEADLINE_FRACTION).abs() < 1e-9
                 })
                 .map(|s| s.latency);
         }
@@ -313,13 +307,13 @@ impl Report {
         if !self.steady.is_empty() {
             let _ = writeln!(
                 out,
-                "\nsteady rate, {} s per run, latency from created_at to consumer (ms):\n{:<8} {:>6} {:>10} {:>10} {:>18} {:>18} {:>18} {:>18}",
+                "\nsteady rate, {} s per run, latency from created_at to consumer (ms):\n{:<14} {:>6} {:>10} {:>10} {:>18} {:>18} {:>18} {:>18}",
                 w.steady_secs, "mode", "load", "target/s", "achieved/s", "p50", "p95", "p99", "max"
             );
             for s in &self.steady {
                 let _ = writeln!(
                     out,
-                    "{:<8} {:>5.0}% {:>10.0} {:>10.0} {:>18} {:>18} {:>18} {:>18}",
+                    "{:<14} {:>5.0}% {:>10.0} {:>10.0} {:>18} {:>18} {:>18} {:>18}",
                     s.mode,
                     s.fraction * 100.0,
                     s.target_events_per_s,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
-use super::drain::Mode;
+use super::drain::{Mode, relay_command};
 use super::fixture::{Fixture, insert_params, insert_statement};
 use super::report::{LatencySpread, SteadyResult};
 use super::stats::{Latency, Schedule, Spread, rate};
@@ -30,8 +30,8 @@ use crate::error::{Error, Result};
 pub const FRACTIONS: [f64; 3] = [0.25, 0.5, 0.8];
 /// The fraction whose latencies go into the main results table.
 pub const HEADLINE_FRACTION: f64 = 0.5;
-/// Label of the poller in the steady runs.
-pub const POLL_LABEL: &str = "poll";
+/// Label of the poller in the steady runs: the backlog label of its settings.
+pub const POLL_LABEL: &str = "poll-b1000-w1";
 /// The poller's settings for the steady runs: one worker keeps per-key order, a
 /// 50 ms interval trades idle queries for latency.
 const POLL_ARGS: [&str; 7] = [
@@ -139,6 +139,7 @@ async fn run_in(
             BenchError::Setup(format!("no steady schedule for {events_per_s} events/s"))
         })?;
     let cdc = mode == "cdc";
+    debug_assert!(cdc || mode == POLL_LABEL);
     if cdc {
         fixture.create_slot().await?;
     }
@@ -182,27 +183,12 @@ async fn run_in(
 }
 
 fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
-    let exe = std::env::current_exe()?;
-    let mut cmd = tokio::process::Command::new(exe);
-    if cdc {
-        cmd.arg("run");
-    } else {
-        cmd.args(POLL_ARGS);
-    }
-    cmd.arg("--config")
-        .arg(&fixture.config_path)
-        .stdin(Stdio::null())
+    let args: &[&str] = if cdc { &["run"] } else { &POLL_ARGS };
+    let mut cmd = relay_command(fixture, args)?;
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    for (name, _) in std::env::vars_os() {
-        if name
-            .to_str()
-            .is_some_and(|n| n.starts_with(crate::config::ENV_PREFIX) || n == "OUTBOX_RELAY_CONFIG")
-        {
-            cmd.env_remove(name);
-        }
-    }
     cmd.spawn()
         .map_err(|e| BenchError::Spawn("the relay".into(), e.to_string()).into())
 }
