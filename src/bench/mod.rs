@@ -86,6 +86,8 @@ pub enum BenchError {
     },
     #[error("cannot write {path}: {message}")]
     Output { path: String, message: String },
+    #[error("interrupted (the run's slot, tables and topic were dropped)")]
+    Interrupted,
 }
 
 /// Mode groups of `--modes`.
@@ -312,9 +314,21 @@ async fn backlog_run(
     progress: &Progress,
 ) -> Result<Sample> {
     let fixture = Fixture::create(config).await?;
-    let result = backlog_in(&fixture, mode, workload, progress).await;
+    let result = until_interrupted(backlog_in(&fixture, mode, workload, progress)).await;
     fixture.cleanup().await;
     result
+}
+
+/// Runs `work` unless Ctrl-C comes first, so that the caller can still drop the
+/// run's slot (a forgotten slot pins WAL). Child processes die with the dropped
+/// future (`kill_on_drop`).
+pub(crate) async fn until_interrupted<T>(
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::select! {
+        result = work => result,
+        _ = tokio::signal::ctrl_c() => Err(BenchError::Interrupted.into()),
+    }
 }
 
 async fn backlog_in(

@@ -122,7 +122,8 @@ async fn one_run(
     duration: Duration,
 ) -> Result<(f64, Latency)> {
     let fixture = Fixture::create(config).await?;
-    let result = run_in(&fixture, workload, mode, events_per_s, duration).await;
+    let result =
+        super::until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
     fixture.cleanup().await;
     result
 }
