@@ -22,6 +22,8 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -305,9 +307,10 @@ fn find_pg_tool(name: &str) -> Option<PathBuf> {
             .filter_map(|e| e.ok().map(|e| e.path().join("bin").join(name)))
             .filter(|p| p.is_file())
             .collect();
+        // /usr/lib/postgresql/<major>/bin/<name>: newest major last.
         found.sort_by_key(|p| {
             p.iter()
-                .nth(3)
+                .nth(4)
                 .and_then(|v| v.to_str()?.parse::<u32>().ok())
                 .unwrap_or(0)
         });
@@ -585,12 +588,34 @@ pub async fn count_on_topic(config: &Config, expected: u64, idle: Duration) -> R
             consumer_config.set(key, value);
         }
     }
-    tokio::task::spawn_blocking(move || count_blocking(&consumer_config, &topic, expected, idle))
-        .await
-        .map_err(|e| BenchError::Task(e.to_string()))?
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
+    tokio::task::spawn_blocking(move || {
+        count_blocking(&consumer_config, &topic, expected, idle, &stop)
+    })
+    .await
+    .map_err(|e| BenchError::Task(e.to_string()))?
 }
 
-fn count_blocking(cfg: &ClientConfig, topic: &str, expected: u64, idle: Duration) -> Result<u64> {
+/// Sets its flag when dropped: a consumer loop on a blocking thread watches it,
+/// so an interrupted (dropped) caller stops the loop and the consumer is closed
+/// before the process exits.
+#[derive(Debug)]
+pub struct StopOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+fn count_blocking(
+    cfg: &ClientConfig,
+    topic: &str,
+    expected: u64,
+    idle: Duration,
+    stop: &AtomicBool,
+) -> Result<u64> {
     let consumer: BaseConsumer = cfg.create()?;
     let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
     let mut assignment = TopicPartitionList::new();
@@ -603,7 +628,7 @@ fn count_blocking(cfg: &ClientConfig, topic: &str, expected: u64, idle: Duration
     let mut next: std::collections::HashMap<i32, i64> = std::collections::HashMap::new();
     let mut seen = 0u64;
     let mut last_progress = Instant::now();
-    while seen < expected && last_progress.elapsed() < idle {
+    while seen < expected && last_progress.elapsed() < idle && !stop.load(Ordering::Acquire) {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
                 let expected_offset = next.entry(m.partition()).or_insert(0);

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
-use super::drain::{Mode, relay_command};
+use super::drain::{Mode, StopOnDrop, relay_command};
 use super::fixture::{Fixture, insert_params, insert_statement};
 use super::report::{LatencySpread, SteadyResult};
 use super::stats::{Latency, Schedule, Spread, rate};
@@ -148,6 +148,7 @@ async fn run_in(
     wait_ready(fixture, cdc, &mut child).await?;
     let expected = schedule.count() * u64::from(workload.rows_per_tx);
     let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
     let consumer = {
         let cfg = consumer_config(&fixture.config);
         let topic = fixture.topic.clone();
