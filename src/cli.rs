@@ -81,6 +81,15 @@ pub enum Command {
         #[command(flatten)]
         args: crate::retention::RetentionArgs,
     },
+    /// Side-by-side throughput and latency: the PostgreSQL and broker ceilings, the
+    /// CDC relay and the poller, on the same workload (creates and drops its own
+    /// tables, slot and topic).
+    Bench {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::bench::BenchArgs,
+    },
     /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
     Status {
         #[command(flatten)]

@@ -20,6 +20,7 @@
 //! [`cutover`] takes over from a polling relay ([`poller`]) when the slot is created.
 
 pub mod audit;
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

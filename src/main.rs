@@ -151,6 +151,20 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             outbox_relay::retention::run(&config, &args, Box::pin(termination_signal())).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Bench { config, args } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            let report = outbox_relay::bench::run(&config, &args).await?;
+            if let Some(path) = &args.plot {
+                report.plot(path)?;
+            }
+            if args.json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{}", report.render_table());
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Replay { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);

@@ -3,12 +3,14 @@
 //! `journald`, pipes), nothing for small totals. stdout stays free for the
 //! command's result (tables, JSON).
 //!
-//! Hand-written rather than a progress-bar crate: it is one screen of code, has no
-//! terminal-size or thread dependencies, and its plain-line mode is the one most
-//! runs actually use.
+//! The terminal bar is `indicatif`'s (as `bench` uses): it handles terminal width,
+//! redraw rate and clearing. The plain-line mode — the one CI logs and services see —
+//! is ours, so its lines stay greppable (`audit: outbox rows 150000/300000 (50%, …)`).
 
 use std::io::{IsTerminal, Write as _};
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
 
 /// Below this many rows `audit` shows no progress: they finish before a bar helps.
 pub const MIN_TOTAL: u64 = 50_000;
@@ -29,7 +31,8 @@ pub struct Meter {
     step: u64,
     next_line: u64,
     started: Instant,
-    last_draw: Instant,
+    /// The terminal bar, made at the first update.
+    bar: Option<ProgressBar>,
 }
 
 impl Meter {
@@ -51,7 +54,7 @@ impl Meter {
             step,
             next_line: step,
             started: now,
-            last_draw: now,
+            bar: None,
         }
     }
 
@@ -69,9 +72,7 @@ impl Meter {
             return;
         }
         if self.tty {
-            if self.last_draw.elapsed() >= Duration::from_millis(200) {
-                self.draw_bar();
-            }
+            self.draw_bar();
         } else if self.done >= self.next_line {
             self.print_line();
             while self.next_line <= self.done {
@@ -87,7 +88,9 @@ impl Meter {
         }
         if self.tty {
             self.draw_bar();
-            let _ = writeln!(std::io::stderr());
+            if let Some(bar) = &self.bar {
+                bar.finish();
+            }
         } else if self.printed != self.done {
             self.print_line();
         }
@@ -116,22 +119,20 @@ impl Meter {
     }
 
     fn draw_bar(&mut self) {
-        const WIDTH: u64 = 30;
-        let filled = usize::try_from(self.percent() * WIDTH / 100).unwrap_or(0);
-        let empty = usize::try_from(WIDTH).unwrap_or(0).saturating_sub(filled);
-        let _ = write!(
-            std::io::stderr(),
-            "\r{}: {} [{}{}] {:>3}% {}/{} ({:.0}/s)   ",
-            self.command,
-            self.what,
-            "#".repeat(filled),
-            " ".repeat(empty),
-            self.percent(),
-            self.done,
-            self.shown_total(),
-            self.rate()
-        );
-        self.last_draw = Instant::now();
+        let bar = self.bar.get_or_insert_with(|| {
+            let bar = ProgressBar::new(self.total).with_elapsed(self.started.elapsed());
+            let template = format!(
+                "{}: {} [{{bar:30}}] {{percent:>3}}% {{pos}}/{{len}} ({{elapsed}})",
+                self.command, self.what
+            );
+            if let Ok(style) = ProgressStyle::with_template(&template) {
+                bar.set_style(style.progress_chars("#> "));
+            }
+            bar
+        });
+        // indicatif rate-limits the redraws itself.
+        bar.set_length(self.total.max(self.done));
+        bar.set_position(self.done);
     }
 
     fn print_line(&mut self) {

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod audit;
+mod bench;
 mod cutover;
 mod demo;
 mod enqueue;

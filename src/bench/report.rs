@@ -1,0 +1,499 @@
+//! What `bench` prints: the per-run samples aggregated per mode (median, min–max),
+//! the ratios that answer "how close to the ceilings, how far ahead of polling",
+//! as a terminal table, one JSON object, or an SVG chart.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::stats::{Latency, Spread};
+use super::{BenchArgs, BenchError, Workload, drain::Mode};
+
+/// One measured drain.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sample {
+    pub events_per_s: f64,
+    pub cpu_s_per_1m: Option<f64>,
+    pub rss_mib: Option<f64>,
+    /// WAL the application's inserts wrote, per event.
+    pub insert_wal_bytes_per_event: Option<f64>,
+    pub insert_events_per_s: Option<f64>,
+    pub avg_payload_bytes: Option<f64>,
+    /// WAL written while the mode drained (the poller's updates), per event.
+    pub drain_wal_bytes_per_event: Option<f64>,
+    pub dead_tuples: Option<i64>,
+    pub table_growth_bytes: Option<i64>,
+}
+
+/// The aggregated figures of one mode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModeResult {
+    pub mode: String,
+    pub settings: String,
+    pub runs: usize,
+    pub events_per_s: Spread,
+    pub cpu_s_per_1m: Option<Spread>,
+    pub rss_mib: Option<Spread>,
+    pub drain_wal_bytes_per_event: Option<Spread>,
+    pub dead_tuples: Option<Spread>,
+    pub table_growth_bytes: Option<Spread>,
+    /// From the steady run at [`super::steady::HEADLINE_FRACTION`] of the CDC maximum.
+    pub latency: Option<LatencySpread>,
+}
+
+/// Latency percentiles over repeated runs, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencySpread {
+    pub p50: Spread,
+    pub p95: Spread,
+    pub p99: Spread,
+    pub max: Spread,
+}
+
+impl LatencySpread {
+    /// The spread of each percentile over `runs`.
+    #[must_use]
+    pub fn of(runs: &[Latency]) -> Option<LatencySpread> {
+        let pick = |f: fn(&Latency) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
+        Some(LatencySpread {
+            p50: pick(|l| l.p50)?,
+            p95: pick(|l| l.p95)?,
+            p99: pick(|l| l.p99)?,
+            max: pick(|l| l.max)?,
+        })
+    }
+}
+
+/// One steady-rate measurement point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SteadyResult {
+    pub mode: String,
+    /// Fraction of the CDC backlog maximum.
+    pub fraction: f64,
+    pub target_events_per_s: f64,
+    pub achieved_events_per_s: Spread,
+    pub latency: LatencySpread,
+}
+
+/// The workload, as run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadInfo {
+    pub kind: String,
+    pub events: u64,
+    pub payload_bytes: usize,
+    pub avg_payload_bytes: Option<f64>,
+    pub rows_per_tx: u32,
+    pub writers: u32,
+    pub entities: u32,
+    pub repeat: u32,
+    pub steady_secs: u64,
+    pub wal_bytes_per_event: Option<Spread>,
+    pub insert_events_per_s: Option<Spread>,
+}
+
+impl WorkloadInfo {
+    #[must_use]
+    pub fn new(args: &BenchArgs, workload: &Workload, samples: &[(Mode, Sample)]) -> WorkloadInfo {
+        let all = |f: fn(&Sample) -> Option<f64>| {
+            Spread::of(&samples.iter().filter_map(|(_, s)| f(s)).collect::<Vec<_>>())
+        };
+        WorkloadInfo {
+            kind: format!("{:?}", args.workload).to_lowercase(),
+            events: workload.events,
+            payload_bytes: workload.payload_bytes,
+            avg_payload_bytes: all(|s| s.avg_payload_bytes).map(|s| s.median),
+            rows_per_tx: workload.rows_per_tx,
+            writers: workload.writers,
+            entities: workload.entities,
+            repeat: args.repeat,
+            steady_secs: args.steady_secs,
+            wal_bytes_per_event: all(|s| s.insert_wal_bytes_per_event),
+            insert_events_per_s: all(|s| s.insert_events_per_s),
+        }
+    }
+}
+
+/// Everything `bench` measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub workload: WorkloadInfo,
+    pub results: Vec<ModeResult>,
+    /// Label of the fastest poller setting, the baseline of `cdc_vs_poll`.
+    pub best_poll: Option<String>,
+    pub steady: Vec<SteadyResult>,
+}
+
+/// How the CDC relay compares, as `cdc events/s ÷ other events/s` (medians).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Ratios {
+    pub cdc_vs_poll: Option<f64>,
+    pub cdc_vs_pg_ceiling: Option<f64>,
+    pub cdc_vs_pg_ceiling_ours: Option<f64>,
+    pub cdc_vs_broker_ceiling: Option<f64>,
+}
+
+impl Report {
+    /// Aggregates `samples` per mode, in the order of `modes`.
+    #[must_use]
+    pub fn new(workload: WorkloadInfo, modes: &[Mode], samples: &[(Mode, Sample)]) -> Report {
+        let results: Vec<ModeResult> = modes
+            .iter()
+            .filter_map(|mode| aggregate(*mode, samples))
+            .collect();
+        let best_poll = results
+            .iter()
+            .filter(|r| r.mode.starts_with("poll-"))
+            .max_by(|a, b| a.events_per_s.median.total_cmp(&b.events_per_s.median))
+            .map(|r| r.mode.clone());
+        Report {
+            workload,
+            results,
+            best_poll,
+            steady: Vec::new(),
+        }
+    }
+
+    /// The result of a mode by label.
+    #[must_use]
+    pub fn result(&self, label: &str) -> Option<&ModeResult> {
+        self.results.iter().find(|r| r.mode == label)
+    }
+
+    fn median(&self, label: &str) -> Option<f64> {
+        self.result(label).map(|r| r.events_per_s.median)
+    }
+
+    /// The headline ratios; `None` where a side was not measured.
+    #[must_use]
+    pub fn ratios(&self) -> Ratios {
+        let cdc = self.median("cdc");
+        let ratio = |other: Option<f64>| match (cdc, other) {
+            (Some(c), Some(o)) if o > 0.0 => Some(c / o),
+            _ => None,
+        };
+        let recvlogical = self.median("pg-ceiling-recvlogical");
+        let ours = self.median("pg-ceiling-ours");
+        Ratios {
+            cdc_vs_poll: ratio(self.best_poll.as_deref().and_then(|p| self.median(p))),
+            cdc_vs_pg_ceiling: ratio(recvlogical.or(ours)),
+            cdc_vs_pg_ceiling_ours: ratio(ours),
+            cdc_vs_broker_ceiling: ratio(self.median("broker-ceiling")),
+        }
+    }
+
+    /// Copies the headline steady latencies into the results of the same modes
+    /// (the steady poller runs with the settings of one backlog row).
+    pub fn attach_latencies(&mut self) {
+        for result in &mut self.results {
+            result.latency = self
+                .steady
+                .iter()
+                .find(|s| {
+                    s.mode == result.mode
+                        && (s.fraction - super::steady::HEADLINE_FRACTION).abs() < 1e-9
+                })
+                .map(|s| s.latency);
+        }
+    }
+
+    /// The `--json` object: `{"workload", "results", "ratios", "steady"}`.
+    #[must_use]
+    pub fn to_json(&self) -> Value {
+        let r = self.ratios();
+        json!({
+            "workload": {
+                "kind": self.workload.kind,
+                "events": self.workload.events,
+                "payload_bytes": self.workload.payload_bytes,
+                "avg_payload_bytes": self.workload.avg_payload_bytes,
+                "rows_per_tx": self.workload.rows_per_tx,
+                "writers": self.workload.writers,
+                "entities": self.workload.entities,
+                "repeat": self.workload.repeat,
+                "steady_secs": self.workload.steady_secs,
+                "wal_bytes_per_event": self.workload.wal_bytes_per_event.map(|s| s.median),
+                "insert_events_per_s": self.workload.insert_events_per_s.map(|s| s.median),
+            },
+            "results": self.results.iter().map(|m| result_json(m, self.best_poll.as_deref())).collect::<Vec<_>>(),
+            "best_poll": self.best_poll,
+            "ratios": {
+                "cdc_vs_poll": r.cdc_vs_poll,
+                "cdc_vs_pg_ceiling": r.cdc_vs_pg_ceiling,
+                "cdc_vs_pg_ceiling_ours": r.cdc_vs_pg_ceiling_ours,
+                "cdc_vs_broker_ceiling": r.cdc_vs_broker_ceiling,
+            },
+            "steady": self.steady.iter().map(|s| json!({
+                "mode": s.mode,
+                "fraction_of_cdc_max": s.fraction,
+                "target_events_per_s": s.target_events_per_s,
+                "events_per_s": s.achieved_events_per_s.median,
+                "p50_ms": s.latency.p50.median,
+                "p95_ms": s.latency.p95.median,
+                "p99_ms": s.latency.p99.median,
+                "max_ms": s.latency.max.median,
+                "p99_ms_min": s.latency.p99.min,
+                "p99_ms_max": s.latency.p99.max,
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The terminal table.
+    #[must_use]
+    pub fn render_table(&self) -> String {
+        let w = &self.workload;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "workload: {} events, ~{} B payload ({} measured), {} rows/tx, {} writers, {} entities; median [min–max] of {} run(s)",
+            w.events,
+            w.payload_bytes,
+            w.avg_payload_bytes
+                .map_or("-".into(), |b| format!("{b:.0} B")),
+            w.rows_per_tx,
+            w.writers,
+            w.entities,
+            w.repeat,
+        );
+        if let (Some(wal), Some(rate)) = (w.wal_bytes_per_event, w.insert_events_per_s) {
+            let _ = writeln!(
+                out,
+                "inserts: {} WAL bytes/event, {} events/s",
+                spread(&wal, 0),
+                spread(&rate, 0)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\n{:<24} {:>28} {:>13} {:>13} {:>14} {:>12} {:>12}  settings",
+            "mode",
+            "events/s",
+            "CPU s/1M ev",
+            "peak RSS MiB",
+            "drain WAL B/ev",
+            "dead tuples",
+            "p99 ms"
+        );
+        for m in &self.results {
+            let best = if self.best_poll.as_deref() == Some(&m.mode) {
+                " (best poll)"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                out,
+                "{:<24} {:>28} {:>13} {:>13} {:>14} {:>12} {:>12}  {}{best}",
+                m.mode,
+                spread(&m.events_per_s, 0),
+                opt(m.cpu_s_per_1m.as_ref(), 1),
+                opt(m.rss_mib.as_ref(), 0),
+                opt(m.drain_wal_bytes_per_event.as_ref(), 0),
+                opt(m.dead_tuples.as_ref(), 0),
+                m.latency
+                    .map_or("-".into(), |l| format!("{:.0}", l.p99.median)),
+                m.settings,
+            );
+        }
+        let r = self.ratios();
+        let ratio = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}×"));
+        let _ = writeln!(
+            out,
+            "\ncdc vs best poll {}  ·  cdc vs PostgreSQL ceiling {} (ours {})  ·  cdc vs broker ceiling {}",
+            ratio(r.cdc_vs_poll),
+            ratio(r.cdc_vs_pg_ceiling),
+            ratio(r.cdc_vs_pg_ceiling_ours),
+            ratio(r.cdc_vs_broker_ceiling),
+        );
+        if !self.steady.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nsteady rate, {} s per run, latency from created_at to consumer (ms):\n{:<14} {:>6} {:>10} {:>10} {:>18} {:>18} {:>18} {:>18}",
+                w.steady_secs, "mode", "load", "target/s", "achieved/s", "p50", "p95", "p99", "max"
+            );
+            for s in &self.steady {
+                let _ = writeln!(
+                    out,
+                    "{:<14} {:>5.0}% {:>10.0} {:>10.0} {:>18} {:>18} {:>18} {:>18}",
+                    s.mode,
+                    s.fraction * 100.0,
+                    s.target_events_per_s,
+                    s.achieved_events_per_s.median,
+                    spread(&s.latency.p50, 1),
+                    spread(&s.latency.p95, 1),
+                    spread(&s.latency.p99, 1),
+                    spread(&s.latency.max, 1),
+                );
+            }
+        }
+        out
+    }
+
+    /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
+    /// steady-rate latencies (p50 and p99) when measured.
+    pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
+        super::plot::draw(self, path).map_err(|message| BenchError::Output {
+            path: path.display().to_string(),
+            message,
+        })
+    }
+}
+
+fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
+    let mine: Vec<&Sample> = samples
+        .iter()
+        .filter(|(m, _)| *m == mode)
+        .map(|(_, s)| s)
+        .collect();
+    let spread_of = |f: &dyn Fn(&Sample) -> Option<f64>| {
+        Spread::of(&mine.iter().filter_map(|s| f(s)).collect::<Vec<_>>())
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let as_f64 = |v: Option<i64>| v.map(|v| v as f64);
+    Some(ModeResult {
+        mode: mode.label(),
+        settings: mode.settings(),
+        runs: mine.len(),
+        events_per_s: spread_of(&|s| Some(s.events_per_s))?,
+        cpu_s_per_1m: spread_of(&|s| s.cpu_s_per_1m),
+        rss_mib: spread_of(&|s| s.rss_mib),
+        drain_wal_bytes_per_event: spread_of(&|s| s.drain_wal_bytes_per_event),
+        dead_tuples: spread_of(&|s| as_f64(s.dead_tuples)),
+        table_growth_bytes: spread_of(&|s| as_f64(s.table_growth_bytes)),
+        latency: None,
+    })
+}
+
+fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
+    let med = |s: Option<&Spread>| s.map(|s| s.median);
+    json!({
+        "mode": m.mode,
+        "settings": m.settings,
+        "best_poll": best_poll == Some(m.mode.as_str()),
+        "runs": m.runs,
+        "events_per_s": m.events_per_s.median,
+        "events_per_s_min": m.events_per_s.min,
+        "events_per_s_max": m.events_per_s.max,
+        "p50_ms": m.latency.map(|l| l.p50.median),
+        "p95_ms": m.latency.map(|l| l.p95.median),
+        "p99_ms": m.latency.map(|l| l.p99.median),
+        "max_ms": m.latency.map(|l| l.max.median),
+        "cpu_s_per_1m": med(m.cpu_s_per_1m.as_ref()),
+        "rss_mib": med(m.rss_mib.as_ref()),
+        "drain_wal_bytes_per_event": med(m.drain_wal_bytes_per_event.as_ref()),
+        "dead_tuples": med(m.dead_tuples.as_ref()),
+        "table_growth_bytes": med(m.table_growth_bytes.as_ref()),
+    })
+}
+
+/// `median [min–max]`, or just the value when all runs agree.
+fn spread(s: &Spread, decimals: usize) -> String {
+    if (s.max - s.min).abs() < f64::EPSILON {
+        format!("{:.decimals$}", s.median)
+    } else {
+        format!(
+            "{:.decimals$} [{:.decimals$}–{:.decimals$}]",
+            s.median, s.min, s.max
+        )
+    }
+}
+
+fn opt(s: Option<&Spread>, decimals: usize) -> String {
+    s.map_or("-".into(), |s| format!("{:.decimals$}", s.median))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(rate: f64) -> Sample {
+        Sample {
+            events_per_s: rate,
+            cpu_s_per_1m: Some(10.0),
+            ..Sample::default()
+        }
+    }
+
+    fn info() -> WorkloadInfo {
+        WorkloadInfo {
+            kind: "backlog".into(),
+            events: 10,
+            payload_bytes: 300,
+            avg_payload_bytes: None,
+            rows_per_tx: 1,
+            writers: 1,
+            entities: 1,
+            repeat: 2,
+            steady_secs: 1,
+            wal_bytes_per_event: None,
+            insert_events_per_s: None,
+        }
+    }
+
+    #[test]
+    fn aggregates_per_mode_and_picks_the_best_poller() {
+        let p1 = Mode::Poll {
+            batch: 100,
+            workers: 1,
+        };
+        let p4 = Mode::Poll {
+            batch: 1000,
+            workers: 4,
+        };
+        let samples = vec![
+            (Mode::Cdc, sample(100.0)),
+            (Mode::Cdc, sample(300.0)),
+            (p1, sample(10.0)),
+            (p4, sample(50.0)),
+            (Mode::RecvLogical, sample(400.0)),
+            (Mode::BrokerCeiling, sample(200.0)),
+        ];
+        let modes = [Mode::RecvLogical, Mode::BrokerCeiling, Mode::Cdc, p1, p4];
+        let report = Report::new(info(), &modes, &samples);
+        let cdc = report.result("cdc").unwrap();
+        assert_eq!(
+            cdc.events_per_s,
+            Spread {
+                median: 200.0,
+                min: 100.0,
+                max: 300.0
+            }
+        );
+        assert_eq!(report.best_poll.as_deref(), Some("poll-b1000-w4"));
+        let r = report.ratios();
+        assert_eq!(r.cdc_vs_poll, Some(4.0));
+        assert_eq!(r.cdc_vs_pg_ceiling, Some(0.5));
+        assert_eq!(r.cdc_vs_broker_ceiling, Some(1.0));
+        assert_eq!(r.cdc_vs_pg_ceiling_ours, None);
+        let json = report.to_json();
+        assert_eq!(json["results"].as_array().unwrap().len(), 5);
+        assert_eq!(json["ratios"]["cdc_vs_poll"], 4.0);
+        assert!(json["results"][0]["p50_ms"].is_null());
+        assert!(report.render_table().contains("poll-b1000-w4"));
+    }
+
+    #[test]
+    fn spread_text() {
+        assert_eq!(
+            spread(
+                &Spread {
+                    median: 2.0,
+                    min: 1.0,
+                    max: 3.0
+                },
+                0
+            ),
+            "2 [1–3]"
+        );
+        assert_eq!(
+            spread(
+                &Spread {
+                    median: 2.0,
+                    min: 2.0,
+                    max: 2.0
+                },
+                1
+            ),
+            "2.0"
+        );
+    }
+}

@@ -1,0 +1,97 @@
+//! CPU time and peak memory of a process, read from Linux's `/proc`.
+//!
+//! The benchmark charges each mode with the CPU its relay process used while
+//! draining (user + system, all threads: `/proc/<pid>/stat` fields 14 and 15) and
+//! its peak resident set (`VmHWM` in `/proc/<pid>/status`). Child processes are
+//! sampled while they run and once more right before they are stopped, so the
+//! shutdown is not counted. In-process modes read `/proc/self` before and after, and
+//! reset the peak first (`5` written to `/proc/self/clear_refs`), so one mode's peak
+//! is not another's. Off Linux the figures are simply absent.
+
+use std::time::Duration;
+
+/// `USER_HZ`, the unit of the times in `/proc/<pid>/stat`: fixed at 100 by the Linux
+/// ABI on every architecture this binary builds for (`sysconf(_SC_CLK_TCK)`).
+const USER_HZ: f64 = 100.0;
+
+/// One reading of a process's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    /// User + system CPU time so far.
+    pub cpu: Duration,
+    /// Peak resident set size so far, in KiB (`VmHWM`).
+    pub peak_rss_kib: u64,
+}
+
+impl Usage {
+    /// Reads `/proc/<pid>` (`"self"` for this process); `None` when it is gone or
+    /// unreadable.
+    #[must_use]
+    pub fn read(pid: &str) -> Option<Usage> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        Some(Usage {
+            cpu: cpu_from_stat(&stat)?,
+            peak_rss_kib: peak_from_status(&status).unwrap_or(0),
+        })
+    }
+
+    /// This process.
+    #[must_use]
+    pub fn of_self() -> Option<Usage> {
+        Usage::read("self")
+    }
+
+    /// Resets this process's peak RSS to its current RSS, so the next reading shows
+    /// the peak from now on. Best effort (needs Linux ≥ 4.0).
+    pub fn reset_self_peak() {
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    }
+}
+
+/// Utime + stime from the text of `/proc/<pid>/stat`. The command name (field 2)
+/// may contain spaces and parentheses, so fields are counted after the last `)`.
+fn cpu_from_stat(stat: &str) -> Option<Duration> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the command: state is field 3, utime field 14, stime field 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    #[allow(clippy::cast_precision_loss)]
+    Some(Duration::from_secs_f64((utime + stime) as f64 / USER_HZ))
+}
+
+/// `VmHWM` in KiB from the text of `/proc/<pid>/status`.
+fn peak_from_status(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_a_tricky_command_name() {
+        let stat = "1234 (out) box (relay)) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0 100 0 0";
+        assert_eq!(cpu_from_stat(stat), Some(Duration::from_secs(3)));
+        assert_eq!(cpu_from_stat("garbage"), None);
+        assert_eq!(cpu_from_stat("1 (x) S 1"), None);
+    }
+
+    #[test]
+    fn parses_vmhwm() {
+        let status =
+            "Name:\toutbox-relay\nVmPeak:\t  100 kB\nVmHWM:\t   20480 kB\nVmRSS:\t 10 kB\n";
+        assert_eq!(peak_from_status(status), Some(20480));
+        assert_eq!(peak_from_status("Name: x\n"), None);
+    }
+
+    #[test]
+    fn reads_this_process_on_linux() {
+        if cfg!(target_os = "linux") {
+            let usage = Usage::of_self().unwrap();
+            assert!(usage.peak_rss_kib > 0);
+        }
+    }
+}
