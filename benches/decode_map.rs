@@ -1,6 +1,12 @@
 //! Micro-benchmarks of the per-event hot path: decoding a pgoutput `Insert` of the
 //! default outbox table, and mapping it to a Kafka record. Events/s per core is
 //! `1 / time per iteration`. Run with `cargo bench --bench decode_map`.
+//!
+//! Before timing, it counts heap allocations per event (decode, map, both) with a
+//! counting global allocator and prints them: zero-copy decoding should allocate
+//! nothing, and the mapper only what a record must own.
+
+use std::alloc::System;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -10,6 +16,25 @@ use outbox_relay::outbox::{Mapped, OutboxMapper};
 use outbox_relay::postgres::pgoutput::{
     Decoder, LogicalReplicationMessage, Relation, RelationColumn,
 };
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+
+// Counts allocations (stats_alloc wraps the system allocator; this crate forbids
+// unsafe code, so no hand-written GlobalAlloc).
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Allocations per call of `f`, averaged over many calls.
+fn allocations_per_call<T>(mut f: impl FnMut() -> T) -> f64 {
+    const CALLS: u32 = 10_000;
+    let region = Region::new(GLOBAL);
+    for _ in 0..CALLS {
+        std::hint::black_box(f());
+    }
+    let stats = region.change();
+    #[allow(clippy::cast_precision_loss)]
+    let per_call = (stats.allocations + stats.reallocations) as f64 / f64::from(CALLS);
+    per_call
+}
 
 const RELATION_ID: u32 = 16_385;
 const TEXT: u32 = 25;
@@ -95,9 +120,23 @@ fn mapper() -> OutboxMapper {
     mapper
 }
 
+fn print_allocations(frame: &Bytes, mapper: &OutboxMapper) {
+    let mut decoder = Decoder::new(1);
+    let decode = allocations_per_call(|| decoder.decode(frame.clone()).expect("decodes"));
+    let Ok(LogicalReplicationMessage::Insert(insert)) = decoder.decode(frame.clone()) else {
+        panic!("not an insert");
+    };
+    let map = allocations_per_call(|| mapper.map_insert(&insert, Lsn(0x16_B374_D848)));
+    eprintln!(
+        "allocations per event: decode {decode:.1}, map {map:.1}, decode+map {:.1}",
+        decode + map
+    );
+}
+
 fn bench(c: &mut Criterion) {
     let frame = insert_frame();
     let mapper = mapper();
+    print_allocations(&frame, &mapper);
     let mut group = c.benchmark_group("per_event");
     group.throughput(Throughput::Elements(1));
     group.bench_function("decode_insert", |b| {

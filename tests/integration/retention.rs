@@ -101,11 +101,17 @@ async fn log_deletes(db: &TestDb) {
         .unwrap();
 }
 
-/// Inserts `n` events from its own connection, `per_tx` per transaction.
+/// Inserts `n` events from its own connection, `per_tx` per transaction, spread
+/// over about three seconds: retention must get several cycles (and the relay
+/// several confirmations) while writers are still writing, however fast the
+/// machine inserts.
 async fn writer(url: String, name: String, n: usize, per_tx: usize) -> Vec<String> {
     let mut client = harness::connect(&url).await;
     let mut keys = Vec::with_capacity(n);
+    let transactions = u32::try_from(n.div_ceil(per_tx.max(1))).unwrap_or(u32::MAX);
+    let pause = Duration::from_secs(3) / transactions.max(1);
     while keys.len() < n {
+        tokio::time::sleep(pause).await;
         let tx = client.transaction().await.unwrap();
         for _ in 0..per_tx.min(n - keys.len()) {
             let key: String = tx
