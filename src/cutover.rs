@@ -581,18 +581,7 @@ fn to_batch_row(
     row: &crate::outbox::OutboxRow,
     consistent_point: Lsn,
 ) -> BatchRow {
-    let result = match mapper.map_row(row, Some(consistent_point)) {
-        Ok(event) => RowResult::Event {
-            event,
-            delivery: Delivery::Pending,
-        },
-        Err(unmappable) => RowResult::Unmappable {
-            fields: Box::new(unmappable.fields),
-            error_kind: unmappable.error_kind,
-            reason: unmappable.reason,
-        },
-    };
-    BatchRow { polled, result }
+    BatchRow::map(mapper, polled, row, Some(consistent_point))
 }
 
 /// The rows of a marked round that must be sent again: not acked, not poisoned.

@@ -125,7 +125,7 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
     let mock;
     let brokers = match &args.brokers {
         Some(brokers) => {
-            create_topic(brokers, TOPIC, 6).await?;
+            crate::kafka::create_topic(brokers, TOPIC, 6).await?;
             brokers.clone()
         }
         None => {
@@ -321,33 +321,6 @@ async fn write_events(url: &str, args: &DemoArgs) -> Result<()> {
     for t in tasks {
         t.await
             .map_err(|e| Error::Other(format!("writer task failed: {e}")))??;
-    }
-    Ok(())
-}
-
-/// Creates the demo topic on a real broker (some, like Tansu, never auto-create).
-async fn create_topic(brokers: &str, name: &str, partitions: i32) -> Result<()> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    use rdkafka::types::RDKafkaErrorCode;
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?;
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = admin.create_topics([&topic], &opts).await.map_err(|e| {
-        Error::BrokerUnavailable(format!("cannot create topic {name} on {brokers}: {e}"))
-    })?;
-    for result in results {
-        match result {
-            Ok(_) => {}
-            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((topic, code)) => {
-                return Err(Error::BrokerUnavailable(format!(
-                    "cannot create topic {topic} on {brokers}: {code}"
-                )));
-            }
-        }
     }
     Ok(())
 }

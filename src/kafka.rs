@@ -778,6 +778,33 @@ impl Drop for Publisher {
     }
 }
 
+/// Creates a topic (Tansu and many production brokers never auto-create); an
+/// existing topic is fine. Used by `demo --brokers` and `bench`.
+pub async fn create_topic(brokers: &str, name: &str, partitions: i32) -> Result<(), Error> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = admin.create_topics([&topic], &opts).await.map_err(|e| {
+        Error::BrokerUnavailable(format!("cannot create topic {name} on {brokers}: {e}"))
+    })?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(Error::BrokerUnavailable(format!(
+                    "cannot create topic {topic} on {brokers}: {code}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

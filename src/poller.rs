@@ -135,6 +135,7 @@ use tracing::{debug, info, warn};
 use crate::config::{Columns, Config, OutboxConfig, quote_ident, quote_qualified};
 use crate::error::{ConfigError, Error, ErrorClass, Result};
 use crate::kafka::{self, DeliveryReport, Publisher, SendRejected};
+use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow, PayloadFormat, PoisonFields};
 use crate::poison::{PoisonRow, insert_row};
 use crate::postgres::conninfo::ConnInfo;
@@ -566,18 +567,7 @@ impl Poller {
         let mut rows = Vec::with_capacity(polled.len());
         for row in &polled {
             let (polled, outbox_row) = read_row(row, layout.payload_format)?;
-            let result = match mapper.map_row(&outbox_row, None) {
-                Ok(event) => RowResult::Event {
-                    event,
-                    delivery: Delivery::Pending,
-                },
-                Err(unmappable) => RowResult::Unmappable {
-                    fields: Box::new(unmappable.fields),
-                    error_kind: unmappable.error_kind,
-                    reason: unmappable.reason,
-                },
-            };
-            rows.push(BatchRow { polled, result });
+            rows.push(BatchRow::map(mapper, polled, &outbox_row, None));
         }
         drop(polled);
         publish(publisher, reports, base, &mut rows).await?;
@@ -934,6 +924,30 @@ pub(crate) async fn write_marks(
 pub(crate) struct BatchRow {
     pub(crate) polled: Polled,
     pub(crate) result: RowResult,
+}
+
+impl BatchRow {
+    /// Maps `row` to its record (with `source_lsn` when given), or keeps it as
+    /// unmappable; nothing is delivered yet.
+    pub(crate) fn map(
+        mapper: &OutboxMapper,
+        polled: Polled,
+        row: &OutboxRow,
+        source_lsn: Option<Lsn>,
+    ) -> BatchRow {
+        let result = match mapper.map_row(row, source_lsn) {
+            Ok(event) => RowResult::Event {
+                event,
+                delivery: Delivery::Pending,
+            },
+            Err(unmappable) => RowResult::Unmappable {
+                fields: Box::new(unmappable.fields),
+                error_kind: unmappable.error_kind,
+                reason: unmappable.reason,
+            },
+        };
+        BatchRow { polled, result }
+    }
 }
 
 /// The bookkeeping columns of a polled row.

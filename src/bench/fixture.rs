@@ -12,10 +12,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::types::RDKafkaErrorCode;
 use tokio_postgres::Client;
 
 use super::{BenchError, Workload};
@@ -427,27 +426,10 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
     toml::to_string(&doc).map_err(|e| BenchError::Setup(e.to_string()).into())
 }
 
-/// Creates a topic (Tansu and many production brokers never auto-create) and waits
-/// until metadata shows every partition, so producers do not race it.
+/// Creates a topic and waits until metadata shows every partition, so producers do
+/// not race it.
 async fn create_topic(brokers: &str, name: &str, partitions: i32) -> Result<()> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?;
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = admin.create_topics([&topic], &opts).await.map_err(|e| {
-        Error::BrokerUnavailable(format!("cannot create topic {name} on {brokers}: {e}"))
-    })?;
-    for result in results {
-        match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((topic, code)) => {
-                return Err(Error::BrokerUnavailable(format!(
-                    "cannot create topic {topic} on {brokers}: {code}"
-                )));
-            }
-        }
-    }
+    crate::kafka::create_topic(brokers, name, partitions).await?;
     let brokers = brokers.to_owned();
     let name = name.to_owned();
     tokio::task::spawn_blocking(move || wait_for_topic(&brokers, &name, partitions))
