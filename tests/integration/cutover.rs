@@ -514,10 +514,32 @@ async fn two_relays_starting_together_cut_over_once() {
         ("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "3600"),
     ];
     let first = RelayProcess::start(&db.config_path, &env);
-    let mut second = RelayProcess::start(&db.config_path, &env);
-    db.wait_streaming(&first).await;
+    let second = RelayProcess::start(&db.config_path, &env);
+    // Either may win the lock and the slot; the other must wait as a standby.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let first_won = loop {
+        if first.log().contains("streaming slot=") {
+            break true;
+        }
+        if second.log().contains("streaming slot=") {
+            break false;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "neither relay started streaming; logs:\n{}\n---\n{}",
+            first.log(),
+            second.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (active, mut standby) = if first_won {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    db.wait_streaming(&active).await;
     insert(&db, Some("late"), 0).await;
-    let records = consume_unique(&db.topic, 3001, Duration::from_secs(120), &first).await;
+    let records = consume_unique(&db.topic, 3001, Duration::from_secs(120), &active).await;
     let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
     let counts = deliveries(&records);
     assert_eq!(counts.len(), 3001);
@@ -527,13 +549,13 @@ async fn two_relays_starting_together_cut_over_once() {
     );
     let (_, published, _, completed) = marker(&db).await.unwrap();
     assert_eq!((published, completed), (3000, true));
-    assert!(second.is_running(), "the second relay waits as a standby");
-    let cutovers = [first.log(), second.log()]
+    assert!(standby.is_running(), "the other relay waits as a standby");
+    let cutovers = [active.log(), standby.log()]
         .iter()
         .filter(|log| log.contains("cutover complete"))
         .count();
     assert_eq!(cutovers, 1, "one relay cut over");
-    first.terminate(Duration::from_secs(30)).await;
-    second.terminate(Duration::from_secs(30)).await;
+    active.terminate(Duration::from_secs(30)).await;
+    standby.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
