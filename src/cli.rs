@@ -32,7 +32,7 @@ pub struct ConfigArg {
 
 impl ConfigArg {
     /// Loads the config file with environment and `--set` overrides.
-    pub fn load(&self) -> Result<crate::config::Config, crate::error::ConfigError> {
+    pub fn load(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
         crate::config::Config::load_with(&self.config, &self.overrides)
     }
 }
@@ -61,17 +61,17 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArg,
         #[command(flatten)]
-        args: crate::audit::AuditArgs,
+        args: crate::ops::audit::AuditArgs,
     },
     /// Try it in one command: throwaway PostgreSQL, embedded broker, sample events
     /// relayed and audited, summary printed, everything cleaned up.
-    Demo(crate::demo::DemoArgs),
+    Demo(crate::tools::demo::DemoArgs),
     /// Re-publish poison rows with their original idempotency key (never deletes).
     Replay {
         #[command(flatten)]
         config: ConfigArg,
         #[command(flatten)]
-        args: crate::replay::ReplayArgs,
+        args: crate::ops::replay::ReplayArgs,
     },
     /// Delete outbox rows (or drop partitions) the relay has confirmed and that are
     /// older than retention.period; never touches a row not yet confirmed.
@@ -79,7 +79,7 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArg,
         #[command(flatten)]
-        args: crate::retention::RetentionArgs,
+        args: crate::ops::retention::RetentionArgs,
     },
     /// Side-by-side throughput and latency: the PostgreSQL and broker ceilings, the
     /// CDC relay and the poller, on the same workload (creates and drops its own
@@ -88,7 +88,7 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArg,
         #[command(flatten)]
-        args: crate::bench::BenchArgs,
+        args: crate::tools::bench::BenchArgs,
     },
     /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
     Status {

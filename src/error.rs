@@ -9,34 +9,8 @@
 
 use std::process::ExitCode;
 
-/// How the relay reacts to an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// Retry with backoff, forever; never poison; the confirmed LSN stays put.
-    Transient,
-    /// Concerns one event: retry up to `max_attempts`, then write it to `poison_outbox`.
-    Poison,
-    /// Log one clear message and exit with a distinct code.
-    Fatal,
-}
-
-/// Configuration could not be read or is invalid (exit code 2).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("config file {path} is not valid: {message}")]
-    Parse { path: String, message: String },
-    #[error("environment variable {name} is not valid: {message}")]
-    Env { name: String, message: String },
-    #[error("invalid configuration: {0}")]
-    Invalid(String),
-}
+use crate::config::ConfigError;
+use crate::delivery::ErrorClass;
 
 /// Top-level error of a CLI command; decides the exit code.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +31,7 @@ pub enum Error {
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
-    Bench(#[from] crate::bench::BenchError),
+    Bench(#[from] crate::tools::bench::BenchError),
     /// A transient failure (connection lost, server restarting): retried.
     #[error("{0}")]
     Transient(String),

@@ -3,46 +3,43 @@
 //! Relays transactional-outbox events from PostgreSQL to Kafka by streaming the WAL
 //! (logical replication with the `pgoutput` plugin) instead of polling.
 //!
-//! The promises (DESIGN.md §1): no event is lost — the replication slot's confirmed
-//! LSN only moves past a transaction once every one of its events was acknowledged
-//! by the broker (`acks=all`) or committed to the `poison_outbox` table; events are
-//! produced in commit order, keyed by entity, with an idempotency-key header so
-//! consumers can drop the few duplicates a crash can cause.
+//! The promises (`docs/architecture.md`): no event is lost — the replication slot's
+//! confirmed LSN only moves past a transaction once every one of its events was
+//! acknowledged by the broker (`acks=all`) or committed to the `poison_outbox` table;
+//! events are produced in commit order, keyed by entity, with an idempotency-key
+//! header so consumers can drop the few duplicates a crash can cause.
 //!
-//! Modules follow the data flow: [`postgres`] (connections, replication stream,
-//! `pgoutput` decoding) → [`outbox`] (row → Kafka record) → [`kafka`] (producer) →
-//! [`progress`] (the sans-IO ack tracker deciding which LSN to confirm).
+//! The folders follow the data flow, lowest layer first; a module only imports from
+//! the layers below it:
 //!
-//! Around it: [`enqueue`] (writer helpers: the event and the business change in one
-//! transaction), [`retention`] (deleting delivered rows or dropping partitions) and
-//! [`checkpoint`] (how both, and the poller's fallback mode, know what the relay
-//! confirmed).
-//! [`cutover`] takes over from a polling relay ([`poller`]) when the slot is created.
+//! | stage | module |
+//! |---|---|
+//! | stream and decode the WAL | [`postgres`] (connections, replication protocol, `pgoutput`) |
+//! | map a row to a record | [`outbox`] (mapper, topic, envelope, headers; writer helpers, checkpoints) |
+//! | produce and collect acks | [`kafka`] |
+//! | record what cannot be delivered | [`poison`] |
+//! | the polling relay (fallback, baseline) | [`poller`] |
+//! | confirm: the `run` command | [`cdc`] (session loop, the sans-IO progress core, heartbeat, metrics, cutover) |
+//! | operator commands | [`ops`] (migrate, status, replay, retention, audit) |
+//! | developer tools | [`tools`] (demo, bench) |
+//!
+//! Beneath them all: [`lsn`], [`lifecycle`] (shutdown and backoff), [`error`] and
+//! [`config`]; above them all: [`cli`].
 
-pub mod audit;
-pub mod bench;
-pub mod checkpoint;
+pub mod cdc;
 pub mod cli;
 pub mod config;
-pub mod cutover;
-pub mod demo;
-pub mod enqueue;
+pub mod delivery;
 pub mod error;
-pub mod heartbeat;
 pub mod kafka;
+pub mod lifecycle;
 pub mod lsn;
-pub mod meter;
-pub mod metrics;
-pub mod migrate;
+pub mod ops;
 pub mod outbox;
 pub mod poison;
 pub mod poller;
 pub mod postgres;
-pub mod progress;
-pub mod relay;
-pub mod replay;
-pub mod retention;
-pub mod status;
+pub mod tools;
 
 pub use error::{Error, Result};
 pub use lsn::Lsn;

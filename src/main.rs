@@ -4,9 +4,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use outbox_relay::cdc::{self, cutover};
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
-use outbox_relay::{Error, audit, cutover, demo, migrate, postgres, relay, replay};
+use outbox_relay::ops::{audit, migrate, replay};
+use outbox_relay::tools::demo;
+use outbox_relay::{Error, postgres};
 
 fn init_tracing(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -49,10 +52,10 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Run(args) => {
             let config = args.load()?;
             init_tracing(&config.log);
-            let health = outbox_relay::metrics::Health::default();
+            let health = outbox_relay::cdc::metrics::Health::default();
             if !config.metrics.listen.trim().is_empty() {
-                let handle = outbox_relay::metrics::install_recorder()?;
-                outbox_relay::metrics::serve(
+                let handle = outbox_relay::cdc::metrics::install_recorder()?;
+                outbox_relay::cdc::metrics::serve(
                     config.metrics.listen.trim(),
                     handle,
                     health.clone(),
@@ -61,7 +64,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
                 .await?;
             }
             let summary =
-                relay::run_with_health(config, Box::pin(termination_signal()), health).await?;
+                cdc::run_with_health(config, Box::pin(termination_signal()), health).await?;
             tracing::info!(
                 delivered = summary.delivered,
                 poisoned = summary.poisoned,
@@ -82,7 +85,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             let config = config.load()?;
             init_tracing(&config.log);
             let client = postgres::connect(&config.postgres.url).await?;
-            let status = outbox_relay::status::read(&client, &config).await?;
+            let status = outbox_relay::ops::status::read(&client, &config).await?;
             if json {
                 println!(
                     "{}",
@@ -148,13 +151,14 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
         Command::Retention { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);
-            outbox_relay::retention::run(&config, &args, Box::pin(termination_signal())).await?;
+            outbox_relay::ops::retention::run(&config, &args, Box::pin(termination_signal()))
+                .await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);
-            let report = outbox_relay::bench::run(&config, &args).await?;
+            let report = outbox_relay::tools::bench::run(&config, &args).await?;
             if let Some(path) = &args.plot {
                 report.plot(path)?;
             }

@@ -11,7 +11,7 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use outbox_relay::postgres::frames::{
+use outbox_relay::postgres::replication::frames::{
     ServerFrame, StandbyStatus, pg_epoch_micros, system_time_from_pg_micros,
 };
 use outbox_relay::postgres::pgoutput::{DecodeContext, decode};

@@ -7,7 +7,6 @@
 //! hand-written on `postgres-protocol`.
 
 pub mod conninfo;
-pub mod frames;
 pub mod pgoutput;
 pub mod replication;
 pub mod slot;
@@ -22,7 +21,7 @@ use crate::error::{Error, Result};
 /// configuration error (exit code 2).
 pub fn parse_url(url: &str) -> Result<conninfo::ConnInfo> {
     conninfo::ConnInfo::parse(url).map_err(|e| {
-        Error::Config(crate::error::ConfigError::Invalid(format!(
+        Error::Config(crate::config::ConfigError::Invalid(format!(
             "postgres.url {}: {}",
             redact_url(url),
             e.message()

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::audit::{self, AuditArgs, AuditReport};
+use outbox_relay::ops::audit::{self, AuditArgs, AuditReport};
 use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use outbox_relay::enqueue::{EnqueueError, Event, enqueue};
+use outbox_relay::outbox::enqueue::{EnqueueError, Event, enqueue};
 
 use crate::harness::{RelayProcess, TestDb, consume_exactly};
 

@@ -128,7 +128,7 @@ async fn migrate_is_idempotent_and_builds_the_schema() {
     assert!(
         String::from_utf8_lossy(&out.stdout).contains(&format!(
             "0 applied, {} already present",
-            outbox_relay::migrate::MIGRATIONS.len()
+            outbox_relay::ops::migrate::MIGRATIONS.len()
         )),
         "{}",
         String::from_utf8_lossy(&out.stdout)

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use outbox_relay::Error;
 use outbox_relay::config::{KafkaConfig, RelayConfig};
+use outbox_relay::delivery::{EventId, Failure};
 use outbox_relay::kafka::{DeliveryReport, Publisher, RecordRef, producer_config, report_capacity};
-use outbox_relay::progress::{EventId, Failure};
 use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 

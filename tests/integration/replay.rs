@@ -9,9 +9,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use outbox_relay::Error;
-use outbox_relay::audit::{self, AuditArgs, AuditReport};
 use outbox_relay::config::Config;
-use outbox_relay::replay::{self, Outcome, ReplayArgs};
+use outbox_relay::ops::audit::{self, AuditArgs, AuditReport};
+use outbox_relay::ops::replay::{self, Outcome, ReplayArgs};
 
 use crate::harness::{self, RelayProcess, TestDb, consume, consume_exactly};
 

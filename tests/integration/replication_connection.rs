@@ -8,10 +8,10 @@
 
 use std::time::{Duration, SystemTime};
 
-use outbox_relay::error::ErrorClass;
+use outbox_relay::delivery::ErrorClass;
 use outbox_relay::lsn::Lsn;
 use outbox_relay::postgres::conninfo::{ConnInfo, Host, connect_metadata};
-use outbox_relay::postgres::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
+use outbox_relay::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
 use outbox_relay::postgres::replication::{
     ReplicationConnection, ReplicationError, ReplicationStream, SnapshotAction,
 };

@@ -9,8 +9,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use outbox_relay::config::Config;
+use outbox_relay::ops::retention::{self, CycleReport};
 use outbox_relay::poller::{self, PollArgs, PollSummary};
-use outbox_relay::retention::{self, CycleReport};
 use tokio::sync::oneshot;
 
 use crate::harness::{
@@ -54,7 +54,7 @@ async fn checkpoint_rule_in_sql_matches_the_rust_mirror() {
         let sql = format!(
             "SELECT o.xmin::text::bigint, pg_snapshot_xmax(pg_current_snapshot())::text::bigint, {}
                FROM (VALUES {values}) AS o(xmin)",
-            outbox_relay::checkpoint::precedes_sql("o", 1)
+            outbox_relay::outbox::checkpoint::precedes_sql("o", 1)
         );
         for row in db.client.query(&sql, &[&ckpt]).await.unwrap() {
             let x = u32::try_from(row.get::<_, i64>(0)).unwrap();
@@ -63,7 +63,7 @@ async fn checkpoint_rule_in_sql_matches_the_rust_mirror() {
             answers.insert(sql_says);
             assert_eq!(
                 sql_says,
-                outbox_relay::checkpoint::precedes(x, h, ckpt),
+                outbox_relay::outbox::checkpoint::precedes(x, h, ckpt),
                 "xmin {x}, horizon {h}, checkpoint {ckpt}"
             );
         }

@@ -1,0 +1,979 @@
+//! Cutover from a polling relay: the first start of the CDC relay on an outbox a
+//! poller was draining, without losing an event and without sending one twice.
+//!
+//! # The problem
+//!
+//! A replication slot streams only transactions that commit after its *consistent
+//! point*. Rows the poller had not yet sent when the slot was created would be lost
+//! if the relay only streamed; re-reading the whole outbox would re-send everything
+//! the poller already delivered; and reading "unsent rows" at some other moment
+//! would either miss the rows committed between that read and the slot, or publish
+//! rows the stream publishes too. The split must be exact.
+//!
+//! # Why an exported snapshot
+//!
+//! `CREATE_REPLICATION_SLOT … LOGICAL pgoutput (SNAPSHOT 'export')` (before
+//! PostgreSQL 15: `EXPORT_SNAPSHOT`) returns, with the consistent point, the name of
+//! a snapshot that sees exactly the transactions committed before that point: every
+//! transaction is either visible in the snapshot or streamed by the slot, never both
+//! and never neither. This is how PostgreSQL's own logical replication copies a
+//! table before streaming it. See
+//! <https://www.postgresql.org/docs/current/protocol-replication.html> (`SNAPSHOT
+//! 'export'`), <https://www.postgresql.org/docs/current/logicaldecoding-explanation.html#LOGICALDECODING-EXPLANATION-EXPORTED-SNAPSHOTS>
+//! and <https://www.postgresql.org/docs/current/sql-set-transaction.html>.
+//!
+//! The exported snapshot lives only while the replication connection that created
+//! it stays idle: the next command on it (`START_REPLICATION`) or its end destroys
+//! it. So the backlog is read on a *second*, normal connection, in a transaction
+//! that imports it first thing (`BEGIN ISOLATION LEVEL REPEATABLE READ;
+//! SET TRANSACTION SNAPSHOT '…'`), and streaming starts only when the backlog is
+//! resolved, which also keeps per-entity order: every backlog event is acked
+//! before the first streamed one is produced.
+//!
+//! # The procedure
+//!
+//! 1. Record the cutover as started in `outbox_relay_cutover` (migration 0004).
+//! 2. Create the slot with an exported snapshot; record its consistent point.
+//! 3. In the snapshot, read every row the poller would still send — `sent_at IS
+//!    NULL`, `attempts < relay.max_attempts`, no `poison_outbox` row — in
+//!    `created_at, id` order, through a cursor (bounded memory, one window of rows
+//!    at a time).
+//! 4. Map each row with the poller's (and so the stream's) mapping and publish the
+//!    window through a dedicated [`Publisher`]: every send is queued, then every
+//!    ack awaited. The `source_lsn` header is the slot's consistent point: an upper
+//!    bound of the row's commit LSN, and a lower bound of every streamed one (the
+//!    slot streams transactions whose commit record starts at or after it), so
+//!    ordering by `source_lsn` never puts a streamed event before a backlog event.
+//! 5. Mark the window as the poller would (`poller::write_marks`): `sent_at` for
+//!    acked rows, `attempts`/`last_error` for refused ones, a `poison_outbox` row
+//!    once `max_attempts` is reached (unmappable rows at once), and the progress
+//!    counters of the marker row, in one transaction. Refused rows are retried (with
+//!    backoff) until acked or poisoned before the next window.
+//! 6. Set `completed_at`; the relay then streams from the consistent point.
+//!
+//! # Crashes
+//!
+//! The slot exists from step 2 on, so its existence does not mean the cutover is
+//! done; the marker row does. [`decide`] reads both under an advisory lock (two
+//! relays starting together do not cut over twice):
+//!
+//! * a slot with no marker row, or with `completed_at` set: stream from it;
+//! * a marker row without `completed_at`: the cutover was interrupted. Nothing was
+//!   ever streamed from that slot (streaming starts after step 6), so it is dropped
+//!   and the cutover starts over with a new slot and snapshot. Rows marked sent in
+//!   step 5 are not published again; at most the window in flight at the crash is
+//!   (published, not yet marked): the same bound as the poller's. Rows committed
+//!   between the two slots are in the new snapshot.
+//!
+//! What is not protected: a poller still running during the cutover can send a row
+//! the cutover sends too. Stop the poller first (the README's runbook).
+//!
+//! # Costs
+//!
+//! The snapshot's transaction stays open while the backlog is published, which
+//! holds back vacuum's horizon for that long, like any long transaction; the slot
+//! retains WAL from its consistent point meanwhile. The marks are the poller's
+//! `UPDATE`s, so the relay's role needs `UPDATE` on the outbox for a cutover (and
+//! `INSERT`/`UPDATE` on the marker table). An outbox without the poller's
+//! `sent_at`/`attempts` columns (e.g. Debezium's) has nothing "unsent": `auto`
+//! then just streams from the new slot.
+
+use std::time::Duration;
+
+use tokio_postgres::{Client, IsolationLevel};
+
+use crate::config::{Config, CutoverMode, qualified_name, quote_ident};
+use crate::delivery::Failure;
+use crate::error::{Error, Result};
+use crate::kafka::{self, DeliveryReport, Publisher};
+use crate::lifecycle::Shutdown;
+use crate::lsn::Lsn;
+use crate::outbox::OutboxMapper;
+use crate::poller::{self, BatchOutcome, BatchRow, Delivery, Polled, RowResult};
+use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::replication::{ReplicationConnection, SnapshotAction, quote_literal};
+use crate::postgres::slot::{self, SlotInfo};
+
+/// The marker table (migrations/0004_cutover.sql), in the outbox's schema.
+pub const MARKER_TABLE: &str = "outbox_relay_cutover";
+
+/// Most rows read, published and marked as one window.
+const MAX_WINDOW: usize = 10_000;
+
+/// Backoff between retries of refused rows, doubling.
+const RETRY_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
+const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// Broker check before the backlog is read (exit code 4 when it fails).
+const BROKER_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a cutover cannot proceed (exit code 3: a PostgreSQL prerequisite).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CutoverError {
+    /// Migration 0004 has not run.
+    #[error(
+        "table {0} does not exist: run `outbox-relay migrate` (the cutover records its progress there)"
+    )]
+    MarkerTableMissing(String),
+    /// `outbox-relay cutover` on a slot that was not created by a cutover.
+    #[error(
+        "replication slot {0} already exists and no cutover is pending for it: the relay streams \
+         from it, and publishing the unsent rows now could send events the stream delivered. \
+         Nothing was done"
+    )]
+    SlotExists(String),
+    /// The server answered `CREATE_REPLICATION_SLOT` without a snapshot name.
+    #[error("CREATE_REPLICATION_SLOT {0} returned no exported snapshot")]
+    NoSnapshot(String),
+    /// The slot of an interrupted cutover is being streamed by someone.
+    #[error(
+        "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
+         stop the process streaming from it (it may miss the backlog), then start again"
+    )]
+    UnfinishedSlotActive { slot: String, pid: i32 },
+}
+
+impl From<CutoverError> for Error {
+    fn from(e: CutoverError) -> Self {
+        match e {
+            // Right after a crash during CREATE_REPLICATION_SLOT the old walsender
+            // may still hold the slot until it notices: `run` retries with backoff.
+            CutoverError::UnfinishedSlotActive { .. } => Error::Transient(e.to_string()),
+            _ => Error::Prerequisite(e.to_string()),
+        }
+    }
+}
+
+/// Who asks for the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// `outbox-relay run`, with its `relay.cutover` setting.
+    Run(CutoverMode),
+    /// `outbox-relay cutover`.
+    Command,
+}
+
+/// The slot's row in the marker table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    /// No row: the slot (if any) was not created by a cutover.
+    Absent,
+    /// Started, never completed: interrupted.
+    Unfinished,
+    /// Completed.
+    Completed,
+}
+
+/// What to do before streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing: stream from the slot (or let the relay create it without snapshot).
+    Stream,
+    /// Create the slot with an exported snapshot and publish the backlog.
+    CutOver,
+    /// Drop the slot of an interrupted cutover, then cut over again.
+    Restart,
+    /// `cutover` command: it was done already.
+    AlreadyDone,
+    /// `cutover` command: the slot exists and was not made by a cutover.
+    Refuse,
+}
+
+/// The decision table (see the module docs, "Crashes").
+#[must_use]
+pub fn decide(trigger: Trigger, slot_exists: bool, marker: Marker) -> Decision {
+    match (marker, slot_exists, trigger) {
+        // An interrupted cutover is finished whatever the mode: its backlog is unsent.
+        (Marker::Unfinished, true, _) => Decision::Restart,
+        (Marker::Unfinished, false, _) => Decision::CutOver,
+        (_, true, Trigger::Run(_)) => Decision::Stream,
+        (Marker::Completed, true, Trigger::Command) => Decision::AlreadyDone,
+        (Marker::Absent, true, Trigger::Command) => Decision::Refuse,
+        (_, false, Trigger::Run(CutoverMode::Off)) => Decision::Stream,
+        (_, false, Trigger::Run(CutoverMode::Auto) | Trigger::Command) => Decision::CutOver,
+    }
+}
+
+/// What a cutover did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CutoverSummary {
+    /// The slot's consistent point: the stream starts here.
+    pub consistent_point: Lsn,
+    /// Backlog rows read in the snapshot.
+    pub rows: u64,
+    /// Rows acked by the broker and marked sent.
+    pub published: u64,
+    /// Rows written to the poison table.
+    pub poisoned: u64,
+    /// Whether an interrupted cutover's slot was dropped first.
+    pub restarted: bool,
+}
+
+/// What [`prepare`] found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// No cutover needed: stream.
+    Stream,
+    /// A cutover ran; the slot is ready to stream from its consistent point.
+    CutOver(CutoverSummary),
+    /// `cutover` command: done before.
+    AlreadyDone,
+}
+
+/// Makes the slot ready to stream: runs (or resumes) a cutover when [`decide`]
+/// says so. The replication connection is left idle (its next command may be
+/// `START_REPLICATION`); `metadata` holds the advisory lock while this runs.
+///
+/// # Errors
+///
+/// [`CutoverError`]s (exit code 3), PostgreSQL errors (transient ones can be
+/// retried: the cutover then resumes), broker errors.
+pub async fn prepare(
+    config: &Config,
+    conninfo: &ConnInfo,
+    conn: &mut ReplicationConnection,
+    metadata: &mut Client,
+    trigger: Trigger,
+) -> Result<Outcome> {
+    let marker_table = marker_table(config)?;
+    let has_marker_table = table_exists(metadata, &marker_table).await?;
+    if !has_marker_table {
+        // Without the table nothing can be pending: only a new slot needs it.
+        let exists = slot::slot_info(metadata, &config.postgres.slot)
+            .await?
+            .is_some();
+        return match decide(trigger, exists, Marker::Absent) {
+            Decision::Stream => Ok(Outcome::Stream),
+            Decision::Refuse => Err(CutoverError::SlotExists(config.postgres.slot.clone()).into()),
+            _ => Err(CutoverError::MarkerTableMissing(marker_table).into()),
+        };
+    }
+    let lock = lock_key(&config.postgres.slot);
+    metadata
+        .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
+        .await
+        .map_err(poller::pg_error)?;
+    let result = prepare_locked(config, conninfo, conn, metadata, trigger, &marker_table).await;
+    // On error the session ends and the server releases the lock with it.
+    if result.is_ok() {
+        metadata
+            .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
+            .await
+            .map_err(poller::pg_error)?;
+    }
+    result
+}
+
+async fn prepare_locked(
+    config: &Config,
+    conninfo: &ConnInfo,
+    conn: &mut ReplicationConnection,
+    metadata: &mut Client,
+    trigger: Trigger,
+    marker_table: &str,
+) -> Result<Outcome> {
+    let slot_name = &config.postgres.slot;
+    let info = slot::slot_info(metadata, slot_name).await?;
+    let marker = read_marker(metadata, marker_table, slot_name).await?;
+    let decision = decide(trigger, info.is_some(), marker);
+    tracing::debug!(slot = %slot_name, ?marker, ?decision, "cutover decision");
+    let restarted = match decision {
+        Decision::Stream => return Ok(Outcome::Stream),
+        Decision::AlreadyDone => return Ok(Outcome::AlreadyDone),
+        Decision::Refuse => return Err(CutoverError::SlotExists(slot_name.clone()).into()),
+        Decision::Restart => {
+            drop_unfinished_slot(conn, slot_name, info.as_ref()).await?;
+            true
+        }
+        Decision::CutOver => false,
+    };
+    if !restarted
+        && trigger == Trigger::Run(CutoverMode::Auto)
+        && !has_poller_columns(metadata, config).await?
+    {
+        // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
+        tracing::warn!(
+            table = %config.outbox.table,
+            "the outbox has no sent_at/attempts columns, so no polling relay to cut over from: \
+             the new slot streams what commits after it"
+        );
+        return Ok(Outcome::Stream);
+    }
+    let mut summary = cut_over(config, conninfo, conn, metadata, marker_table).await?;
+    summary.restarted = restarted;
+    Ok(Outcome::CutOver(summary))
+}
+
+/// Drops the slot an interrupted cutover created (never streamed from).
+async fn drop_unfinished_slot(
+    conn: &mut ReplicationConnection,
+    slot_name: &str,
+    info: Option<&SlotInfo>,
+) -> Result<()> {
+    if let Some(pid) = info.and_then(|i| i.active_pid) {
+        return Err(CutoverError::UnfinishedSlotActive {
+            slot: slot_name.to_owned(),
+            pid,
+        }
+        .into());
+    }
+    tracing::warn!(
+        slot = slot_name,
+        "a cutover was interrupted: dropping its slot and starting over (rows already marked sent are not re-sent)"
+    );
+    conn.drop_slot(slot_name, false)
+        .await
+        .map_err(|e| crate::postgres::process_error(e, "cannot drop the unfinished slot: "))
+}
+
+/// Steps 1–6 of the module docs.
+async fn cut_over(
+    config: &Config,
+    conninfo: &ConnInfo,
+    conn: &mut ReplicationConnection,
+    metadata: &mut Client,
+    marker_table: &str,
+) -> Result<CutoverSummary> {
+    let slot_name = &config.postgres.slot;
+    // Everything that can fail for lack of a column, a connection or the broker is
+    // set up before the slot exists, so such a failure leaves nothing behind. The
+    // reader session formats values as the replication session does, so records
+    // are byte-identical to the stream's.
+    let mut backlog = Backlog::open(config, metadata, marker_table).await?;
+    let mut reader = poller::session(conninfo).await?;
+    begin_marker(backlog.metadata, marker_table, slot_name).await?;
+    let created = conn
+        .create_logical_slot(slot_name, false, SnapshotAction::Export)
+        .await
+        .map_err(|e| {
+            crate::postgres::process_error(
+                e,
+                &format!("cannot create replication slot {slot_name}: "),
+            )
+        })?;
+    let snapshot = created
+        .snapshot_name
+        .clone()
+        .ok_or_else(|| CutoverError::NoSnapshot(slot_name.clone()))?;
+    let consistent_point = created.consistent_point;
+    backlog
+        .metadata
+        .execute(
+            &format!(
+                "UPDATE {marker_table} SET consistent_point = $2::text::pg_lsn WHERE slot_name = $1"
+            ),
+            &[slot_name, &consistent_point.to_string()],
+        )
+        .await
+        .map_err(poller::pg_error)?;
+    tracing::info!(
+        slot = %slot_name,
+        %consistent_point,
+        snapshot = %snapshot,
+        "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
+    );
+    let summary = backlog
+        .publish(&mut reader, &snapshot, consistent_point)
+        .await?;
+    backlog
+        .metadata
+        .execute(
+            &format!(
+                "UPDATE {marker_table} SET completed_at = clock_timestamp(), published = $2, poisoned = $3
+                 WHERE slot_name = $1"
+            ),
+            &[slot_name, &count(summary.published), &count(summary.poisoned)],
+        )
+        .await
+        .map_err(poller::pg_error)?;
+    tracing::info!(
+        slot = %slot_name,
+        %consistent_point,
+        rows = summary.rows,
+        published = summary.published,
+        poisoned = summary.poisoned,
+        "cutover complete: streaming starts at the consistent point"
+    );
+    Ok(summary)
+}
+
+/// The backlog publisher: mapper, producer, prepared marks.
+struct Backlog<'a> {
+    config: &'a Config,
+    metadata: &'a mut Client,
+    marker_table: &'a str,
+    sql: poller::Sql,
+    prepared: poller::Prepared,
+    layout: poller::Layout,
+    mapper: OutboxMapper,
+    publisher: Publisher,
+    reports: tokio::sync::mpsc::Receiver<DeliveryReport>,
+    max_attempts: i32,
+    window: usize,
+    /// Event id base of the next publish round (ids are per producer).
+    next_id: u64,
+}
+
+impl<'a> Backlog<'a> {
+    async fn open(
+        config: &'a Config,
+        metadata: &'a mut Client,
+        marker_table: &'a str,
+    ) -> Result<Backlog<'a>> {
+        let layout = poller::inspect_tables(metadata, &config.outbox).await?;
+        let sql = poller::Sql::new(&config.outbox, &layout);
+        let prepared = poller::Prepared::new(metadata, &sql).await?;
+        let mapper =
+            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
+        let window = window_size(config.relay.max_in_flight_events);
+        let capacity = kafka::report_capacity(&config.relay).max(window + 1);
+        let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+        let (publisher, reports) = Publisher::new(producer_config, capacity)?;
+        publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
+        let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
+        Ok(Backlog {
+            config,
+            metadata,
+            marker_table,
+            sql,
+            prepared,
+            layout,
+            mapper,
+            publisher,
+            reports,
+            max_attempts,
+            window,
+            next_id: 0,
+        })
+    }
+
+    /// Reads the backlog in the exported snapshot, window by window, and resolves
+    /// every row (acked or poisoned) before reading the next window.
+    async fn publish(
+        &mut self,
+        reader: &mut Client,
+        snapshot: &str,
+        consistent_point: Lsn,
+    ) -> Result<CutoverSummary> {
+        let mut summary = CutoverSummary {
+            consistent_point,
+            ..CutoverSummary::default()
+        };
+        let tx = reader
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(poller::pg_error)?;
+        // Must be the transaction's first statement.
+        tx.batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT {}",
+            quote_literal(snapshot)
+        ))
+        .await
+        .map_err(poller::pg_error)?;
+        let statement = tx
+            .prepare(&self.sql.backlog)
+            .await
+            .map_err(poller::pg_error)?;
+        let portal = tx
+            .bind(&statement, &[&self.max_attempts])
+            .await
+            .map_err(poller::pg_error)?;
+        let window = i32::try_from(self.window).unwrap_or(i32::MAX);
+        loop {
+            let chunk = tx
+                .query_portal(&portal, window)
+                .await
+                .map_err(poller::pg_error)?;
+            let fetched = chunk.len();
+            let mut rows = Vec::with_capacity(fetched);
+            for row in &chunk {
+                let (polled, outbox_row) = poller::read_row(row, self.layout.payload_format)?;
+                rows.push(to_batch_row(
+                    &self.mapper,
+                    polled,
+                    &outbox_row,
+                    consistent_point,
+                ));
+            }
+            drop(chunk);
+            summary.rows += fetched as u64;
+            if !rows.is_empty() {
+                let outcome = self.resolve(rows, &summary).await?;
+                summary.published += outcome.delivered as u64;
+                summary.poisoned += outcome.poisoned as u64;
+                tracing::debug!(
+                    rows = summary.rows,
+                    published = summary.published,
+                    "cutover window resolved"
+                );
+            }
+            if fetched < self.window {
+                break;
+            }
+        }
+        tx.commit().await.map_err(poller::pg_error)?;
+        Ok(summary)
+    }
+
+    /// Publishes one window until every row is acked or poisoned; the marks of
+    /// each round are committed with the marker row's progress counters.
+    async fn resolve(
+        &mut self,
+        mut rows: Vec<BatchRow>,
+        before: &CutoverSummary,
+    ) -> Result<BatchOutcome> {
+        let mut total = BatchOutcome::default();
+        let mut backoff = RETRY_BACKOFF_INITIAL;
+        loop {
+            let base = self.next_id;
+            self.next_id = self.next_id.wrapping_add(rows.len() as u64);
+            poller::publish(&self.publisher, &mut self.reports, base, &mut rows).await?;
+            let tx = self
+                .metadata
+                .transaction()
+                .await
+                .map_err(poller::pg_error)?;
+            let outcome =
+                poller::write_marks(&tx, &self.prepared, self.max_attempts, &rows).await?;
+            let published = before.published + (total.delivered + outcome.delivered) as u64;
+            let poisoned = before.poisoned + (total.poisoned + outcome.poisoned) as u64;
+            tx.execute(
+                &format!(
+                    "UPDATE {} SET published = $2, poisoned = $3 WHERE slot_name = $1",
+                    self.marker_table
+                ),
+                &[
+                    &self.config.postgres.slot,
+                    &count(published),
+                    &count(poisoned),
+                ],
+            )
+            .await
+            .map_err(poller::pg_error)?;
+            tx.commit().await.map_err(poller::pg_error)?;
+            total.delivered += outcome.delivered;
+            total.poisoned += outcome.poisoned;
+            total.failed += outcome.failed;
+            rows = still_to_send(rows, self.max_attempts);
+            if rows.is_empty() {
+                return Ok(total);
+            }
+            tracing::warn!(
+                rows = rows.len(),
+                retry_in_ms = backoff.as_millis() as u64,
+                "cutover: rows not acked yet; retrying before streaming starts"
+            );
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        }
+    }
+}
+
+/// Maps one backlog row as the stream would, with the consistent point as its
+/// `source_lsn`.
+fn to_batch_row(
+    mapper: &OutboxMapper,
+    polled: Polled,
+    row: &crate::outbox::OutboxRow,
+    consistent_point: Lsn,
+) -> BatchRow {
+    BatchRow::map(mapper, polled, row, Some(consistent_point))
+}
+
+/// The rows of a marked round that must be sent again: not acked, not poisoned.
+/// A permanent failure counts one attempt (as [`poller::write_marks`] recorded it);
+/// transient failures and missing reports count none.
+fn still_to_send(rows: Vec<BatchRow>, max_attempts: i32) -> Vec<BatchRow> {
+    rows.into_iter()
+        .filter_map(|mut row| {
+            let RowResult::Event { delivery, .. } = &mut row.result else {
+                // Unmappable rows are poisoned by the marks.
+                return None;
+            };
+            match delivery {
+                Delivery::Acked => None,
+                Delivery::Pending
+                | Delivery::Failed {
+                    failure: Failure::Transient,
+                    ..
+                } => {
+                    *delivery = Delivery::Pending;
+                    Some(row)
+                }
+                Delivery::Failed {
+                    failure: Failure::Permanent,
+                    ..
+                } => {
+                    let tries = row.polled.attempts.saturating_add(1);
+                    if tries >= max_attempts {
+                        return None;
+                    }
+                    row.polled.attempts = tries;
+                    *delivery = Delivery::Pending;
+                    Some(row)
+                }
+            }
+        })
+        .collect()
+}
+
+/// Rows per window: the relay's in-flight window, at most [`MAX_WINDOW`].
+fn window_size(max_in_flight_events: usize) -> usize {
+    max_in_flight_events.clamp(1, MAX_WINDOW)
+}
+
+/// The marker table, qualified with the outbox's schema and quoted.
+fn marker_table(config: &Config) -> Result<String> {
+    let (schema, _) = qualified_name(&config.outbox.table).map_err(Error::Other)?;
+    Ok(format!(
+        "{}.{}",
+        quote_ident(&schema),
+        quote_ident(MARKER_TABLE)
+    ))
+}
+
+/// The advisory-lock name of a slot's cutover.
+fn lock_key(slot: &str) -> String {
+    format!("outbox-relay cutover {slot}")
+}
+
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+async fn table_exists(client: &Client, quoted: &str) -> Result<bool> {
+    client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&quoted])
+        .await
+        .map_err(poller::pg_error)?
+        .try_get(0)
+        .map_err(poller::pg_error)
+}
+
+/// Whether the outbox has the poller's bookkeeping columns.
+async fn has_poller_columns(client: &Client, config: &Config) -> Result<bool> {
+    let table = crate::config::quote_qualified(&config.outbox.table);
+    let found: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attname IN ('sent_at', 'attempts')
+               AND attnum > 0 AND NOT attisdropped",
+            &[&table],
+        )
+        .await
+        .map_err(poller::pg_error)?
+        .try_get(0)
+        .map_err(poller::pg_error)?;
+    Ok(found == 2)
+}
+
+async fn read_marker(client: &Client, table: &str, slot: &str) -> Result<Marker> {
+    let row = client
+        .query_opt(
+            &format!("SELECT completed_at IS NOT NULL FROM {table} WHERE slot_name = $1"),
+            &[&slot],
+        )
+        .await
+        .map_err(poller::pg_error)?;
+    Ok(match row {
+        None => Marker::Absent,
+        Some(row) => {
+            if row.try_get::<_, bool>(0).map_err(poller::pg_error)? {
+                Marker::Completed
+            } else {
+                Marker::Unfinished
+            }
+        }
+    })
+}
+
+async fn begin_marker(client: &Client, table: &str, slot: &str) -> Result<()> {
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {table} (slot_name) VALUES ($1)
+                 ON CONFLICT (slot_name) DO UPDATE SET started_at = clock_timestamp(),
+                     consistent_point = NULL, published = 0, poisoned = 0, completed_at = NULL"
+            ),
+            &[&slot],
+        )
+        .await
+        .map_err(poller::pg_error)?;
+    Ok(())
+}
+
+/// `outbox-relay cutover`: checks the prerequisites, then runs (or resumes) the
+/// cutover and leaves the slot ready for `run`, which streams from its consistent
+/// point. A slot that exists without a pending cutover is refused.
+///
+/// # Errors
+///
+/// As [`prepare`]; interrupted by `shutdown`, an error saying how to resume.
+pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome> {
+    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
+    let mut metadata = crate::postgres::connect_info(&conninfo).await?;
+    slot::check_prerequisites(&metadata, config).await?;
+    let mut conn = ReplicationConnection::connect(&conninfo)
+        .await
+        .map_err(|e| crate::postgres::process_error(e, ""))?;
+    let outcome = tokio::select! {
+        biased;
+        () = shutdown => {
+            return Err(Error::Other(
+                "cutover interrupted before it completed: run it again (or `run`); it starts \
+                 over from a new slot and re-sends at most the rows that were in flight"
+                    .into(),
+            ));
+        }
+        outcome = prepare(config, &conninfo, &mut conn, &mut metadata, Trigger::Command) => outcome?,
+    };
+    if let Err(e) = conn.close().await {
+        tracing::debug!(error = %e, "closing the replication connection");
+    }
+    Ok(outcome)
+}
+
+/// The cutover command's one-line report.
+#[must_use]
+pub fn render(config: &Config, outcome: &Outcome) -> String {
+    let slot = &config.postgres.slot;
+    match outcome {
+        Outcome::Stream => format!("cutover: nothing to do for slot {slot}"),
+        Outcome::AlreadyDone => {
+            format!(
+                "cutover: already completed for slot {slot}; `outbox-relay run` streams from it"
+            )
+        }
+        Outcome::CutOver(s) => format!(
+            "cutover: slot {slot} created at consistent point {}{}; backlog {} rows: {} published, \
+             {} poisoned. Start `outbox-relay run` to stream from the consistent point.",
+            s.consistent_point,
+            if s.restarted {
+                " (an interrupted cutover was started over)"
+            } else {
+                ""
+            },
+            s.rows,
+            s.published,
+            s.poisoned
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::OutboxRow;
+    use bytes::Bytes;
+
+    const AUTO: Trigger = Trigger::Run(CutoverMode::Auto);
+    const OFF: Trigger = Trigger::Run(CutoverMode::Off);
+
+    #[test]
+    fn a_missing_slot_is_cut_over_unless_off() {
+        assert_eq!(decide(AUTO, false, Marker::Absent), Decision::CutOver);
+        assert_eq!(
+            decide(Trigger::Command, false, Marker::Absent),
+            Decision::CutOver
+        );
+        assert_eq!(decide(OFF, false, Marker::Absent), Decision::Stream);
+        // Dropped after a completed cutover: a new one (the slot's position is gone).
+        assert_eq!(decide(AUTO, false, Marker::Completed), Decision::CutOver);
+    }
+
+    #[test]
+    fn an_existing_slot_streams_unless_its_cutover_was_interrupted() {
+        for trigger in [AUTO, OFF] {
+            assert_eq!(decide(trigger, true, Marker::Absent), Decision::Stream);
+            assert_eq!(decide(trigger, true, Marker::Completed), Decision::Stream);
+        }
+        for trigger in [AUTO, OFF, Trigger::Command] {
+            assert_eq!(decide(trigger, true, Marker::Unfinished), Decision::Restart);
+            assert_eq!(
+                decide(trigger, false, Marker::Unfinished),
+                Decision::CutOver
+            );
+        }
+    }
+
+    #[test]
+    fn the_command_never_cuts_over_an_existing_slot_twice() {
+        assert_eq!(
+            decide(Trigger::Command, true, Marker::Completed),
+            Decision::AlreadyDone
+        );
+        assert_eq!(
+            decide(Trigger::Command, true, Marker::Absent),
+            Decision::Refuse
+        );
+    }
+
+    fn config() -> Config {
+        Config::from_sources(
+            "test",
+            "[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"k:9092\"\n\
+             [outbox]\ntable = \"app.events\"\n",
+            [],
+        )
+        .unwrap()
+    }
+
+    fn row(attempts: i32, delivery: Delivery) -> BatchRow {
+        let config = config();
+        let mapper =
+            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())
+                .unwrap();
+        let outbox_row = OutboxRow {
+            id: Some(Bytes::from_static(b"1")),
+            aggregate_type: Some(Bytes::from_static(b"order")),
+            aggregate_id: Some(Bytes::from_static(b"o-1")),
+            event_type: Some(Bytes::from_static(b"Created")),
+            payload: Some(Bytes::from_static(b"{}")),
+            ..OutboxRow::default()
+        };
+        let polled = Polled {
+            id: "1".into(),
+            attempts,
+            last_error: None,
+        };
+        let mut row = to_batch_row(&mapper, polled, &outbox_row, Lsn::from(0x16_0000));
+        if let RowResult::Event { delivery: d, .. } = &mut row.result {
+            *d = delivery;
+        }
+        row
+    }
+
+    fn failed(failure: Failure) -> Delivery {
+        Delivery::Failed {
+            failure,
+            kind: "test",
+            message: "refused".into(),
+        }
+    }
+
+    #[test]
+    fn backlog_records_carry_the_consistent_point() {
+        let r = row(0, Delivery::Pending);
+        let RowResult::Event { event, .. } = &r.result else {
+            panic!("mapped")
+        };
+        assert_eq!(event.source_lsn, Some(Lsn::from(0x16_0000)));
+        let lsn = event
+            .headers
+            .iter()
+            .find(|(n, _)| n == crate::outbox::HEADER_SOURCE_LSN)
+            .map(|(_, v)| v.clone());
+        assert_eq!(lsn.as_deref(), Some(&b"0/160000"[..]));
+    }
+
+    #[test]
+    fn acked_and_exhausted_rows_are_done_others_are_sent_again() {
+        let rows = vec![
+            row(0, Delivery::Acked),
+            row(0, failed(Failure::Transient)),
+            row(1, failed(Failure::Permanent)),
+            row(4, failed(Failure::Permanent)),
+            row(2, Delivery::Pending),
+        ];
+        let again = still_to_send(rows, 5);
+        let attempts: Vec<i32> = again.iter().map(|r| r.polled.attempts).collect();
+        // Transient: same attempts; permanent 1 -> 2; permanent 4 -> 5 = poisoned.
+        assert_eq!(attempts, vec![0, 2, 2]);
+        assert!(again.iter().all(|r| matches!(
+            r.result,
+            RowResult::Event {
+                delivery: Delivery::Pending,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn unmappable_rows_are_never_sent_again() {
+        let config = config();
+        let mapper =
+            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())
+                .unwrap();
+        let polled = Polled {
+            id: "2".into(),
+            attempts: 0,
+            last_error: None,
+        };
+        // No aggregate_id: no key.
+        let r = to_batch_row(&mapper, polled, &OutboxRow::default(), Lsn::ZERO);
+        assert!(matches!(r.result, RowResult::Unmappable { .. }));
+        assert!(still_to_send(vec![r], 5).is_empty());
+    }
+
+    #[test]
+    fn a_busy_unfinished_slot_is_retried_other_errors_are_prerequisites() {
+        let busy = CutoverError::UnfinishedSlotActive {
+            slot: "s".into(),
+            pid: 7,
+        };
+        assert_eq!(
+            Error::from(busy).class(),
+            crate::delivery::ErrorClass::Transient
+        );
+        let missing = Error::from(CutoverError::MarkerTableMissing("t".into()));
+        assert_eq!(missing.exit_code(), std::process::ExitCode::from(3));
+    }
+
+    #[test]
+    fn the_snapshot_is_exported_with_each_servers_syntax() {
+        use crate::postgres::replication::create_slot_command;
+        assert_eq!(
+            create_slot_command("s", false, SnapshotAction::Export, Some(15)),
+            "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
+        );
+        assert_eq!(
+            create_slot_command("s", false, SnapshotAction::Export, Some(14)),
+            "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput EXPORT_SNAPSHOT"
+        );
+    }
+
+    #[test]
+    fn the_command_reports_what_it_did() {
+        let c = config();
+        let done = render(
+            &c,
+            &Outcome::CutOver(CutoverSummary {
+                consistent_point: Lsn::from(0x16_0000),
+                rows: 6,
+                published: 5,
+                poisoned: 1,
+                restarted: true,
+            }),
+        );
+        assert!(done.contains("consistent point 0/160000"), "{done}");
+        assert!(
+            done.contains("backlog 6 rows: 5 published, 1 poisoned"),
+            "{done}"
+        );
+        assert!(
+            done.contains("interrupted cutover was started over"),
+            "{done}"
+        );
+        assert!(render(&c, &Outcome::AlreadyDone).contains("already completed"));
+    }
+
+    #[test]
+    fn window_is_the_in_flight_window_bounded() {
+        assert_eq!(window_size(0), 1);
+        assert_eq!(window_size(500), 500);
+        assert_eq!(window_size(1_000_000), MAX_WINDOW);
+    }
+
+    #[test]
+    fn marker_table_lives_in_the_outbox_schema() {
+        assert_eq!(
+            marker_table(&config()).unwrap(),
+            "\"app\".\"outbox_relay_cutover\""
+        );
+        assert_eq!(lock_key("s"), "outbox-relay cutover s");
+    }
+}

@@ -1,0 +1,401 @@
+//! Metrics and health over HTTP: Prometheus text at `/metrics`, liveness at
+//! `/healthz`, readiness at `/readyz`.
+//!
+//! **Why these metrics.** An outbox relay fails quietly: the process stays up while
+//! the slot stops advancing, and the first symptom is a full disk on the database
+//! (the slot retains WAL) or a consumer asking where its events went. So besides
+//! throughput the relay exports the two positions that matter — the LSN it has
+//! *received* and the LSN it has *confirmed* to the server — plus the server's own
+//! view of the slot (lag to `pg_current_wal_lsn()` and retained WAL, sampled by the
+//! heartbeat task, see `crate::cdc::heartbeat`), the in-flight window, and the delivery
+//! latency from the transaction's commit timestamp to the broker's ack. Names are
+//! constants so dashboards, alerts and tests agree on them.
+//!
+//! **Why readiness is about progress, not connections.** A relay whose broker is
+//! gone keeps its replication connection and looks healthy to a TCP probe. `/readyz`
+//! is 200 only while the relay streams from the slot *and* either nothing is
+//! pending or the confirmed LSN advanced within `metrics.ready_stall_secs`; a stalled
+//! relay turns not-ready, a standby (waiting for a slot another relay holds) is
+//! not ready, and `/healthz` stays 200 as long as the process serves HTTP.
+//!
+//! **Why these crates.** `metrics` is the de-facto facade (cheap handles, no global
+//! lock on the hot path) and `metrics-exporter-prometheus` renders the exposition
+//! format correctly (escaping, histogram buckets) — neither is worth re-writing.
+//! The exporter's own listener cannot serve health endpoints, so a minimal `axum`
+//! router (HTTP/1 only, no default features) serves all three paths.
+//!
+//! The endpoint is off by default (`metrics.listen = ""`): two relays on one host
+//! (the usual HA setup) would otherwise collide on a port, and an operator enabling
+//! it chooses the address (`127.0.0.1:9187` keeps it on loopback).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::error::{Error, Result};
+
+/// Counter, label `topic`: events acknowledged by the broker.
+pub const EVENTS_RELAYED: &str = "outbox_relay_events_relayed_total";
+/// Counter, label `topic`: events whose `poison_outbox` insert committed.
+pub const EVENTS_POISONED: &str = "outbox_relay_events_poisoned_total";
+/// Histogram (seconds): commit timestamp of the event's transaction to broker ack.
+pub const DELIVERY_LATENCY: &str = "outbox_relay_delivery_latency_seconds";
+/// Gauge: events produced (or being poisoned) and not yet resolved.
+pub const IN_FLIGHT_EVENTS: &str = "outbox_relay_in_flight_events";
+/// Gauge: payload bytes of the in-flight events.
+pub const IN_FLIGHT_BYTES: &str = "outbox_relay_in_flight_bytes";
+/// Gauge: highest WAL position received from the server (as a number).
+pub const RECEIVED_LSN: &str = "outbox_relay_received_lsn";
+/// Gauge: the confirmed (flush) LSN last sent to the server (as a number).
+pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
+/// Gauge: `pg_current_wal_lsn() - confirmed_flush_lsn` of the slot, bytes.
+pub const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
+/// Gauge: `pg_current_wal_lsn() - restart_lsn` of the slot: WAL the slot retains.
+pub const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
+/// Counter: delivery reports with a transient (retried) broker error.
+pub const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
+/// Counter: replication sessions lost and re-established.
+pub const RECONNECTS: &str = "outbox_relay_reconnects_total";
+/// Gauge: 1 while the relay streams from its slot, else 0.
+pub const STREAMING: &str = "outbox_relay_streaming";
+/// Histogram (seconds): heartbeat message emitted on the metadata connection until
+/// it came back through the replication stream.
+pub const HEARTBEAT_ROUND_TRIP: &str = "outbox_relay_heartbeat_round_trip_seconds";
+/// Counter: heartbeats that could not be emitted (metadata connection problems).
+pub const HEARTBEAT_FAILURES: &str = "outbox_relay_heartbeat_failures_total";
+
+/// Latency buckets (seconds): 1 ms to 2 min.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Installs the Prometheus recorder as the process-wide `metrics` recorder.
+///
+/// # Errors
+///
+/// [`Error::Other`] when a recorder is already installed.
+pub fn install_recorder() -> Result<PrometheusHandle> {
+    let builder = [DELIVERY_LATENCY, HEARTBEAT_ROUND_TRIP]
+        .into_iter()
+        .try_fold(PrometheusBuilder::new(), |b, name| {
+            b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
+        })
+        .map_err(|e| Error::Other(format!("metrics: {e}")))?;
+    let handle = builder
+        .install_recorder()
+        .map_err(|e| Error::Other(format!("cannot install the metrics recorder: {e}")))?;
+    describe();
+    Ok(handle)
+}
+
+/// Registers help texts (the `# HELP` lines).
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(EVENTS_RELAYED, "Events acknowledged by the broker");
+    describe_counter!(EVENTS_POISONED, "Events written to the poison table");
+    describe_histogram!(
+        DELIVERY_LATENCY,
+        Unit::Seconds,
+        "Transaction commit to broker acknowledgement"
+    );
+    describe_gauge!(IN_FLIGHT_EVENTS, "Events produced and not yet resolved");
+    describe_gauge!(IN_FLIGHT_BYTES, Unit::Bytes, "Payload bytes in flight");
+    describe_gauge!(RECEIVED_LSN, "Highest WAL position received");
+    describe_gauge!(CONFIRMED_LSN, "Confirmed flush LSN sent to the server");
+    describe_gauge!(
+        SLOT_LAG_BYTES,
+        Unit::Bytes,
+        "Current WAL LSN minus the slot's confirmed LSN"
+    );
+    describe_gauge!(
+        SLOT_RETAINED_WAL_BYTES,
+        Unit::Bytes,
+        "WAL retained by the slot"
+    );
+    describe_counter!(BROKER_TRANSIENT_ERRORS, "Transient broker errors (retried)");
+    describe_counter!(RECONNECTS, "Replication sessions re-established");
+    describe_gauge!(STREAMING, "1 while streaming from the slot");
+    describe_histogram!(
+        HEARTBEAT_ROUND_TRIP,
+        Unit::Seconds,
+        "Heartbeat emit to receipt"
+    );
+    describe_counter!(HEARTBEAT_FAILURES, "Heartbeats that could not be emitted");
+}
+
+/// What the relay tells the health endpoints; cheap to update from the hot loop.
+#[derive(Debug, Clone)]
+pub struct Health(Arc<HealthState>);
+
+#[derive(Debug)]
+struct HealthState {
+    origin: Instant,
+    streaming: AtomicBool,
+    pending: AtomicU64,
+    /// Milliseconds since `origin` of the last confirmed-LSN advance (or of the
+    /// moment the pending count went from zero to non-zero).
+    last_progress_ms: AtomicU64,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health(Arc::new(HealthState {
+            origin: Instant::now(),
+            streaming: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
+            last_progress_ms: AtomicU64::new(0),
+        }))
+    }
+}
+
+impl Health {
+    fn millis(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.0.origin).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The relay started or stopped streaming from its slot.
+    pub fn set_streaming(&self, streaming: bool, now: Instant) {
+        if streaming && !self.0.streaming.load(Ordering::Relaxed) {
+            self.0
+                .last_progress_ms
+                .store(self.millis(now), Ordering::Relaxed);
+        }
+        self.0.streaming.store(streaming, Ordering::Relaxed);
+        metrics::gauge!(STREAMING).set(if streaming { 1.0 } else { 0.0 });
+    }
+
+    /// Records the in-flight count and whether the confirmed LSN just advanced.
+    pub fn observe(&self, pending: usize, advanced: bool, now: Instant) {
+        let pending = u64::try_from(pending).unwrap_or(u64::MAX);
+        let was_idle = self.0.pending.swap(pending, Ordering::Relaxed) == 0;
+        // Becoming busy starts the stall clock; so does every advance.
+        if advanced || (was_idle && pending > 0) {
+            self.0
+                .last_progress_ms
+                .store(self.millis(now), Ordering::Relaxed);
+        }
+    }
+
+    /// The readiness verdict at `now`.
+    #[must_use]
+    pub fn readiness(&self, now: Instant, stall: Duration) -> Readiness {
+        let since = self
+            .millis(now)
+            .saturating_sub(self.0.last_progress_ms.load(Ordering::Relaxed));
+        judge(
+            self.0.streaming.load(Ordering::Relaxed),
+            self.0.pending.load(Ordering::Relaxed),
+            Duration::from_millis(since),
+            stall,
+        )
+    }
+}
+
+/// `/readyz`'s answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    /// Not streaming: starting, reconnecting, or a standby waiting for the slot.
+    NotStreaming,
+    /// Events pending and the confirmed LSN has not moved for this long.
+    Stalled {
+        pending: u64,
+        since: Duration,
+    },
+}
+
+impl Readiness {
+    /// The HTTP status and body for it.
+    #[must_use]
+    pub fn response(&self) -> (StatusCode, String) {
+        match self {
+            Readiness::Ready => (StatusCode::OK, "ready\n".to_owned()),
+            Readiness::NotStreaming => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: not streaming from the replication slot\n".to_owned(),
+            ),
+            Readiness::Stalled { pending, since } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "not ready: {pending} events pending and the confirmed LSN has not advanced for {}s\n",
+                    since.as_secs()
+                ),
+            ),
+        }
+    }
+}
+
+/// Pure readiness rule (see the module doc).
+#[must_use]
+pub fn judge(
+    streaming: bool,
+    pending: u64,
+    since_progress: Duration,
+    stall: Duration,
+) -> Readiness {
+    if !streaming {
+        Readiness::NotStreaming
+    } else if pending > 0 && since_progress >= stall {
+        Readiness::Stalled {
+            pending,
+            since: since_progress,
+        }
+    } else {
+        Readiness::Ready
+    }
+}
+
+#[derive(Clone)]
+struct ServerState {
+    handle: PrometheusHandle,
+    health: Health,
+    stall: Duration,
+}
+
+/// Binds `listen` and serves `/metrics`, `/healthz` and `/readyz` until the process
+/// ends. Returns the bound address (useful with port 0).
+///
+/// # Errors
+///
+/// [`Error::Other`] when the address is invalid or cannot be bound.
+pub async fn serve(
+    listen: &str,
+    handle: PrometheusHandle,
+    health: Health,
+    stall: Duration,
+) -> Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| Error::Other(format!("metrics.listen = {listen:?}: cannot bind: {e}")))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Other(format!("metrics listener: {e}")))?;
+    let upkeep = handle.clone();
+    // Histograms are summarised lazily; upkeep keeps their memory bounded when
+    // nobody scrapes.
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let app = Router::new()
+        .route("/metrics", get(metrics_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(ServerState {
+            handle,
+            health,
+            stall,
+        });
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    tracing::info!(%addr, "metrics and health endpoints listening");
+    Ok(addr)
+}
+
+async fn metrics_page(State(state): State<ServerState>) -> String {
+    state.handle.render()
+}
+
+async fn readyz(State(state): State<ServerState>) -> (StatusCode, String) {
+    state
+        .health
+        .readiness(Instant::now(), state.stall)
+        .response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STALL: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn not_streaming_is_not_ready() {
+        assert_eq!(
+            judge(false, 0, Duration::ZERO, STALL),
+            Readiness::NotStreaming
+        );
+    }
+
+    #[test]
+    fn idle_is_ready_however_long() {
+        assert_eq!(
+            judge(true, 0, Duration::from_secs(3600), STALL),
+            Readiness::Ready
+        );
+    }
+
+    #[test]
+    fn pending_without_progress_turns_stalled_at_the_window() {
+        assert_eq!(
+            judge(true, 5, Duration::from_secs(59), STALL),
+            Readiness::Ready
+        );
+        assert_eq!(
+            judge(true, 5, STALL, STALL),
+            Readiness::Stalled {
+                pending: 5,
+                since: STALL
+            }
+        );
+    }
+
+    #[test]
+    fn health_tracks_progress() {
+        let health = Health::default();
+        let t0 = Instant::now();
+        assert_eq!(health.readiness(t0, STALL), Readiness::NotStreaming);
+        health.set_streaming(true, t0);
+        assert_eq!(health.readiness(t0, STALL), Readiness::Ready);
+        // Busy from t0 + 10 s, no advance: stalled 60 s later, not before.
+        health.observe(3, false, t0 + Duration::from_secs(10));
+        assert_eq!(
+            health.readiness(t0 + Duration::from_secs(69), STALL),
+            Readiness::Ready
+        );
+        assert!(matches!(
+            health.readiness(t0 + Duration::from_secs(70), STALL),
+            Readiness::Stalled { pending: 3, .. }
+        ));
+        // An advance makes it ready again; so does draining.
+        health.observe(3, true, t0 + Duration::from_secs(71));
+        assert_eq!(
+            health.readiness(t0 + Duration::from_secs(72), STALL),
+            Readiness::Ready
+        );
+        health.observe(0, false, t0 + Duration::from_secs(500));
+        assert_eq!(
+            health.readiness(t0 + Duration::from_secs(900), STALL),
+            Readiness::Ready
+        );
+        health.set_streaming(false, t0 + Duration::from_secs(901));
+        assert_eq!(
+            health.readiness(t0 + Duration::from_secs(901), STALL),
+            Readiness::NotStreaming
+        );
+    }
+
+    #[test]
+    fn stalled_response_names_the_cause() {
+        let (code, body) = Readiness::Stalled {
+            pending: 7,
+            since: Duration::from_secs(61),
+        }
+        .response();
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("7 events pending"), "{body}");
+    }
+}

@@ -1,0 +1,852 @@
+//! Configuration: a TOML file layered with `OUTBOX_RELAY__SECTION__KEY` environment
+//! variables, then validated.
+//!
+//! Unknown keys are rejected (`deny_unknown_fields`) because a misspelt key that is
+//! silently ignored is how a relay ends up publishing to the wrong topic. The
+//! PostgreSQL URL may carry a password: `Debug` and logs only ever show the redacted
+//! form ([`redact_url`]).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+pub mod duration;
+mod error;
+
+pub use error::ConfigError;
+
+use duration::parse_duration;
+
+/// Prefix of environment variables that override config keys.
+pub const ENV_PREFIX: &str = "OUTBOX_RELAY__";
+
+/// The whole configuration.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub postgres: PostgresConfig,
+    #[serde(default)]
+    pub outbox: OutboxConfig,
+    pub kafka: KafkaConfig,
+    #[serde(default)]
+    pub relay: RelayConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
+}
+
+/// Where the outbox lives and how the relay reads it.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    /// libpq-style URL, e.g. `postgresql://relay:secret@db:5432/app?sslmode=require`.
+    /// Serialized with the password masked, like `Debug`.
+    #[serde(serialize_with = "serialize_redacted")]
+    pub url: String,
+    /// Logical replication slot (created with `pgoutput` when missing).
+    #[serde(default = "default_slot")]
+    pub slot: String,
+    /// Publication for the outbox table(s) (created by `migrate`).
+    #[serde(default = "default_publication")]
+    pub publication: String,
+}
+
+/// The outbox table, its poison side table, and the column names.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutboxConfig {
+    /// `schema.table` or `table` (then `public`).
+    pub table: String,
+    /// Side table for undeliverable rows.
+    pub poison_table: String,
+    /// Create the outbox partitioned by `created_at` range (`migrate`), so that
+    /// retention drops whole partitions instead of deleting rows.
+    pub partitioned: bool,
+    /// Width of one partition: `hour`, `day`, `week` or `month` (UTC).
+    pub partition_interval: PartitionInterval,
+    /// Partitions kept ready beyond the current one (`migrate` and `retention`).
+    pub partitions_ahead: u32,
+    pub columns: Columns,
+}
+
+/// Width of one partition of a partitioned outbox (a `date_trunc` field).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PartitionInterval {
+    Hour,
+    #[default]
+    Day,
+    Week,
+    Month,
+}
+
+impl PartitionInterval {
+    /// The `date_trunc` field (and `interval` unit) for this width.
+    #[must_use]
+    pub fn sql_unit(self) -> &'static str {
+        match self {
+            PartitionInterval::Hour => "hour",
+            PartitionInterval::Day => "day",
+            PartitionInterval::Week => "week",
+            PartitionInterval::Month => "month",
+        }
+    }
+}
+
+/// `outbox-relay retention`: what is deleted, how much at a time, how often.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Rows (or partitions) younger than this are kept even when delivered, e.g. `7d`.
+    pub period: String,
+    /// Rows deleted per statement (one short transaction each).
+    pub batch_size: u32,
+    /// Pause between two cycles (checkpoint, delete) of `retention` without `--once`.
+    pub interval: String,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            period: "7d".into(),
+            batch_size: 1000,
+            interval: "1m".into(),
+        }
+    }
+}
+
+impl RetentionConfig {
+    /// `period` as a duration (validated by [`Config::validate`]).
+    pub fn period(&self) -> Result<std::time::Duration, ConfigError> {
+        parse_duration(&self.period)
+            .map_err(|m| ConfigError::Invalid(format!("retention.period {:?}: {m}", self.period)))
+    }
+
+    /// `interval` as a duration (validated by [`Config::validate`]).
+    pub fn interval(&self) -> Result<std::time::Duration, ConfigError> {
+        parse_duration(&self.interval).map_err(|m| {
+            ConfigError::Invalid(format!("retention.interval {:?}: {m}", self.interval))
+        })
+    }
+}
+
+/// Column names of the outbox table (defaults match our migration; Debezium's
+/// `aggregatetype`, `aggregateid`, `type` are accepted by the mapper as aliases).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Columns {
+    pub id: String,
+    pub idempotency_key: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub topic: String,
+    pub headers: String,
+    pub payload: String,
+    pub created_at: String,
+}
+
+/// Broker connection and record shape.
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Topic for rows without a `topic` column value; `{aggregate_type}` and
+    /// `{event_type}` are replaced by the row's values.
+    #[serde(default = "default_topic_template")]
+    pub topic_template: String,
+    /// librdkafka partitioner; `murmur2_random` places keys like the Java client.
+    #[serde(default = "default_partitioner")]
+    pub partitioner: String,
+    /// Extra librdkafka producer settings passed through verbatim (e.g. SASL/SSL).
+    #[serde(default)]
+    pub producer: BTreeMap<String, String>,
+    /// When present, the record value is an envelope around the payload.
+    #[serde(default)]
+    pub envelope: Option<EnvelopeConfig>,
+}
+
+/// Relay tuning.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// In-flight window: events produced and not yet resolved.
+    pub max_in_flight_events: usize,
+    /// In-flight window: payload bytes produced and not yet resolved.
+    pub max_in_flight_bytes: usize,
+    /// Attempts for an event failing with a permanent error before it is poisoned.
+    pub max_attempts: u32,
+    /// Seconds to wait for in-flight acks on SIGINT/SIGTERM.
+    pub shutdown_timeout_secs: u64,
+    /// Seconds to wait for a replication slot held by another process before
+    /// giving up (exit code 3). Large values make a second relay a standby.
+    pub slot_busy_timeout_secs: u64,
+    /// Seconds between heartbeats (`pg_logical_emit_message` on the metadata
+    /// connection, which keeps an idle slot advancing and measures the round
+    /// trip); 0 turns the heartbeat off (the slot is still sampled every 10 s).
+    pub heartbeat_interval_secs: u64,
+    /// What `run` does when it has to create the slot: publish the rows a polling
+    /// relay had not sent first (`auto`), or only stream from the new slot (`off`).
+    pub cutover: CutoverMode,
+}
+
+/// The Prometheus and health HTTP endpoint.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `host:port` for `/metrics`, `/healthz`, `/readyz`; empty (the default) = off.
+    pub listen: String,
+    /// `/readyz` turns not-ready when events are pending and the confirmed LSN has
+    /// not advanced for this many seconds.
+    pub ready_stall_secs: u64,
+}
+
+/// The optional JSON envelope around the payload.
+///
+/// With an envelope the record value is
+/// `{"event_id":…,"event_type":…,"schema_version":…,"occurred_at":…,"producer":…,"payload":…}`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EnvelopeConfig {
+    /// Written as `"producer"`, e.g. the service name.
+    pub producer: String,
+    /// Written as `"schema_version"`.
+    pub schema_version: String,
+}
+
+/// `relay.cutover`: whether `run` cuts over from a polling relay when it creates the
+/// replication slot (see [`crate::cdc::cutover`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CutoverMode {
+    /// Creating the slot also publishes every unsent, unpoisoned outbox row in the
+    /// slot's exported snapshot. On an empty outbox this costs one query.
+    #[default]
+    Auto,
+    /// Creating the slot streams only what commits after it; rows already in the
+    /// outbox are left to `outbox-relay cutover` (or to nobody).
+    Off,
+}
+
+/// Logging.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `human` or `json`.
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `outbox_relay=debug`; `RUST_LOG` wins.
+    pub level: String,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+fn default_slot() -> String {
+    "outbox_relay".into()
+}
+fn default_publication() -> String {
+    "outbox_relay_pub".into()
+}
+fn default_topic_template() -> String {
+    "outbox.event.{aggregate_type}".into()
+}
+fn default_partitioner() -> String {
+    "murmur2_random".into()
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        OutboxConfig {
+            table: "public.outbox".into(),
+            poison_table: "public.poison_outbox".into(),
+            partitioned: false,
+            partition_interval: PartitionInterval::Day,
+            partitions_ahead: 3,
+            columns: Columns::default(),
+        }
+    }
+}
+
+impl Default for Columns {
+    fn default() -> Self {
+        Columns {
+            id: "id".into(),
+            idempotency_key: "idempotency_key".into(),
+            aggregate_type: "aggregate_type".into(),
+            aggregate_id: "aggregate_id".into(),
+            event_type: "event_type".into(),
+            topic: "topic".into(),
+            headers: "headers".into(),
+            payload: "payload".into(),
+            created_at: "created_at".into(),
+        }
+    }
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            max_in_flight_events: 10_000,
+            max_in_flight_bytes: 32 * 1024 * 1024,
+            max_attempts: 5,
+            shutdown_timeout_secs: 30,
+            slot_busy_timeout_secs: 30,
+            heartbeat_interval_secs: 10,
+            cutover: CutoverMode::Auto,
+        }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            listen: String::new(),
+            ready_stall_secs: 60,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`, overlays `OUTBOX_RELAY__…` variables from the process
+    /// environment, and validates the result.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, &[])
+    }
+
+    /// Like [`Config::load`], then applies `--set section.key=value` overrides from
+    /// the command line, which win over the file and the environment.
+    pub fn load_with(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut sources: Vec<(String, String)> = std::env::vars().collect();
+        for set in overrides {
+            sources.push(cli_override(set)?);
+        }
+        Config::from_sources(&path.display().to_string(), &text, sources)
+    }
+
+    /// Builds a config from TOML text and `(name, value)` environment pairs.
+    pub fn from_sources(
+        origin: &str,
+        toml_text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut doc: toml::Table = toml::from_str(toml_text).map_err(|e| ConfigError::Parse {
+            path: origin.to_owned(),
+            message: e.to_string(),
+        })?;
+        for (name, value) in env {
+            if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
+                overlay_env(&mut doc, &name, rest, &value)?;
+            }
+        }
+        let config: Config = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: origin.to_owned(),
+                message: e.to_string(),
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what serde cannot: names, ranges, conflicting producer settings.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.postgres.url.trim().is_empty() {
+            return invalid("postgres.url is empty".into());
+        }
+        for (key, name) in [
+            ("postgres.slot", &self.postgres.slot),
+            ("postgres.publication", &self.postgres.publication),
+        ] {
+            if !is_plain_identifier(name) {
+                return invalid(format!(
+                    "{key} = {name:?}: use lowercase letters, digits and underscores (at most 63)"
+                ));
+            }
+        }
+        qualified_name(&self.outbox.table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
+        qualified_name(&self.outbox.poison_table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.poison_table: {m}")))?;
+        if self.kafka.brokers.trim().is_empty() {
+            return invalid("kafka.brokers is empty".into());
+        }
+        if self.relay.max_in_flight_events == 0 || self.relay.max_in_flight_bytes == 0 {
+            return invalid(
+                "relay.max_in_flight_events and max_in_flight_bytes must be > 0".into(),
+            );
+        }
+        if self.relay.max_attempts == 0 {
+            return invalid("relay.max_attempts must be at least 1".into());
+        }
+        let listen = self.metrics.listen.trim();
+        if !listen.is_empty()
+            && listen
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+        {
+            return invalid(format!(
+                "metrics.listen = {listen:?}: use host:port, e.g. \"127.0.0.1:9187\" (or \"\" for off)"
+            ));
+        }
+        if self.metrics.ready_stall_secs == 0 {
+            return invalid("metrics.ready_stall_secs must be at least 1".into());
+        }
+        self.retention.period()?;
+        if self.retention.interval()?.is_zero() {
+            return invalid("retention.interval must be more than 0s".into());
+        }
+        if self.retention.batch_size == 0 || self.retention.batch_size > 1_000_000 {
+            return invalid("retention.batch_size must be 1..=1000000".into());
+        }
+        if self.outbox.partitions_ahead > 1000 {
+            return invalid("outbox.partitions_ahead must be at most 1000".into());
+        }
+        Ok(())
+    }
+}
+
+/// Applies one `OUTBOX_RELAY__SECTION__KEY=value` variable to the TOML document.
+/// Values are read as TOML scalars when they parse as such (`5`, `true`), else as
+/// strings, so `OUTBOX_RELAY__RELAY__MAX_ATTEMPTS=7` sets an integer.
+fn overlay_env(
+    doc: &mut toml::Table,
+    name: &str,
+    path: &str,
+    value: &str,
+) -> Result<(), ConfigError> {
+    let env_err = |message: &str| ConfigError::Env {
+        name: name.to_owned(),
+        message: message.to_owned(),
+    };
+    let mut keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+    // librdkafka settings keep their own spelling and are always strings.
+    let producer = keys.len() >= 3 && keys[0] == "kafka" && keys[1] == "producer";
+    if producer {
+        let key = path.splitn(3, "__").nth(2).unwrap_or_default().to_owned();
+        keys = vec!["kafka".into(), "producer".into(), key];
+    }
+    if keys.iter().any(String::is_empty) {
+        return Err(env_err("empty key segment"));
+    }
+    let Some((last, sections)) = keys.split_last() else {
+        return Err(env_err("no key"));
+    };
+    let mut table = doc;
+    for section in sections {
+        let entry = table
+            .entry(section.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| env_err(&format!("{section} is not a section")))?;
+    }
+    let value = if producer {
+        toml::Value::String(value.to_owned())
+    } else {
+        scalar(value)
+    };
+    table.insert(last.clone(), value);
+    Ok(())
+}
+
+/// `section.key=value` as the equivalent environment variable. Keys under
+/// `kafka.producer.` are librdkafka names and keep their dots
+/// (`kafka.producer.linger.ms=5`).
+fn cli_override(set: &str) -> Result<(String, String), ConfigError> {
+    let invalid = || ConfigError::Invalid(format!("--set {set:?}: expected section.key=value"));
+    let (path, value) = set.split_once('=').ok_or_else(invalid)?;
+    let path = path.trim();
+    if let Some(key) = path.strip_prefix("kafka.producer.") {
+        if key.is_empty() {
+            return Err(invalid());
+        }
+        // Producer values are strings; quote so a number stays a string.
+        return Ok((
+            format!("{ENV_PREFIX}KAFKA__PRODUCER__{key}"),
+            value.to_owned(),
+        ));
+    }
+    let segments: Vec<&str> = path.split('.').collect();
+    if segments.len() < 2 || segments.iter().any(|s| s.is_empty()) {
+        return Err(invalid());
+    }
+    Ok((
+        format!("{ENV_PREFIX}{}", segments.join("__")),
+        value.to_owned(),
+    ))
+}
+
+fn scalar(value: &str) -> toml::Value {
+    if let Ok(i) = value.parse::<i64>() {
+        return toml::Value::Integer(i);
+    }
+    match value {
+        "true" => toml::Value::Boolean(true),
+        "false" => toml::Value::Boolean(false),
+        _ => toml::Value::String(value.to_owned()),
+    }
+}
+
+/// Lowercase SQL identifier that needs no quoting (slots allow only these).
+#[must_use]
+pub fn is_plain_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !s.as_bytes()[0].is_ascii_digit()
+}
+
+/// Splits `schema.table` (or `table`, meaning `public`) into its parts.
+pub fn qualified_name(s: &str) -> Result<(String, String), String> {
+    let (schema, table) = match s.split_once('.') {
+        Some((schema, table)) => (schema, table),
+        None => ("public", s),
+    };
+    if schema.is_empty() || table.is_empty() || table.contains('.') || s.contains('"') {
+        return Err(format!("{s:?} is not a table name like schema.table"));
+    }
+    Ok((schema.to_owned(), table.to_owned()))
+}
+
+/// Quotes an SQL identifier (`"` doubled), for names that come from config.
+#[must_use]
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `"schema"."table"` for a configured table name (already validated).
+#[must_use]
+pub fn quote_qualified(s: &str) -> String {
+    match qualified_name(s) {
+        Ok((schema, table)) => format!("{}.{}", quote_ident(&schema), quote_ident(&table)),
+        Err(_) => quote_ident(s),
+    }
+}
+
+fn serialize_redacted<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(url))
+}
+
+/// Replaces the password of a `postgresql://user:password@host/db` URL (or a
+/// `password=` key/value) with `***`, for logs and `Debug`.
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(scheme_end) = out.find("://") {
+        let rest_start = scheme_end + 3;
+        let authority_end = out[rest_start..]
+            .find(['/', '?'])
+            .map_or(out.len(), |i| rest_start + i);
+        if let Some(at) = out[rest_start..authority_end].rfind('@') {
+            let userinfo = &out[rest_start..rest_start + at];
+            if let Some(colon) = userinfo.find(':') {
+                out.replace_range(rest_start + colon + 1..rest_start + at, "***");
+            }
+        }
+    }
+    redact_param(&out, "password")
+}
+
+fn redact_param(s: &str, key: &str) -> String {
+    let pattern = format!("{key}=");
+    let Some(start) = s.find(&pattern) else {
+        return s.to_owned();
+    };
+    let value_start = start + pattern.len();
+    let value_end = s[value_start..]
+        .find(['&', ' '])
+        .map_or(s.len(), |i| value_start + i);
+    format!("{}***{}", &s[..value_start], &s[value_end..])
+}
+
+impl fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &redact_url(&self.url))
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .finish()
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let producer: BTreeMap<&str, &str> = self
+            .producer
+            .iter()
+            .map(|(k, v)| {
+                let secret = k.contains("password") || k.contains("secret");
+                (k.as_str(), if secret { "***" } else { v.as_str() })
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic_template", &self.topic_template)
+            .field("partitioner", &self.partitioner)
+            .field("producer", &producer)
+            .field("envelope", &self.envelope)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("postgres", &self.postgres)
+            .field("outbox", &self.outbox)
+            .field("kafka", &self.kafka)
+            .field("relay", &self.relay)
+            .field("log", &self.log)
+            .field("metrics", &self.metrics)
+            .field("retention", &self.retention)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [postgres]
+        url = "postgresql://relay:s3cret@db:5432/app"
+        [kafka]
+        brokers = "k:9092"
+    "#;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_sources(
+            "test.toml",
+            text,
+            env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        )
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.postgres.slot, "outbox_relay");
+        assert_eq!(c.outbox.table, "public.outbox");
+        assert_eq!(c.kafka.partitioner, "murmur2_random");
+        assert_eq!(c.relay.max_attempts, 5);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = load(&format!("{MINIMAL}\n[relay]\nmax_atempts = 3\n"), &[]).unwrap_err();
+        assert!(err.to_string().contains("max_atempts"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "7"),
+                ("OUTBOX_RELAY__POSTGRES__SLOT", "other_slot"),
+                ("OUTBOX_RELAY__KAFKA__PRODUCER__LINGER", "5"),
+                ("UNRELATED", "x"),
+            ],
+        );
+        // librdkafka settings stay strings, whatever they look like.
+        assert_eq!(c.unwrap().kafka.producer["LINGER"], "5");
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "7"),
+                ("OUTBOX_RELAY__POSTGRES__SLOT", "other_slot"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.max_attempts, 7);
+        assert_eq!(c.postgres.slot, "other_slot");
+    }
+
+    #[test]
+    fn cli_overrides_map_to_config_keys() {
+        assert_eq!(
+            cli_override("relay.max_attempts=7").unwrap(),
+            ("OUTBOX_RELAY__relay__max_attempts".into(), "7".into())
+        );
+        assert_eq!(
+            cli_override("kafka.producer.linger.ms=5").unwrap(),
+            (
+                "OUTBOX_RELAY__KAFKA__PRODUCER__linger.ms".into(),
+                "5".into()
+            )
+        );
+        for bad in ["relay", "relay.max_attempts", ".x=1", "kafka.producer.=1"] {
+            assert!(cli_override(bad).is_err(), "{bad}");
+        }
+        let (name, value) = cli_override("kafka.producer.linger.ms=5").unwrap();
+        let c = load(MINIMAL, &[(name.as_str(), value.as_str())]).unwrap();
+        assert_eq!(c.kafka.producer["linger.ms"], "5");
+    }
+
+    #[test]
+    fn env_with_unknown_key_is_rejected() {
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__NOPE", "1")]).is_err());
+    }
+
+    #[test]
+    fn invalid_values_are_rejected() {
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__POSTGRES__SLOT", "Bad-Slot")]).is_err());
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "0")]).is_err());
+        assert!(load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__TABLE", "a.b.c")]).is_err());
+        assert!(load("not toml [", &[]).is_err());
+        for bad in ["9187", "localhost", "127.0.0.1:http", ":99999"] {
+            assert!(
+                load(MINIMAL, &[("OUTBOX_RELAY__METRICS__LISTEN", bad)]).is_err(),
+                "{bad}"
+            );
+        }
+        let ok = load(MINIMAL, &[("OUTBOX_RELAY__METRICS__LISTEN", "[::1]:0")]).unwrap();
+        assert_eq!(ok.metrics.listen, "[::1]:0");
+    }
+
+    #[test]
+    fn debug_redacts_password() {
+        let c = load(MINIMAL, &[]).unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        let serialized = toml::to_string(&c).unwrap();
+        assert!(!serialized.contains("s3cret"), "{serialized}");
+        assert!(shown.contains("relay:***@db"), "{shown}");
+    }
+
+    #[test]
+    fn redact_url_forms() {
+        assert_eq!(
+            redact_url("postgresql://u:p@h/db"),
+            "postgresql://u:***@h/db"
+        );
+        assert_eq!(redact_url("postgresql://u@h/db"), "postgresql://u@h/db");
+        assert_eq!(
+            redact_url("host=h password=xyz user=u"),
+            "host=h password=*** user=u"
+        );
+        assert_eq!(
+            redact_url("postgresql://h/db?user=u&password=pw&x=1"),
+            "postgresql://h/db?user=u&password=***&x=1"
+        );
+    }
+
+    #[test]
+    fn example_config_is_valid_and_complete() {
+        let text = include_str!("../../config/relay.example.toml");
+        let c = load(text, &[]).unwrap();
+        assert_eq!(c.relay.max_attempts, RelayConfig::default().max_attempts);
+        // Every key the config has is documented in the example: the example is
+        // the configuration reference.
+        let example: toml::Table = toml::from_str(text).unwrap();
+        let ours = toml::Table::try_from(load(MINIMAL, &[]).unwrap()).unwrap();
+        let mut missing = Vec::new();
+        undocumented(&ours, &example, "", &mut missing);
+        assert!(
+            missing.is_empty(),
+            "keys missing from config/relay.example.toml: {missing:?}"
+        );
+    }
+
+    fn undocumented(ours: &toml::Table, example: &toml::Table, path: &str, out: &mut Vec<String>) {
+        for (key, value) in ours {
+            let here = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{path}.{key}")
+            };
+            // Free-form librdkafka settings: the example shows a few, not all.
+            if here == "kafka.producer" {
+                continue;
+            }
+            match (value, example.get(key)) {
+                (_, None) => out.push(here),
+                (toml::Value::Table(a), Some(toml::Value::Table(b))) => {
+                    undocumented(a, b, &here, out);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn retention_keys_are_validated() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.retention.period().unwrap().as_secs(), 7 * 86_400);
+        assert_eq!(c.retention.interval().unwrap().as_secs(), 60);
+        assert!(!c.outbox.partitioned);
+        assert_eq!(c.outbox.partition_interval.sql_unit(), "day");
+        for (name, value) in [
+            ("OUTBOX_RELAY__RETENTION__PERIOD", "seven days"),
+            ("OUTBOX_RELAY__RETENTION__INTERVAL", "0s"),
+            ("OUTBOX_RELAY__RETENTION__BATCH_SIZE", "0"),
+            ("OUTBOX_RELAY__OUTBOX__PARTITION_INTERVAL", "fortnight"),
+        ] {
+            assert!(load(MINIMAL, &[(name, value)]).is_err(), "{name}={value}");
+        }
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY__RETENTION__PERIOD", "36h"),
+                ("OUTBOX_RELAY__OUTBOX__PARTITIONED", "true"),
+                ("OUTBOX_RELAY__OUTBOX__PARTITION_INTERVAL", "hour"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.retention.period().unwrap().as_secs(), 36 * 3600);
+        assert!(c.outbox.partitioned);
+    }
+
+    #[test]
+    fn cutover_is_auto_unless_turned_off() {
+        assert_eq!(load(MINIMAL, &[]).unwrap().relay.cutover, CutoverMode::Auto);
+        let off = load(&format!("{MINIMAL}\n[relay]\ncutover = \"off\"\n"), &[]).unwrap();
+        assert_eq!(off.relay.cutover, CutoverMode::Off);
+        let env = [("OUTBOX_RELAY__RELAY__CUTOVER", "off")];
+        assert_eq!(load(MINIMAL, &env).unwrap().relay.cutover, CutoverMode::Off);
+        assert!(
+            load(
+                &format!("{MINIMAL}\n[relay]\ncutover = \"sometimes\"\n"),
+                &[]
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn qualified_names() {
+        assert_eq!(
+            qualified_name("outbox").unwrap(),
+            ("public".into(), "outbox".into())
+        );
+        assert_eq!(quote_qualified("app.Outbox"), "\"app\".\"Outbox\"");
+        assert!(qualified_name("").is_err());
+    }
+}

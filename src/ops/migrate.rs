@@ -1,0 +1,310 @@
+//! Schema migrations: `outbox`, `poison_outbox` (with its no-DELETE trigger), the
+//! publication and the cutover marker table, applied in order by `outbox-relay migrate`.
+//!
+//! The SQL lives in `migrations/NNNN_name.sql` and is embedded in the binary. Table,
+//! column and publication names come from the config, so users with an existing
+//! outbox keep their names: the files use `{{placeholders}}` that are filled with
+//! quoted identifiers before execution. A hand-written runner (instead of a
+//! migration crate) is what allows this templating; it is small: each migration runs
+//! in its own transaction under an advisory lock and is recorded in
+//! `outbox_relay_migrations` with a checksum of the SQL it ran.
+//!
+//! Besides the tables, the migrations install the writer helper
+//! `outbox_enqueue(…)` (`0004`, see [`crate::outbox::enqueue`]) and the checkpoint table
+//! retention and the poller's fallback mode rely on (`0005`, see
+//! [`crate::outbox::checkpoint`]). With `outbox.partitioned = true` the outbox is created
+//! from `0001_outbox_partitioned.sql` instead (see [`crate::ops::retention`]); that choice
+//! is made at the first `migrate` and is not converted later.
+
+use tokio_postgres::Client;
+
+use crate::config::{self, Config, quote_ident, quote_qualified};
+use crate::error::{Error, Result};
+
+/// One embedded migration.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub sql: &'static str,
+    /// Used instead of `sql` when `outbox.partitioned` is set.
+    pub partitioned_sql: Option<&'static str>,
+}
+
+impl Migration {
+    /// The SQL this migration runs for this config (before templating).
+    #[must_use]
+    pub fn sql_for(&self, cfg: &Config) -> &'static str {
+        match self.partitioned_sql {
+            Some(sql) if cfg.outbox.partitioned => sql,
+            _ => self.sql,
+        }
+    }
+}
+
+/// All migrations, in the order they apply.
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "outbox",
+        sql: include_str!("../../migrations/0001_outbox.sql"),
+        partitioned_sql: Some(include_str!("../../migrations/0001_outbox_partitioned.sql")),
+    },
+    Migration {
+        version: 2,
+        name: "poison_outbox",
+        sql: include_str!("../../migrations/0002_poison_outbox.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 3,
+        name: "publication",
+        sql: include_str!("../../migrations/0003_publication.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 4,
+        name: "enqueue",
+        sql: include_str!("../../migrations/0004_enqueue.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 5,
+        name: "relay_checkpoint",
+        sql: include_str!("../../migrations/0005_relay_checkpoint.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 6,
+        name: "cutover",
+        sql: include_str!("../../migrations/0006_cutover.sql"),
+        partitioned_sql: None,
+    },
+];
+
+/// Arbitrary constant for `pg_advisory_xact_lock`, so two `migrate` runs serialise.
+const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78; // "outbox"
+
+/// What `apply` did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub applied: Vec<i32>,
+    pub already: Vec<i32>,
+}
+
+/// Fills the `{{placeholders}}` of a migration from the config.
+pub fn render(sql: &str, cfg: &Config) -> Result<String> {
+    let (schema, table) = config::qualified_name(&cfg.outbox.table).map_err(Error::Other)?;
+    let (_, poison_table) =
+        config::qualified_name(&cfg.outbox.poison_table).map_err(Error::Other)?;
+    let c = &cfg.outbox.columns;
+    let publication = &cfg.postgres.publication;
+    let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let publication_options = if cfg.outbox.partitioned {
+        "publish = 'insert', publish_via_partition_root = true"
+    } else {
+        "publish = 'insert'"
+    };
+    let vars: [(&str, String); 20] = [
+        ("schema", quote_ident(&schema)),
+        ("outbox_table", quote_qualified(&cfg.outbox.table)),
+        ("outbox_table_name", table.replace('"', "")),
+        ("poison_table", quote_qualified(&cfg.outbox.poison_table)),
+        ("poison_table_name", poison_table.replace('"', "")),
+        ("publication", quote_ident(publication)),
+        (
+            "publication_literal",
+            format!("'{}'", publication.replace('\'', "''")),
+        ),
+        ("col_id", quote_ident(&c.id)),
+        ("col_idempotency_key", quote_ident(&c.idempotency_key)),
+        ("col_aggregate_type", quote_ident(&c.aggregate_type)),
+        ("col_aggregate_id", quote_ident(&c.aggregate_id)),
+        ("col_event_type", quote_ident(&c.event_type)),
+        ("col_topic", quote_ident(&c.topic)),
+        ("col_headers", quote_ident(&c.headers)),
+        ("col_payload", quote_ident(&c.payload)),
+        ("col_created_at", quote_ident(&c.created_at)),
+        (
+            "outbox_table_literal",
+            literal(&quote_qualified(&cfg.outbox.table)),
+        ),
+        (
+            "partition_interval_literal",
+            literal(cfg.outbox.partition_interval.sql_unit()),
+        ),
+        ("partitions_ahead", cfg.outbox.partitions_ahead.to_string()),
+        ("publication_options", publication_options.to_owned()),
+    ];
+    let mut out = sql.to_owned();
+    for (name, value) in &vars {
+        out = out.replace(&format!("{{{{{name}}}}}"), value);
+    }
+    if let Some(start) = out.find("{{") {
+        let end = out[start..].find("}}").map_or(out.len(), |e| start + e + 2);
+        return Err(Error::Other(format!(
+            "migration has an unknown placeholder {}",
+            &out[start..end]
+        )));
+    }
+    Ok(out)
+}
+
+/// FNV-1a of the rendered SQL: detects a migration that changed after it ran.
+fn checksum(sql: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in sql.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// Applies every migration not yet recorded. Idempotent.
+pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
+                 version    integer PRIMARY KEY,
+                 name       text NOT NULL,
+                 checksum   bigint NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
+    let mut result = Applied::default();
+    for m in MIGRATIONS {
+        let sql = render(m.sql_for(cfg), cfg)?;
+        let tx = client.transaction().await?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
+            .await?;
+        let done = tx
+            .query_opt(
+                "SELECT checksum FROM outbox_relay_migrations WHERE version = $1",
+                &[&m.version],
+            )
+            .await?;
+        if let Some(row) = done {
+            let recorded: i64 = row.try_get(0)?;
+            if recorded != checksum(&sql) {
+                tracing::warn!(
+                    version = m.version,
+                    name = m.name,
+                    "migration already applied with different SQL (names in config changed?); not re-running"
+                );
+            }
+            result.already.push(m.version);
+            continue;
+        }
+        tx.batch_execute(&sql).await.map_err(|e| {
+            Error::Other(format!(
+                "migration {:04}_{} failed: {}",
+                m.version,
+                m.name,
+                crate::postgres::describe_error(&e)
+            ))
+        })?;
+        tx.execute(
+            "INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+            &[&m.version, &m.name, &checksum(&sql)],
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(version = m.version, name = m.name, "migration applied");
+        result.applied.push(m.version);
+    }
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: &str) -> Config {
+        Config::from_sources(
+            "t",
+            &format!("[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"b\"\n{extra}"),
+            Vec::new(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn every_placeholder_is_known() {
+        let c = cfg("");
+        let p = cfg("[outbox]\npartitioned = true\n");
+        for m in MIGRATIONS {
+            let sql = render(m.sql, &c).unwrap();
+            assert!(!sql.contains("{{"), "{}", m.name);
+            let sql = render(m.sql_for(&p), &p).unwrap();
+            assert!(!sql.contains("{{"), "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn plain_outbox_sql_is_unchanged_by_the_partitioning_option() {
+        // Databases migrated before the option existed keep their checksums.
+        let c = cfg("");
+        let publication = render(MIGRATIONS[2].sql, &c).unwrap();
+        assert!(
+            publication.contains("WITH (publish = 'insert');"),
+            "{publication}"
+        );
+        assert_eq!(MIGRATIONS[0].sql_for(&c), MIGRATIONS[0].sql);
+    }
+
+    #[test]
+    fn partitioned_outbox_is_range_partitioned_and_published_via_root() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\npartitioned = true\npartition_interval = \"hour\"\n",
+        );
+        let table = render(MIGRATIONS[0].sql_for(&c), &c).unwrap();
+        assert!(
+            table.contains("PARTITION BY RANGE (\"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains("PRIMARY KEY (\"id\", \"created_at\")"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "outbox_relay_ensure_partitions(\n    '\"app\".\"events\"'::regclass, 'hour', 3)"
+            ),
+            "{table}"
+        );
+        let publication = render(MIGRATIONS[2].sql, &c).unwrap();
+        assert!(publication.contains("publish_via_partition_root = true"));
+    }
+
+    #[test]
+    fn enqueue_function_uses_configured_names() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\n[outbox.columns]\nidempotency_key = \"dedupe\"\n",
+        );
+        let sql = render(MIGRATIONS[3].sql, &c).unwrap();
+        assert!(sql.contains("FUNCTION \"app\".outbox_enqueue("), "{sql}");
+        assert!(sql.contains("INSERT INTO \"app\".\"events\" AS o"), "{sql}");
+        assert!(sql.contains("RETURNING o.\"dedupe\""), "{sql}");
+    }
+
+    #[test]
+    fn names_come_from_config() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.events\"\n[outbox.columns]\naggregate_id = \"aggregateid\"\n",
+        );
+        let sql = render(MIGRATIONS[0].sql, &c).unwrap();
+        assert!(sql.contains("\"app\".\"events\""));
+        assert!(sql.contains("\"aggregateid\""));
+        assert!(sql.contains("events_unsent_idx"));
+    }
+
+    #[test]
+    fn versions_are_increasing() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
+    }
+
+    #[test]
+    fn unknown_placeholder_is_an_error() {
+        assert!(render("SELECT {{nope}}", &cfg("")).is_err());
+    }
+}

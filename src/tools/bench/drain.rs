@@ -1,0 +1,647 @@
+//! The contenders: what each mode runs to drain the same backlog, and how the
+//! benchmark knows it is done.
+//!
+//! * `pg-ceiling-recvlogical` — PostgreSQL's own `pg_recvlogical` reading the slot
+//!   with `pgoutput` into `/dev/null`, stopped by `--endpos` at the drain target:
+//!   how fast the walsender can decode and send, with a client that does nothing.
+//! * `pg-ceiling-ours` — our replication client, decoder, mapper and ack tracker,
+//!   with a sink that acknowledges every event at once: the relay minus Kafka.
+//! * `broker-ceiling` — our producer settings ([`Publisher`], `acks=all`,
+//!   idempotent) sending records of the workload's size, no database: the relay
+//!   minus PostgreSQL. Sends are never awaited one by one: the in-flight window of
+//!   the relay's config is kept full, as the relay does.
+//! * `cdc` — the real `outbox-relay run` as a child process, done when the slot's
+//!   `confirmed_flush_lsn` reaches the target (the relay confirms a transaction
+//!   only after the broker acked all its events), then the topic is counted.
+//! * `poll-bB-wW` — the real `outbox-relay poll --batch-size B --workers W`, done
+//!   when no row has `sent_at IS NULL` (rows are marked only after their ack), then
+//!   the topic is counted.
+//!
+//! Child processes are timed from spawn, so their start-up (connect, broker
+//! check) is included, as a restarted relay would pay it.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::Message;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use super::BenchError;
+use super::fixture::Fixture;
+use super::usage::Usage;
+use crate::cdc::progress::{Action, Core, CoreConfig, StatusUpdate};
+use crate::config::Config;
+use crate::delivery::EventId;
+use crate::error::{Error, Result};
+use crate::kafka::{self, Publisher, RecordRef};
+use crate::lsn::Lsn;
+use crate::outbox::{Mapped, OutboxMapper};
+use crate::postgres::pgoutput::{Decoder, LogicalReplicationMessage};
+use crate::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
+use crate::postgres::replication::{ReplicationConnection, ReplicationStream};
+
+/// How often a running mode is checked (done yet?) and its process sampled.
+const WATCH_INTERVAL: Duration = Duration::from_millis(20);
+
+/// pgoutput protocol version, as the relay uses.
+const PROTO_VERSION: u8 = 1;
+
+/// One contender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    RecvLogical,
+    Ours,
+    BrokerCeiling,
+    Cdc,
+    Poll { batch: u32, workers: u32 },
+}
+
+impl Mode {
+    /// The name in tables and JSON.
+    #[must_use]
+    pub fn label(&self) -> String {
+        match self {
+            Mode::RecvLogical => "pg-ceiling-recvlogical".into(),
+            Mode::Ours => "pg-ceiling-ours".into(),
+            Mode::BrokerCeiling => "broker-ceiling".into(),
+            Mode::Cdc => "cdc".into(),
+            Mode::Poll { batch, workers } => format!("poll-b{batch}-w{workers}"),
+        }
+    }
+
+    /// What the mode runs, for the table.
+    #[must_use]
+    pub fn settings(&self) -> String {
+        match self {
+            Mode::RecvLogical => "pg_recvlogical, pgoutput v1, to /dev/null".into(),
+            Mode::Ours => "our client+decoder+mapper+ack tracker, null sink".into(),
+            Mode::BrokerCeiling => "relay producer and window, no database".into(),
+            Mode::Cdc => "outbox-relay run".into(),
+            Mode::Poll { batch, workers } => {
+                format!("outbox-relay poll --batch-size {batch} --workers {workers}")
+            }
+        }
+    }
+
+    /// Whether the mode reads a replication slot.
+    #[must_use]
+    pub fn reads_wal(&self) -> bool {
+        matches!(self, Mode::RecvLogical | Mode::Ours | Mode::Cdc)
+    }
+
+    /// Whether the mode's records end up on the topic (and are counted there).
+    #[must_use]
+    pub fn delivers(&self) -> bool {
+        matches!(self, Mode::Cdc | Mode::Poll { .. })
+    }
+}
+
+/// What draining took.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Drained {
+    pub elapsed: Duration,
+    /// CPU and peak RSS of the process doing the work, while it did it.
+    pub usage: Option<Usage>,
+}
+
+/// Everything a mode needs to know about the backlog.
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    pub events: u64,
+    /// A WAL position past the last event's commit.
+    pub end_lsn: Lsn,
+    /// Payload size of the broker-ceiling records.
+    pub payload_bytes: usize,
+}
+
+/// Drains the backlog of `fixture` with `mode`.
+pub async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Result<Drained> {
+    match mode {
+        Mode::RecvLogical => recvlogical(fixture, target).await,
+        Mode::Ours => null_sink(&fixture.config, target).await,
+        Mode::BrokerCeiling => broker_ceiling(&fixture.config, target).await,
+        Mode::Cdc => {
+            let child = RelayChild::spawn(fixture, &["run"])?;
+            child
+                .watch(target, || async {
+                    Ok(fixture.confirmed_flush().await? >= target.end_lsn)
+                })
+                .await
+        }
+        Mode::Poll { batch, workers } => {
+            let (batch, workers) = (batch.to_string(), workers.to_string());
+            let args = ["poll", "--batch-size", &batch, "--workers", &workers];
+            let child = RelayChild::spawn(fixture, &args)?;
+            child
+                .watch(target, || async { Ok(!fixture.any_unsent().await?) })
+                .await
+        }
+    }
+}
+
+/// Generous bound for one drain: at least 1,000 events/s, plus start-up.
+fn deadline_for(target: Target) -> Duration {
+    Duration::from_secs(60 + target.events / 1000)
+}
+
+// ---------------------------------------------------------------------------
+// Child processes
+// ---------------------------------------------------------------------------
+
+/// `outbox-relay <args> --config <fixture config>` (this very binary), with no
+/// `OUTBOX_RELAY__` variables inherited: they would override the run's unique
+/// names.
+pub fn relay_command(fixture: &Fixture, args: &[&str]) -> Result<tokio::process::Command> {
+    let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+    cmd.args(args).arg("--config").arg(&fixture.config_path);
+    for (name, _) in std::env::vars_os() {
+        let inherited_override = name.to_str().is_some_and(|n| {
+            n.starts_with(crate::config::ENV_PREFIX) || n == "OUTBOX_RELAY_CONFIG"
+        });
+        if inherited_override {
+            cmd.env_remove(name);
+        }
+    }
+    Ok(cmd)
+}
+
+/// A child process of this binary (or `pg_recvlogical`) with its stderr in a file.
+struct RelayChild {
+    child: tokio::process::Child,
+    pid: String,
+    log: PathBuf,
+    started: Instant,
+    what: String,
+}
+
+impl RelayChild {
+    /// `outbox-relay <args>` for the fixture (see [`relay_command`]).
+    fn spawn(fixture: &Fixture, args: &[&str]) -> Result<RelayChild> {
+        let cmd = relay_command(fixture, args)?;
+        RelayChild::start(
+            cmd,
+            &format!("outbox-relay {}", args.join(" ")),
+            &fixture.name,
+        )
+    }
+
+    fn start(mut cmd: tokio::process::Command, what: &str, name: &str) -> Result<RelayChild> {
+        let log = std::env::temp_dir().join(format!("outbox-relay-{name}.log"));
+        let stderr = std::fs::File::create(&log)?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(stderr))
+            .kill_on_drop(true);
+        let started = Instant::now();
+        let child = cmd
+            .spawn()
+            .map_err(|e| BenchError::Spawn(what.to_owned(), e.to_string()))?;
+        let pid = child.id().map(|p| p.to_string()).unwrap_or_default();
+        Ok(RelayChild {
+            child,
+            pid,
+            log,
+            started,
+            what: what.to_owned(),
+        })
+    }
+
+    /// Samples the child until `done` says so (then stops it) or it exits: an exit
+    /// with success counts as done (`pg_recvlogical --endpos`), any other as a failure.
+    async fn watch<F, Fut>(mut self, target: Target, mut done: F) -> Result<Drained>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool>>,
+    {
+        let deadline = self.started + deadline_for(target);
+        let mut last = None;
+        let mut tick = tokio::time::interval(WATCH_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let outcome = loop {
+            tokio::select! {
+                status = self.child.wait() => {
+                    let elapsed = self.started.elapsed();
+                    break match status {
+                        Ok(s) if s.success() => Ok(elapsed),
+                        Ok(s) => Err(self.failure(&format!("exited with {s}"))),
+                        Err(e) => Err(e.into()),
+                    };
+                }
+                _ = tick.tick() => {
+                    last = Usage::read(&self.pid).or(last);
+                    if done().await? {
+                        let elapsed = self.started.elapsed();
+                        last = Usage::read(&self.pid).or(last);
+                        break Ok(elapsed);
+                    }
+                    if Instant::now() > deadline {
+                        break Err(self.failure("did not finish in time"));
+                    }
+                }
+            }
+        };
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+        let elapsed = outcome?;
+        let _ = std::fs::remove_file(&self.log);
+        Ok(Drained {
+            elapsed,
+            usage: last,
+        })
+    }
+
+    fn failure(&self, what: &str) -> Error {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(10).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        BenchError::Child {
+            what: self.what.clone(),
+            message: format!("{what}; last log lines:\n{}", tail.join("\n")),
+        }
+        .into()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// pg_recvlogical
+// ---------------------------------------------------------------------------
+
+async fn recvlogical(fixture: &Fixture, target: Target) -> Result<Drained> {
+    let Some(exe) = find_pg_tool("pg_recvlogical") else {
+        return Err(BenchError::Missing(
+            "pg_recvlogical (install the PostgreSQL client/server binaries)".into(),
+        )
+        .into());
+    };
+    let config = &fixture.config;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("--dbname")
+        .arg(&config.postgres.url)
+        .arg("--slot")
+        .arg(&config.postgres.slot)
+        .arg("--start")
+        .arg("--no-loop")
+        .args(["-o", "proto_version=1", "-o"])
+        .arg(format!("publication_names={}", config.postgres.publication))
+        .args(["--file", "/dev/null", "--fsync-interval", "0"])
+        .arg("--endpos")
+        .arg(target.end_lsn.to_string());
+    let child = RelayChild::start(cmd, "pg_recvlogical", &fixture.name)?;
+    child.watch(target, || async { Ok(false) }).await
+}
+
+/// A PostgreSQL client tool on `PATH` or in `/usr/lib/postgresql/*/bin` (newest).
+fn find_pg_tool(name: &str) -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|p| p.is_file())
+    });
+    on_path.or_else(|| {
+        let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin").join(name)))
+            .filter(|p| p.is_file())
+            .collect();
+        // /usr/lib/postgresql/<major>/bin/<name>: newest major last.
+        found.sort_by_key(|p| {
+            p.iter()
+                .nth(4)
+                .and_then(|v| v.to_str()?.parse::<u32>().ok())
+                .unwrap_or(0)
+        });
+        found.pop()
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Our replication client with a null sink
+// ---------------------------------------------------------------------------
+
+/// The relay's read path — replication client, pgoutput decoder, outbox mapper,
+/// ack tracker with its status updates — with every event acked at once.
+async fn null_sink(config: &Config, target: Target) -> Result<Drained> {
+    Usage::reset_self_peak();
+    let before = Usage::of_self();
+    let started = Instant::now();
+    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
+    let conn = ReplicationConnection::connect(&conninfo)
+        .await
+        .map_err(replication_error)?;
+    let publication = config.postgres.publication.as_str();
+    let mut stream = conn
+        .start_logical_replication(
+            &config.postgres.slot,
+            Lsn::ZERO,
+            &[publication],
+            PROTO_VERSION,
+        )
+        .await
+        .map_err(replication_error)?;
+    let mapper = OutboxMapper::new(&config.outbox, &config.kafka, None)
+        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let core = Core::new(
+        CoreConfig {
+            max_in_flight_events: config.relay.max_in_flight_events,
+            max_in_flight_bytes: config.relay.max_in_flight_bytes,
+            ..CoreConfig::default()
+        },
+        Lsn::ZERO,
+        Instant::now(),
+    );
+    let mut sink = NullSink {
+        core,
+        mapper,
+        decoder: Decoder::new(PROTO_VERSION),
+        commit_lsn: Lsn::ZERO,
+        events: 0,
+    };
+    let deadline = started + deadline_for(target);
+    while sink.events < target.events || sink.core.in_transaction() {
+        let frame = tokio::time::timeout_at(deadline.into(), stream.next_frame())
+            .await
+            .map_err(|_| BenchError::Child {
+                what: "pg-ceiling-ours".into(),
+                message: format!(
+                    "only {} of {} events read in time",
+                    sink.events, target.events
+                ),
+            })?
+            .map_err(replication_error)?;
+        let Some(frame) = frame else {
+            return Err(BenchError::Setup("the server ended the replication stream".into()).into());
+        };
+        sink.on_frame(frame)?;
+        sink.execute(&mut stream).await?;
+    }
+    let elapsed = started.elapsed();
+    let status = sink.core.shutdown_status();
+    send_status(&mut stream, status).await?;
+    let _ = stream.finish().await;
+    Ok(Drained {
+        elapsed,
+        usage: usage_since(before),
+    })
+}
+
+struct NullSink {
+    core: Core,
+    mapper: OutboxMapper,
+    decoder: Decoder,
+    commit_lsn: Lsn,
+    events: u64,
+}
+
+impl NullSink {
+    fn on_frame(&mut self, frame: ServerFrame) -> Result<()> {
+        let now = Instant::now();
+        let protocol =
+            |e: String| Error::from(BenchError::Setup(format!("replication stream: {e}")));
+        match frame {
+            ServerFrame::XLogData { wal_end, data, .. } => {
+                self.core.received(wal_end);
+                match self
+                    .decoder
+                    .decode(data)
+                    .map_err(|e| protocol(e.to_string()))?
+                {
+                    LogicalReplicationMessage::Begin(b) => {
+                        self.commit_lsn = b.final_lsn;
+                        self.core
+                            .begin(b.final_lsn, b.xid)
+                            .map_err(|e| protocol(e.to_string()))?;
+                    }
+                    LogicalReplicationMessage::Relation(r) => {
+                        self.mapper.on_relation(&r);
+                    }
+                    LogicalReplicationMessage::Insert(insert) => {
+                        let mapped = self
+                            .mapper
+                            .map_insert(&insert, self.commit_lsn)
+                            .map_err(|e| protocol(e.to_string()))?;
+                        if let Mapped::Event(event) = mapped {
+                            self.core
+                                .admit(event.byte_size(), now)
+                                .map_err(|e| protocol(e.to_string()))?;
+                            self.events += 1;
+                        }
+                    }
+                    LogicalReplicationMessage::Commit(c) => {
+                        self.core
+                            .commit(c.commit_lsn, c.end_lsn, now)
+                            .map_err(|e| protocol(e.to_string()))?;
+                    }
+                    _ => {}
+                }
+            }
+            ServerFrame::Keepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => self.core.keepalive(wal_end, reply_requested, now),
+        }
+        Ok(())
+    }
+
+    /// Produce actions are acked on the spot; status updates go to the server.
+    async fn execute(&mut self, stream: &mut ReplicationStream) -> Result<()> {
+        while let Some(action) = self.core.next_action() {
+            match action {
+                Action::Produce { id, .. } => self.core.delivered(id, Instant::now()),
+                Action::InsertPoison { id, .. } => self.core.poison_committed(id, Instant::now()),
+                Action::SendStatus(status) => send_status(stream, status).await?,
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn send_status(stream: &mut ReplicationStream, status: StatusUpdate) -> Result<()> {
+    let frame = StandbyStatus {
+        write: status.write,
+        flush: status.flush,
+        apply: status.apply,
+        client_time_micros: pg_epoch_micros(std::time::SystemTime::now()),
+        reply_requested: false,
+    };
+    stream.send_status(&frame).await.map_err(replication_error)
+}
+
+fn replication_error(e: crate::postgres::replication::ReplicationError) -> Error {
+    crate::postgres::process_error(e, "")
+}
+
+/// This process's CPU since `before`, and its peak RSS since the last reset.
+fn usage_since(before: Option<Usage>) -> Option<Usage> {
+    let (before, after) = (before?, Usage::of_self()?);
+    Some(Usage {
+        cpu: after.cpu.saturating_sub(before.cpu),
+        peak_rss_kib: after.peak_rss_kib,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Broker ceiling
+// ---------------------------------------------------------------------------
+
+/// The relay's producer alone: `target.events` records of the workload's size and
+/// shape (key, the relay's headers), the relay's in-flight window kept full.
+async fn broker_ceiling(config: &Config, target: Target) -> Result<Drained> {
+    Usage::reset_self_peak();
+    let before = Usage::of_self();
+    let started = Instant::now();
+    let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+    let (publisher, mut reports) =
+        Publisher::new(producer_config, kafka::report_capacity(&config.relay))?;
+    publisher.check_broker(Duration::from_secs(10)).await?;
+    let topic = config.kafka.topic_template.as_str();
+    let payload = vec![b'x'; target.payload_bytes];
+    let window = u64::try_from(config.relay.max_in_flight_events.max(1)).unwrap_or(u64::MAX);
+    let occurred_at = chrono::Utc::now().to_rfc3339();
+    let deadline = started + deadline_for(target);
+    let (mut sent, mut acked) = (0u64, 0u64);
+    while acked < target.events {
+        while sent < target.events && sent - acked < window {
+            let key = format!("order-{}", sent % 1000);
+            let idempotency_key = uuid::Uuid::now_v7().to_string();
+            let headers: [(&str, &[u8]); 4] = [
+                ("idempotency_key", idempotency_key.as_bytes()),
+                ("event_type", b"OrderPlaced"),
+                ("aggregate_type", b"order"),
+                ("occurred_at", occurred_at.as_bytes()),
+            ];
+            let record = RecordRef {
+                topic,
+                key: key.as_bytes(),
+                payload: &payload,
+                headers: &headers,
+                timestamp_ms: None,
+            };
+            match publisher.send(EventId::from_raw(sent + 1), record) {
+                Ok(()) => sent += 1,
+                // librdkafka's queue is full: wait for reports below, then go on.
+                Err(rejected) if rejected.failure == crate::delivery::Failure::Transient => break,
+                Err(rejected) => {
+                    return Err(BenchError::Child {
+                        what: "broker-ceiling".into(),
+                        message: rejected.message,
+                    }
+                    .into());
+                }
+            }
+        }
+        let report = tokio::time::timeout_at(deadline.into(), reports.recv())
+            .await
+            .map_err(|_| BenchError::Child {
+                what: "broker-ceiling".into(),
+                message: format!("only {acked} of {} records acked in time", target.events),
+            })?
+            .ok_or_else(|| BenchError::Setup("the producer's report channel closed".into()))?;
+        acked += count_ok(report)?;
+        while let Ok(report) = reports.try_recv() {
+            acked += count_ok(report)?;
+        }
+    }
+    let elapsed = started.elapsed();
+    drop(publisher);
+    Ok(Drained {
+        elapsed,
+        usage: usage_since(before),
+    })
+}
+
+fn count_ok(report: kafka::DeliveryReport) -> Result<u64> {
+    match report.result {
+        Ok(_) => Ok(1),
+        Err((code, message)) => Err(BenchError::Child {
+            what: "broker-ceiling".into(),
+            message: format!("delivery failed ({code:?}): {message}"),
+        }
+        .into()),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Counting what reached the topic
+// ---------------------------------------------------------------------------
+
+/// Reads the topic from offset 0 until `expected` distinct offsets were seen or
+/// nothing arrived for `idle`; returns how many it saw.
+pub async fn count_on_topic(config: &Config, expected: u64, idle: Duration) -> Result<u64> {
+    let brokers = config.kafka.brokers.clone();
+    let topic = config.kafka.topic_template.clone();
+    let mut consumer_config = ClientConfig::new();
+    consumer_config
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", format!("{topic}-count"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        // Tansu 0.6 may answer a fetch at the very end "offset out of range"; from
+        // the earliest offset nothing is skipped (already-seen offsets are ignored).
+        .set("auto.offset.reset", "earliest");
+    for (key, value) in &config.kafka.producer {
+        if key.starts_with("security.") || key.starts_with("sasl.") || key.starts_with("ssl.") {
+            consumer_config.set(key, value);
+        }
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
+    tokio::task::spawn_blocking(move || {
+        count_blocking(&consumer_config, &topic, expected, idle, &stop)
+    })
+    .await
+    .map_err(|e| BenchError::Task(e.to_string()))?
+}
+
+/// Sets its flag when dropped: a consumer loop on a blocking thread watches it,
+/// so an interrupted (dropped) caller stops the loop and the consumer is closed
+/// before the process exits.
+#[derive(Debug)]
+pub struct StopOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+fn count_blocking(
+    cfg: &ClientConfig,
+    topic: &str,
+    expected: u64,
+    idle: Duration,
+    stop: &AtomicBool,
+) -> Result<u64> {
+    let consumer: BaseConsumer = cfg.create()?;
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let mut assignment = TopicPartitionList::new();
+    for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+        for p in t.partitions() {
+            assignment.add_partition_offset(topic, p.id(), Offset::Offset(0))?;
+        }
+    }
+    consumer.assign(&assignment)?;
+    let mut next: std::collections::HashMap<i32, i64> = std::collections::HashMap::new();
+    let mut seen = 0u64;
+    let mut last_progress = Instant::now();
+    while seen < expected && last_progress.elapsed() < idle && !stop.load(Ordering::Acquire) {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                let expected_offset = next.entry(m.partition()).or_insert(0);
+                if m.offset() >= *expected_offset {
+                    *expected_offset = m.offset() + 1;
+                    seen += 1;
+                    last_progress = Instant::now();
+                }
+            }
+            Some(Err(e)) => tracing::debug!(error = %e, "consumer error while counting"),
+            None => {}
+        }
+    }
+    Ok(seen)
+}
