@@ -1,6 +1,6 @@
 //! Error types and their classification.
 //!
-//! Every error is classified where it appears (DESIGN.md §3): *transient* errors are
+//! Every error is classified where it appears (`docs/architecture.md#error-classes`): *transient* errors are
 //! retried forever with backoff and never poison an event, *poison* errors concern one
 //! event and end in `poison_outbox` after `max_attempts`, *fatal* errors stop the
 //! process with one clear message and a distinct exit code. The exit codes are part of
@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
+use crate::postgres::prerequisite::Prerequisite;
 
 /// Top-level error of a CLI command; decides the exit code.
 #[derive(Debug, thiserror::Error)]
@@ -20,7 +21,7 @@ pub enum Error {
     Config(#[from] ConfigError),
     /// A PostgreSQL prerequisite is missing: wal_level, publication, slot (exit code 3).
     #[error("PostgreSQL prerequisite not met: {0}")]
-    Prerequisite(String),
+    Prerequisite(#[from] Prerequisite),
     /// The broker cannot be reached or refuses us at start-up (exit code 4).
     #[error("Kafka broker unavailable: {0}")]
     BrokerUnavailable(String),
@@ -40,7 +41,7 @@ pub enum Error {
 }
 
 impl Error {
-    /// The process exit code for this error (the CLI contract in DESIGN.md §5).
+    /// The process exit code for this error (the CLI contract in `docs/architecture.md#exit-codes`).
     #[must_use]
     pub fn exit_code(&self) -> ExitCode {
         ExitCode::from(match self {
@@ -56,7 +57,7 @@ impl Error {
         })
     }
 
-    /// Whether retrying can help (DESIGN.md §3).
+    /// Whether retrying can help (`docs/architecture.md#error-classes`).
     #[must_use]
     pub fn class(&self) -> ErrorClass {
         match self {

@@ -1,5 +1,5 @@
 //! The `outbox-relay` binary: parse the CLI, set up logging, run the command, and
-//! map errors to the exit codes of DESIGN.md §5.
+//! map errors to the exit codes of `docs/architecture.md#exit-codes`.
 
 use std::process::ExitCode;
 

@@ -32,7 +32,7 @@
 //!
 //! # The procedure
 //!
-//! 1. Record the cutover as started in `outbox_relay_cutover` (migration 0004).
+//! 1. Record the cutover as started in `outbox_relay_cutover` (migration 0006).
 //! 2. Create the slot with an exported snapshot; record its consistent point.
 //! 3. In the snapshot, read every row the poller would still send — `sent_at IS
 //!    NULL`, `attempts < relay.max_attempts`, no `poison_outbox` row — in
@@ -91,10 +91,11 @@ use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
 use crate::poller::{self, BatchOutcome, BatchRow, Delivery, Polled, RowResult};
 use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{ReplicationConnection, SnapshotAction, quote_literal};
 use crate::postgres::slot::{self, SlotInfo};
 
-/// The marker table (migrations/0004_cutover.sql), in the outbox's schema.
+/// The marker table (migrations/0006_cutover.sql), in the outbox's schema.
 pub const MARKER_TABLE: &str = "outbox_relay_cutover";
 
 /// Most rows read, published and marked as one window.
@@ -107,42 +108,14 @@ const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// Broker check before the backlog is read (exit code 4 when it fails).
 const BROKER_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Why a cutover cannot proceed (exit code 3: a PostgreSQL prerequisite).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CutoverError {
-    /// Migration 0004 has not run.
-    #[error(
-        "table {0} does not exist: run `outbox-relay migrate` (the cutover records its progress there)"
-    )]
-    MarkerTableMissing(String),
-    /// `outbox-relay cutover` on a slot that was not created by a cutover.
-    #[error(
-        "replication slot {0} already exists and no cutover is pending for it: the relay streams \
-         from it, and publishing the unsent rows now could send events the stream delivered. \
-         Nothing was done"
-    )]
-    SlotExists(String),
-    /// The server answered `CREATE_REPLICATION_SLOT` without a snapshot name.
-    #[error("CREATE_REPLICATION_SLOT {0} returned no exported snapshot")]
-    NoSnapshot(String),
-    /// The slot of an interrupted cutover is being streamed by someone.
-    #[error(
+/// The slot of an interrupted cutover is being streamed by someone: right after a
+/// crash during `CREATE_REPLICATION_SLOT` the old walsender may still hold the slot
+/// until it notices, so `run` retries this with backoff.
+fn unfinished_slot_active(slot: &str, pid: i32) -> Error {
+    Error::Transient(format!(
         "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
          stop the process streaming from it (it may miss the backlog), then start again"
-    )]
-    UnfinishedSlotActive { slot: String, pid: i32 },
-}
-
-impl From<CutoverError> for Error {
-    fn from(e: CutoverError) -> Self {
-        match e {
-            // Right after a crash during CREATE_REPLICATION_SLOT the old walsender
-            // may still hold the slot until it notices: `run` retries with backoff.
-            CutoverError::UnfinishedSlotActive { .. } => Error::Transient(e.to_string()),
-            _ => Error::Prerequisite(e.to_string()),
-        }
-    }
+    ))
 }
 
 /// Who asks for the slot.
@@ -227,7 +200,7 @@ pub enum Outcome {
 ///
 /// # Errors
 ///
-/// [`CutoverError`]s (exit code 3), PostgreSQL errors (transient ones can be
+/// [`Prerequisite`] errors (exit code 3), PostgreSQL errors (transient ones can be
 /// retried: the cutover then resumes), broker errors.
 pub async fn prepare(
     config: &Config,
@@ -245,8 +218,14 @@ pub async fn prepare(
             .is_some();
         return match decide(trigger, exists, Marker::Absent) {
             Decision::Stream => Ok(Outcome::Stream),
-            Decision::Refuse => Err(CutoverError::SlotExists(config.postgres.slot.clone()).into()),
-            _ => Err(CutoverError::MarkerTableMissing(marker_table).into()),
+            Decision::Refuse => Err(Prerequisite::SlotExistsWithoutCutover {
+                slot: config.postgres.slot.clone(),
+            }
+            .into()),
+            _ => Err(Prerequisite::CutoverTableMissing {
+                table: marker_table,
+            }
+            .into()),
         };
     }
     let lock = lock_key(&config.postgres.slot);
@@ -281,7 +260,12 @@ async fn prepare_locked(
     let restarted = match decision {
         Decision::Stream => return Ok(Outcome::Stream),
         Decision::AlreadyDone => return Ok(Outcome::AlreadyDone),
-        Decision::Refuse => return Err(CutoverError::SlotExists(slot_name.clone()).into()),
+        Decision::Refuse => {
+            return Err(Prerequisite::SlotExistsWithoutCutover {
+                slot: slot_name.clone(),
+            }
+            .into());
+        }
         Decision::Restart => {
             drop_unfinished_slot(conn, slot_name, info.as_ref()).await?;
             true
@@ -312,11 +296,7 @@ async fn drop_unfinished_slot(
     info: Option<&SlotInfo>,
 ) -> Result<()> {
     if let Some(pid) = info.and_then(|i| i.active_pid) {
-        return Err(CutoverError::UnfinishedSlotActive {
-            slot: slot_name.to_owned(),
-            pid,
-        }
-        .into());
+        return Err(unfinished_slot_active(slot_name, pid));
     }
     tracing::warn!(
         slot = slot_name,
@@ -352,10 +332,13 @@ async fn cut_over(
                 &format!("cannot create replication slot {slot_name}: "),
             )
         })?;
-    let snapshot = created
-        .snapshot_name
-        .clone()
-        .ok_or_else(|| CutoverError::NoSnapshot(slot_name.clone()))?;
+    let snapshot =
+        created
+            .snapshot_name
+            .clone()
+            .ok_or_else(|| Prerequisite::NoExportedSnapshot {
+                slot: slot_name.clone(),
+            })?;
     let consistent_point = created.consistent_point;
     backlog
         .metadata
@@ -911,15 +894,9 @@ mod tests {
 
     #[test]
     fn a_busy_unfinished_slot_is_retried_other_errors_are_prerequisites() {
-        let busy = CutoverError::UnfinishedSlotActive {
-            slot: "s".into(),
-            pid: 7,
-        };
-        assert_eq!(
-            Error::from(busy).class(),
-            crate::delivery::ErrorClass::Transient
-        );
-        let missing = Error::from(CutoverError::MarkerTableMissing("t".into()));
+        let busy = unfinished_slot_active("s", 7);
+        assert_eq!(busy.class(), crate::delivery::ErrorClass::Transient);
+        let missing = Error::from(Prerequisite::CutoverTableMissing { table: "t".into() });
         assert_eq!(missing.exit_code(), std::process::ExitCode::from(3));
     }
 

@@ -19,7 +19,7 @@
 //!   Pass-through settings that would silently break this are rejected, not ignored.
 //! * **`message.timeout.ms=0` (infinite).** A broker outage must never fail an event: the
 //!   relay's window fills, it stops reading the WAL, and the slot holds the position
-//!   until the broker is back (DESIGN.md §3: transient, retried forever). A finite local
+//!   until the broker is back (transient, retried forever: `docs/architecture.md#error-classes`). A finite local
 //!   timeout would add nothing but risk: timed-out records come back as failures that
 //!   the relay re-produces *after* later records of the same key that were still queued,
 //!   which reorders them. So finite timeouts are rejected. What still fails fast, because
@@ -399,7 +399,7 @@ pub struct RecordRef<'a> {
     /// The entity id; sent as given (an empty slice is an empty key, not a null key).
     pub key: &'a [u8],
     pub payload: &'a [u8],
-    /// In order; `idempotency_key` first by convention (DESIGN.md §5).
+    /// In order; `idempotency_key` first by convention (`docs/architecture.md#the-kafka-record`).
     pub headers: &'a [(&'a str, &'a [u8])],
     /// CreateTime in milliseconds since the epoch; `None` lets librdkafka use now.
     pub timestamp_ms: Option<i64>,
@@ -635,7 +635,7 @@ impl Publisher {
         .map_err(|e| Error::Other(format!("broker check task failed: {e}")))?
     }
 
-    /// Queues the record of an outbox event (the record contract of DESIGN.md §5,
+    /// Queues the record of an outbox event (the record contract of `docs/architecture.md#the-kafka-record`,
     /// shared by the relay, the poller and `replay`); see [`Publisher::send`].
     pub fn send_event(
         &self,

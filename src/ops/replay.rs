@@ -1,6 +1,6 @@
 //! `outbox-relay replay`: re-publish rows of `poison_outbox` once their cause is fixed.
 //!
-//! Promise 5 of the design says nothing is silently dropped: an event the relay could
+//! Promise 5 (`docs/architecture.md#promises`) says nothing is silently dropped: an event the relay could
 //! not deliver lands in the poison table with its error, and stays there. This module
 //! is the way back out. The operator fixes the cause (raises `message.max.bytes`,
 //! creates the missing topic, grants the ACL, repairs the row) and runs
@@ -12,7 +12,7 @@
 //! The poison row keeps the outbox row's columns as text, not the Kafka record. The
 //! record is rebuilt with [`OutboxMapper::map_row`], the function the polling relay
 //! uses, so a replayed record follows the same contract as one from `run` or `poll`
-//! (DESIGN.md §5): key = `aggregate_id`, the original `idempotency_key` header first
+//! (`docs/architecture.md#the-kafka-record`): key = `aggregate_id`, the original `idempotency_key` header first
 //! (consumers dedupe on it, so a replay of an event that did arrive after all is
 //! harmless), `event_type`, `aggregate_type`, `occurred_at`, then the row's `headers`
 //! entries; the timestamp is the original `created_at`. Two details:
@@ -114,6 +114,7 @@ use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lsn::Lsn;
 use crate::ops::meter::Meter;
 use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow, PayloadFormat};
+use crate::postgres::prerequisite::Prerequisite;
 
 /// Most rows read (and in flight) per page.
 pub const PAGE_ROWS: usize = 500;
@@ -544,10 +545,10 @@ impl PoisonStore {
             .await?
             .try_get(0)?;
         if found.is_none() {
-            return Err(Error::Prerequisite(format!(
-                "poison table {} does not exist: run `outbox-relay migrate`",
-                self.name
-            )));
+            return Err(Prerequisite::PoisonTableMissing {
+                table: self.name.clone(),
+            }
+            .into());
         }
         Ok(())
     }

@@ -76,6 +76,7 @@ use crate::delivery::ErrorClass;
 use crate::error::Result;
 use crate::lifecycle::Shutdown;
 use crate::outbox::checkpoint::{self, Checkpoint, precedes_sql};
+use crate::postgres::prerequisite::Prerequisite;
 
 /// How long dropping a partition may wait for its lock before trying next cycle.
 const PARTITION_LOCK_TIMEOUT: &str = "5s";
@@ -311,10 +312,10 @@ async fn check_table_kind(client: &Client, config: &Config) -> Result<()> {
         )
         .await?;
     let Some(row) = row else {
-        return Err(crate::Error::Prerequisite(format!(
-            "table {} does not exist: run `outbox-relay migrate`",
-            config.outbox.table
-        )));
+        return Err(Prerequisite::OutboxTableMissing {
+            table: config.outbox.table.clone(),
+        }
+        .into());
     };
     let partitioned: bool = row.try_get(0)?;
     if partitioned != config.outbox.partitioned {

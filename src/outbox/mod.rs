@@ -5,7 +5,7 @@
 //! pure: no I/O, no clock, no logging, so the sans-IO core and the benchmarks can
 //! drive it directly. The polling relay and `replay` build the same record from
 //! column text with [`OutboxMapper::map_row`], so `run`, `poll` and `replay` cannot
-//! drift apart (DESIGN.md §5).
+//! drift apart (`docs/architecture.md#the-kafka-record`).
 //!
 //! # The record contract
 //!

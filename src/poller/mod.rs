@@ -26,7 +26,7 @@
 //! A row is marked sent only in the transaction that commits *after* its broker ack
 //! (`acks=all`). A crash anywhere before that `COMMIT` rolls the marks back (and the
 //! server releases the row locks), so the next poll sends the batch again: at most one
-//! batch per worker is duplicated, nothing is lost (DESIGN.md §1, promises 1 and 2).
+//! batch per worker is duplicated, nothing is lost (promises 1 and 2, `docs/architecture.md#promises`).
 //! Consumers drop the duplicates by the `idempotency_key` header. Marking first
 //! ("send after commit") would turn the same crash into a silent loss.
 //!
@@ -143,6 +143,7 @@ use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow, PayloadFormat, PoisonFields};
 use crate::poison::{PoisonRow, insert_row};
 use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::SESSION_OPTIONS;
 
 /// Default `--batch-size`.
@@ -1106,7 +1107,7 @@ fn resolve_layout(
     table: &str,
     outbox: &OutboxConfig,
     columns: &[TableColumn],
-) -> std::result::Result<Layout, String> {
+) -> std::result::Result<Layout, Prerequisite> {
     let find = |name: &str| columns.iter().find(|c| c.name == name);
     let mut missing = Vec::new();
     let mut fields: [Option<String>; FIELDS] = Default::default();
@@ -1125,11 +1126,10 @@ fn resolve_layout(
         }
     }
     if !missing.is_empty() {
-        return Err(format!(
-            "outbox table {table} has no column {}: the polling relay needs them \
-             (run `outbox-relay migrate`, or set [outbox.columns])",
-            missing.join(", ")
-        ));
+        return Err(Prerequisite::PollerColumnsMissing {
+            table: table.to_owned(),
+            columns: missing.join(", "),
+        });
     }
     let column = |field: usize| fields[field].as_deref().and_then(find);
     let id_type = column(ID).map(|c| c.sql_type.clone()).unwrap_or_default();
@@ -1162,9 +1162,13 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
         .enumerate()
     {
         if !exists.try_get::<_, bool>(i).map_err(pg_error)? {
-            return Err(Error::Prerequisite(format!(
-                "table {name} does not exist: run `outbox-relay migrate`"
-            )));
+            let table = name.clone();
+            return Err(if i == 0 {
+                Prerequisite::OutboxTableMissing { table }
+            } else {
+                Prerequisite::PoisonTableMissing { table }
+            }
+            .into());
         }
     }
     let rows = client
@@ -1187,7 +1191,7 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
         })
         .collect::<std::result::Result<Vec<_>, tokio_postgres::Error>>()
         .map_err(pg_error)?;
-    resolve_layout(&outbox.table, outbox, &columns).map_err(Error::Prerequisite)
+    Ok(resolve_layout(&outbox.table, outbox, &columns)?)
 }
 
 /// The poller's statements, built once from the config and the table layout.
@@ -1583,12 +1587,13 @@ mod tests {
         let mut columns = migrated_columns();
         columns.retain(|c| !matches!(c.name.as_str(), "aggregate_id" | "sent_at"));
         let err = resolve_layout("app.events", &OutboxConfig::default(), &columns).unwrap_err();
-        assert!(
-            err.contains("\"aggregate_id\" (outbox.columns.aggregate_id)"),
-            "{err}"
+        assert_eq!(
+            err,
+            Prerequisite::PollerColumnsMissing {
+                table: "app.events".into(),
+                columns: "\"aggregate_id\" (outbox.columns.aggregate_id), \"sent_at\"".into(),
+            }
         );
-        assert!(err.contains("\"sent_at\""), "{err}");
-        assert!(err.contains("migrate"), "{err}");
     }
 
     #[test]

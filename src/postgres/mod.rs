@@ -8,6 +8,7 @@
 
 pub mod conninfo;
 pub mod pgoutput;
+pub mod prerequisite;
 pub mod replication;
 pub mod slot;
 pub mod tls;
@@ -16,6 +17,7 @@ use tokio_postgres::Client;
 
 use crate::config::redact_url;
 use crate::error::{Error, Result};
+use prerequisite::Prerequisite;
 
 /// Parses `postgres.url` (libpq URL semantics, see [`conninfo`]); a bad URL is a
 /// configuration error (exit code 2).
@@ -51,13 +53,20 @@ pub fn process_error(e: replication::ReplicationError, context: &str) -> Error {
     if e.is_transient() {
         return Error::Transient(message);
     }
+    let refused = |sqlstate: Option<&str>| {
+        Error::Prerequisite(Prerequisite::Refused {
+            context: context.to_owned(),
+            message: e.to_string(),
+            sqlstate: sqlstate.map(str::to_owned),
+        })
+    };
     match (&e, e.code()) {
-        (R::Auth { .. } | R::Tls(_), _) => Error::Prerequisite(message),
+        (R::Auth { .. } | R::Tls(_), code) => refused(code),
         (_, Some(code))
             if code.starts_with("28")
                 || matches!(code, "55000" | "42704" | "55006" | "3D000" | "42501") =>
         {
-            Error::Prerequisite(message)
+            refused(Some(code))
         }
         _ => Error::Other(message),
     }

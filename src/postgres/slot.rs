@@ -21,6 +21,7 @@ use crate::config::{Config, qualified_name};
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::postgres::describe_error;
+use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{CreatedSlot, ReplicationConnection, SnapshotAction};
 
 /// Facts about the server the relay needs.
@@ -67,10 +68,7 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
     let timeout_ms: Option<i64> = row.get(2);
     let server_version_num = u32::try_from(row.get::<_, i32>(3)).unwrap_or(0);
     if wal_level != "logical" {
-        return Err(Error::Prerequisite(format!(
-            "wal_level is '{wal_level}', logical replication needs wal_level = logical \
-             (set it in postgresql.conf and restart PostgreSQL)"
-        )));
+        return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
     let publication = &config.postgres.publication;
     let (schema, table) = qualified_name(&config.outbox.table).map_err(Error::Other)?;
@@ -99,29 +97,30 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
     let (has_publication, covers_outbox, has_outbox, has_poison): (bool, bool, bool, bool) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
     if !has_outbox {
-        return Err(Error::Prerequisite(format!(
-            "table {} does not exist: run `outbox-relay migrate` (or set outbox.table)",
-            config.outbox.table
-        )));
+        return Err(Prerequisite::OutboxTableMissing {
+            table: config.outbox.table.clone(),
+        }
+        .into());
     }
     if !has_publication {
-        return Err(Error::Prerequisite(format!(
-            "publication {publication} does not exist: run `outbox-relay migrate` \
-             (or CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish = 'insert'))",
-            config.outbox.table
-        )));
+        return Err(Prerequisite::PublicationMissing {
+            publication: publication.clone(),
+            table: config.outbox.table.clone(),
+        }
+        .into());
     }
     if !covers_outbox {
-        return Err(Error::Prerequisite(format!(
-            "publication {publication} does not include {}: ALTER PUBLICATION {publication} ADD TABLE {}",
-            config.outbox.table, config.outbox.table
-        )));
+        return Err(Prerequisite::PublicationLacksTable {
+            publication: publication.clone(),
+            table: config.outbox.table.clone(),
+        }
+        .into());
     }
     if !has_poison {
-        return Err(Error::Prerequisite(format!(
-            "poison table {} does not exist: run `outbox-relay migrate`",
-            config.outbox.poison_table
-        )));
+        return Err(Prerequisite::PoisonTableMissing {
+            table: config.outbox.poison_table.clone(),
+        }
+        .into());
     }
     let wal_sender_timeout =
         Duration::from_millis(u64::try_from(timeout_ms.unwrap_or(60_000)).unwrap_or(0));
@@ -199,9 +198,11 @@ pub async fn wait_for_slot(
                 // Someone else created it between our look and our create.
                 Err(e) if e.is_duplicate_object() => continue,
                 Err(e) => {
-                    return Err(Error::Prerequisite(format!(
-                        "cannot create replication slot {slot}: {e}"
-                    )));
+                    return Err(Prerequisite::SlotNotCreated {
+                        slot: slot.to_owned(),
+                        reason: e.to_string(),
+                    }
+                    .into());
                 }
             }
         };
@@ -225,11 +226,12 @@ pub async fn wait_for_slot(
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
             Some(pid) => {
-                return Err(Error::Prerequisite(format!(
-                    "replication slot {slot} is active (pid {pid}): another relay is streaming \
-                     from it; waited {}s",
-                    busy_timeout.as_secs()
-                )));
+                return Err(Prerequisite::SlotBusy {
+                    slot: slot.to_owned(),
+                    pid,
+                    waited_secs: busy_timeout.as_secs(),
+                }
+                .into());
             }
         }
     }
@@ -237,10 +239,11 @@ pub async fn wait_for_slot(
 
 async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<()> {
     if info.plugin.as_deref() != Some("pgoutput") {
-        return Err(Error::Prerequisite(format!(
-            "replication slot {slot} uses plugin {:?}, not pgoutput (or is not a logical slot)",
-            info.plugin.as_deref().unwrap_or("none")
-        )));
+        return Err(Prerequisite::SlotPlugin {
+            slot: slot.to_owned(),
+            plugin: info.plugin.clone().unwrap_or_else(|| "none".to_owned()),
+        }
+        .into());
     }
     let current: String = client
         .query_one("SELECT current_database()::text", &[])
@@ -248,18 +251,18 @@ async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<()> 
         .map_err(|e| Error::Transient(describe_error(&e)))?
         .get(0);
     if info.database.as_deref() != Some(current.as_str()) {
-        return Err(Error::Prerequisite(format!(
-            "replication slot {slot} belongs to database {:?}, not {current:?}",
-            info.database.as_deref().unwrap_or("")
-        )));
+        return Err(Prerequisite::SlotDatabase {
+            slot: slot.to_owned(),
+            database: info.database.clone().unwrap_or_default(),
+            current,
+        }
+        .into());
     }
     if info.wal_status.as_deref() == Some("lost") {
-        return Err(Error::Prerequisite(format!(
-            "replication slot {slot} was invalidated (wal_status = lost: the WAL it needed was \
-             removed, see max_slot_wal_keep_size). Events committed while it was lost may not \
-             have been relayed: drop the slot, run the poller or a cutover to catch up, then \
-             start again"
-        )));
+        return Err(Prerequisite::SlotInvalidated {
+            slot: slot.to_owned(),
+        }
+        .into());
     }
     Ok(())
 }

@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::ops::meter::Meter;
+use crate::postgres::prerequisite::Prerequisite;
 
 /// The dev-env script, so the demo works from an installed binary too.
 const DEV_ENV_SCRIPT: &str = include_str!("../../scripts/dev-env");
@@ -75,12 +76,10 @@ impl DemoCluster {
             .output()
             .await?;
         if !out.status.success() {
-            return Err(Error::Prerequisite(format!(
-                "could not start a throwaway PostgreSQL: {}\n(install the PostgreSQL server, \
-                 e.g. `apt-get install postgresql`, so that pg_ctl and initdb are on PATH or in \
-                 /usr/lib/postgresql/*/bin)",
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(Prerequisite::NoLocalServer {
+                reason: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            }
+            .into());
         }
         let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         Ok(DemoCluster {

@@ -1,7 +1,7 @@
 //! The polling relay against the real PostgreSQL and broker, run in-process (the
 //! library's `poller::run` with a oneshot as its shutdown signal) so faults can be
 //! injected between its phases. Each test asserts loss, duplicates and per-key
-//! order as the design's promises require, and that the records are the CDC
+//! order as the promises in `docs/architecture.md` require, and that the records are the CDC
 //! relay's.
 
 use std::collections::{BTreeMap, HashMap, HashSet};

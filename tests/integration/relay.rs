@@ -1,6 +1,6 @@
 //! The CDC relay end to end: the real `outbox-relay run` process, the real
 //! PostgreSQL walsender, the real broker. Each test asserts no loss, per-key order
-//! and how many duplicates, as the design's promises require.
+//! and how many duplicates, as the promises in `docs/architecture.md` require.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};

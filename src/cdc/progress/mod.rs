@@ -39,7 +39,7 @@
 //! # Idle advance, and why only when nothing is open or pending
 //!
 //! If the outbox is quiet but the rest of the cluster writes WAL, the slot would pin all of
-//! it (promise 4 of the design). A primary keepalive carries `wal_end`, for a logical
+//! it (promise 4, `docs/architecture.md#promises`). A primary keepalive carries `wal_end`, for a logical
 //! walsender its `sentPtr`: the end of the last WAL record it has decoded (`WalSndKeepalive`
 //! in `walsender.c`). The stream is ordered, so every transaction whose commit record lies
 //! before that point has already been sent to us ahead of the keepalive, and any

@@ -3,7 +3,7 @@
 //!
 //! # Why
 //!
-//! The relay's promises (DESIGN.md §1) — no loss, at-least-once with a small duplicate
+//! The relay's promises (`docs/architecture.md#promises`) — no loss, at-least-once with a small duplicate
 //! window, per-entity commit order — are tested in CI, but a user running it in
 //! production wants to *see* them hold on their own data, after an incident, an
 //! upgrade or a broker migration. `audit` reads the outbox rows of a range (and the
@@ -110,6 +110,7 @@ use crate::ops::meter::Meter;
 use crate::outbox::{
     HEADER_IDEMPOTENCY_KEY, HEADER_SOURCE_LSN, OutboxMapper, OutboxRow, PayloadFormat,
 };
+use crate::postgres::prerequisite::Prerequisite;
 
 /// Default for `--timeout-secs`.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
@@ -235,7 +236,8 @@ impl FromStr for TimeSpec {
 // The report
 // ---------------------------------------------------------------------------
 
-/// What the audit found. The first six fields are the JSON contract (DESIGN.md §5);
+/// What the audit found. The first six fields are the JSON contract
+/// (`docs/architecture.md#json-output`);
 /// the rest is detail for the human table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AuditReport {
@@ -787,9 +789,10 @@ async fn table_exists(client: &Client, table: &str) -> Result<bool, Error> {
 async fn resolve_columns(client: &Client, config: &Config) -> Result<Columns, Error> {
     let table = &config.outbox.table;
     if !table_exists(client, table).await? {
-        return Err(Error::Prerequisite(format!(
-            "outbox table {table} does not exist (run `outbox-relay migrate`)"
-        )));
+        return Err(Prerequisite::OutboxTableMissing {
+            table: table.clone(),
+        }
+        .into());
     }
     let rows = client
         .query(

@@ -236,7 +236,7 @@ impl ReplicationError {
         self.code() == Some(sqlstate::DUPLICATE_OBJECT)
     }
 
-    /// Transient or fatal (DESIGN.md §3); never [`ErrorClass::Poison`], since a
+    /// Transient or fatal (`docs/architecture.md#error-classes`); never [`ErrorClass::Poison`], since a
     /// connection error concerns no single event.
     ///
     /// - transient: I/O errors, EOF, and server errors of classes 08 (connection),

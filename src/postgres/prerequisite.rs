@@ -1,0 +1,160 @@
+//! What PostgreSQL must provide before the relay (or an operator command) can work,
+//! as one typed error per missing piece (exit code 3).
+//!
+//! These are problems no retry can fix: an operator has to change the server or run
+//! `outbox-relay migrate`. Each variant names the object and says what to do, so the
+//! message is the whole diagnosis; tests and callers match the variant, never the
+//! text. Connection failures the server explains with a SQLSTATE of this kind
+//! (authentication, missing database, privileges, object in use) are
+//! [`Prerequisite::Refused`], with the server's message kept.
+
+/// A PostgreSQL prerequisite that is not met.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Prerequisite {
+    /// `wal_level` is not `logical`.
+    #[error(
+        "wal_level is '{actual}', logical replication needs wal_level = logical \
+         (set it in postgresql.conf and restart PostgreSQL)"
+    )]
+    WalLevel { actual: String },
+    /// The outbox table does not exist.
+    #[error("table {table} does not exist: run `outbox-relay migrate` (or set outbox.table)")]
+    OutboxTableMissing { table: String },
+    /// The poison side table does not exist.
+    #[error("poison table {table} does not exist: run `outbox-relay migrate`")]
+    PoisonTableMissing { table: String },
+    /// The publication does not exist.
+    #[error(
+        "publication {publication} does not exist: run `outbox-relay migrate` \
+         (or CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert'))"
+    )]
+    PublicationMissing { publication: String, table: String },
+    /// The outbox table lacks columns the polling relay (or the cutover) needs.
+    #[error(
+        "outbox table {table} has no column {columns}: the polling relay needs them \
+         (run `outbox-relay migrate`, or set [outbox.columns])"
+    )]
+    PollerColumnsMissing { table: String, columns: String },
+    /// The cutover's marker table does not exist (its migration has not run).
+    #[error(
+        "table {table} does not exist: run `outbox-relay migrate` (the cutover records its progress there)"
+    )]
+    CutoverTableMissing { table: String },
+    /// `outbox-relay cutover` on a slot that was not created by a cutover.
+    #[error(
+        "replication slot {slot} already exists and no cutover is pending for it: the relay streams \
+         from it, and publishing the unsent rows now could send events the stream delivered. \
+         Nothing was done"
+    )]
+    SlotExistsWithoutCutover { slot: String },
+    /// The server answered `CREATE_REPLICATION_SLOT` without a snapshot name.
+    #[error("CREATE_REPLICATION_SLOT {slot} returned no exported snapshot")]
+    NoExportedSnapshot { slot: String },
+    /// The publication exists but does not publish the outbox table.
+    #[error(
+        "publication {publication} does not include {table}: \
+         ALTER PUBLICATION {publication} ADD TABLE {table}"
+    )]
+    PublicationLacksTable { publication: String, table: String },
+    /// `CREATE_REPLICATION_SLOT` was refused (no free slot, no privilege, …).
+    #[error("cannot create replication slot {slot}: {reason}")]
+    SlotNotCreated { slot: String, reason: String },
+    /// Another process streams from the slot and did not let go in time.
+    #[error(
+        "replication slot {slot} is active (pid {pid}): another relay is streaming \
+         from it; waited {waited_secs}s"
+    )]
+    SlotBusy {
+        slot: String,
+        pid: i32,
+        waited_secs: u64,
+    },
+    /// The slot is not a `pgoutput` logical slot.
+    #[error(
+        "replication slot {slot} uses plugin {plugin:?}, not pgoutput (or is not a logical slot)"
+    )]
+    SlotPlugin { slot: String, plugin: String },
+    /// The slot belongs to another database.
+    #[error("replication slot {slot} belongs to database {database:?}, not {current:?}")]
+    SlotDatabase {
+        slot: String,
+        database: String,
+        current: String,
+    },
+    /// The slot was invalidated: the WAL it needed is gone.
+    #[error(
+        "replication slot {slot} was invalidated (wal_status = lost: the WAL it needed was \
+         removed, see max_slot_wal_keep_size). Events committed while it was lost may not \
+         have been relayed: drop the slot, run the poller or a cutover to catch up, then \
+         start again"
+    )]
+    SlotInvalidated { slot: String },
+    /// No PostgreSQL server could be started on this machine (the demo's throwaway
+    /// cluster).
+    #[error(
+        "could not start a throwaway PostgreSQL: {reason}\n(install the PostgreSQL server, \
+         e.g. `apt-get install postgresql`, so that pg_ctl and initdb are on PATH or in \
+         /usr/lib/postgresql/*/bin)"
+    )]
+    NoLocalServer { reason: String },
+    /// The server refused the connection or a command for a reason only an operator
+    /// can fix: authentication (SQLSTATE class 28), TLS, a missing database (3D000),
+    /// privileges (42501), an object in use (55006) or in the wrong state (55000), an
+    /// undefined object (42704).
+    #[error("{context}{message}")]
+    Refused {
+        /// What was being done, e.g. "cannot connect to PostgreSQL at …: ".
+        context: String,
+        /// The server's (or the TLS layer's) explanation.
+        message: String,
+        /// The SQLSTATE, when the server sent one.
+        sqlstate: Option<String>,
+    },
+}
+
+impl Prerequisite {
+    /// Whether the server refused us for lack of a privilege (SQLSTATE 42501) or
+    /// failed authentication (class 28).
+    #[must_use]
+    pub fn is_permission_denied(&self) -> bool {
+        matches!(self, Prerequisite::Refused { sqlstate: Some(code), .. }
+            if code == "42501" || code.starts_with("28"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_object_and_the_fix() {
+        let missing = Prerequisite::PublicationMissing {
+            publication: "outbox_pub".into(),
+            table: "public.outbox".into(),
+        };
+        assert_eq!(
+            missing.to_string(),
+            "publication outbox_pub does not exist: run `outbox-relay migrate` \
+             (or CREATE PUBLICATION outbox_pub FOR TABLE public.outbox WITH (publish = 'insert'))"
+        );
+        let busy = Prerequisite::SlotBusy {
+            slot: "s".into(),
+            pid: 42,
+            waited_secs: 30,
+        };
+        assert!(busy.to_string().contains("active (pid 42)"));
+    }
+
+    #[test]
+    fn permission_denied_is_told_by_sqlstate() {
+        let refused = |code: &str| Prerequisite::Refused {
+            context: String::new(),
+            message: "no".into(),
+            sqlstate: Some(code.into()),
+        };
+        assert!(refused("42501").is_permission_denied());
+        assert!(refused("28P01").is_permission_denied());
+        assert!(!refused("3D000").is_permission_denied());
+    }
+}
