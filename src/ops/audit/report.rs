@@ -58,7 +58,7 @@ pub struct AuditReport {
     pub range: String,
     /// Topics read.
     pub topics: Vec<String>,
-    /// Up to [`LOST_SAMPLE`](super::load::LOST_SAMPLE) idempotency keys of lost events.
+    /// Up to `LOST_SAMPLE` (20) idempotency keys of lost events.
     pub lost_sample: Vec<String>,
     /// Things the reader should know (missing topic, partitions not read to the end).
     pub notes: Vec<String>,

@@ -12,7 +12,7 @@
 //! [`run`] checks the selection (`args.rs`), takes the replay lock and reads the
 //! poison table page by page (`store.rs`), publishes each page and collects its
 //! acknowledgements (`publish.rs`), marks the acknowledged rows, and returns a
-//! [`ReplayReport`] (`report.rs`). Replays of [`PROGRESS_MIN_ROWS`] rows or more show
+//! [`ReplayReport`] (`report.rs`). Replays of `PROGRESS_MIN_ROWS` rows or more show
 //! progress on stderr (`crate::ops::meter`).
 //!
 //! # Concurrency and exit codes
