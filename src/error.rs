@@ -38,6 +38,58 @@ pub enum Error {
     Transient(String),
     #[error("{0}")]
     Other(String),
+
+    // --- ops ---
+    /// `audit`: the range has more rows than a `u32` rank can number.
+    #[error("the range has more than 4294967295 rows: audit it in parts (--since/--until)")]
+    AuditRangeTooLarge,
+    /// `audit`: the range's row count does not fit in this machine's address space.
+    #[error("{rows} rows do not fit in memory")]
+    AuditRowsDoNotFit { rows: u64 },
+    /// `audit`: the blocking task that reads the topics panicked or was cancelled.
+    #[error("audit consumer task failed: {0}")]
+    AuditConsumerTask(#[source] tokio::task::JoinError),
+    /// `audit`: the broker did not answer a metadata, watermark, assignment or fetch
+    /// request (exit code 4, like [`Error::BrokerUnavailable`]).
+    #[error("Kafka broker unavailable: {what}: {source}")]
+    AuditBroker {
+        what: String,
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+    /// `migrate`, `retention`: a configured table name is not `schema.table`.
+    #[error("{0}")]
+    OpsTableName(String),
+    /// `migrate`: a `{{placeholder}}` in a migration that the config does not fill.
+    #[error("migration has an unknown placeholder {placeholder}")]
+    MigrationPlaceholder { placeholder: String },
+    /// `migrate`: PostgreSQL refused a migration's SQL (`detail` is the server's
+    /// message with its detail and hint).
+    #[error("migration {version:04}_{name} failed: {detail}")]
+    MigrationFailed {
+        version: i32,
+        name: &'static str,
+        detail: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// `replay`: another replay holds the advisory lock of the poison table.
+    #[error("another outbox-relay replay is running on {table}; wait for it to finish")]
+    ReplayLocked { table: String },
+    /// `replay`: the producer's delivery-report channel closed with records in flight.
+    #[error("the Kafka delivery-report channel closed during replay")]
+    ReplayReportsClosed,
+    /// `retention --json`: a cycle report could not be serialised.
+    #[error("{0}")]
+    RetentionReportJson(#[source] serde_json::Error),
+    /// `status`: a query failed (`what` says which; `detail` is the server's message).
+    #[error("{what}: {detail}")]
+    StatusQuery {
+        what: &'static str,
+        detail: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
 }
 
 impl Error {
@@ -54,6 +106,18 @@ impl Error {
             | Error::Bench(_)
             | Error::Transient(_)
             | Error::Other(_) => 1,
+            // --- ops ---
+            Error::AuditBroker { .. } => 4,
+            Error::AuditRangeTooLarge
+            | Error::AuditRowsDoNotFit { .. }
+            | Error::AuditConsumerTask(_)
+            | Error::OpsTableName(_)
+            | Error::MigrationPlaceholder { .. }
+            | Error::MigrationFailed { .. }
+            | Error::ReplayLocked { .. }
+            | Error::ReplayReportsClosed
+            | Error::RetentionReportJson(_)
+            | Error::StatusQuery { .. } => 1,
         })
     }
 

@@ -13,12 +13,12 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Below this many rows `audit` shows no progress: they finish before a bar helps.
-pub const MIN_TOTAL: u64 = 50_000;
+pub(crate) const MIN_TOTAL: u64 = 50_000;
 
 /// A progress bar on a terminal, plain lines every few percent otherwise; silent
 /// for small totals.
 #[derive(Debug)]
-pub struct Meter {
+pub(crate) struct Meter {
     /// The command, printed first (`audit: …`).
     command: &'static str,
     what: String,
@@ -39,7 +39,12 @@ impl Meter {
     /// A meter for `total` units of `what`; `enabled = false` keeps it silent
     /// (callers pass e.g. `total >= MIN_TOTAL`).
     #[must_use]
-    pub fn new(command: &'static str, what: impl Into<String>, total: u64, enabled: bool) -> Meter {
+    pub(crate) fn new(
+        command: &'static str,
+        what: impl Into<String>,
+        total: u64,
+        enabled: bool,
+    ) -> Meter {
         let now = Instant::now();
         // A plain line every 5 %.
         let step = (total / 20).max(1);
@@ -60,13 +65,13 @@ impl Meter {
 
     /// Counts the rate from `started` (work that began before the meter existed).
     #[must_use]
-    pub fn started_at(mut self, started: Instant) -> Meter {
+    pub(crate) fn started_at(mut self, started: Instant) -> Meter {
         self.started = started;
         self
     }
 
     /// Adds `n` units done.
-    pub fn inc(&mut self, n: u64) {
+    pub(crate) fn inc(&mut self, n: u64) {
         self.done += n;
         if !self.enabled {
             return;
@@ -82,7 +87,7 @@ impl Meter {
     }
 
     /// Draws the final state (a no-op when silent).
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         if !self.enabled {
             return;
         }
@@ -97,6 +102,9 @@ impl Meter {
         self.enabled = false;
     }
 
+    // `u64 -> f64` rounds only above 2^53 units, and the rate is printed without
+    // decimals: the rounding can never show.
+    #[allow(clippy::cast_precision_loss)]
     fn rate(&self) -> f64 {
         let secs = self.started.elapsed().as_secs_f64();
         if secs > 0.0 {

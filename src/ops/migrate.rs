@@ -93,10 +93,17 @@ pub struct Applied {
 }
 
 /// Fills the `{{placeholders}}` of a migration from the config.
-pub fn render(sql: &str, cfg: &Config) -> Result<String> {
-    let (schema, table) = config::qualified_name(&cfg.outbox.table).map_err(Error::Other)?;
-    let (_, poison_table) =
-        config::qualified_name(&cfg.outbox.poison_table).map_err(Error::Other)?;
+///
+/// # Errors
+///
+/// [`Error::OpsTableName`] for a table name that is not `schema.table`,
+/// [`Error::MigrationPlaceholder`] for a placeholder the config does not fill.
+pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
+    // Config validation already checked both names; a hand-built Config may not be.
+    let (schema, table) = config::qualified_name(&cfg.outbox.table)
+        .map_err(|e| Error::OpsTableName(e.to_string()))?;
+    let (_, poison_table) = config::qualified_name(&cfg.outbox.poison_table)
+        .map_err(|e| Error::OpsTableName(e.to_string()))?;
     let c = &cfg.outbox.columns;
     let publication = &cfg.postgres.publication;
     let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
@@ -142,10 +149,9 @@ pub fn render(sql: &str, cfg: &Config) -> Result<String> {
     }
     if let Some(start) = out.find("{{") {
         let end = out[start..].find("}}").map_or(out.len(), |e| start + e + 2);
-        return Err(Error::Other(format!(
-            "migration has an unknown placeholder {}",
-            &out[start..end]
-        )));
+        return Err(Error::MigrationPlaceholder {
+            placeholder: out[start..end].to_owned(),
+        });
     }
     Ok(out)
 }
@@ -195,14 +201,14 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
             result.already.push(m.version);
             continue;
         }
-        tx.batch_execute(&sql).await.map_err(|e| {
-            Error::Other(format!(
-                "migration {:04}_{} failed: {}",
-                m.version,
-                m.name,
-                crate::postgres::describe_error(&e)
-            ))
-        })?;
+        tx.batch_execute(&sql)
+            .await
+            .map_err(|source| Error::MigrationFailed {
+                version: m.version,
+                name: m.name,
+                detail: crate::postgres::describe_error(&source),
+                source,
+            })?;
         tx.execute(
             "INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES ($1, $2, $3)",
             &[&m.version, &m.name, &checksum(&sql)],
@@ -305,6 +311,14 @@ mod tests {
 
     #[test]
     fn unknown_placeholder_is_an_error() {
-        assert!(render("SELECT {{nope}}", &cfg("")).is_err());
+        let err = render("SELECT {{nope}}", &cfg("")).unwrap_err();
+        assert!(
+            matches!(&err, Error::MigrationPlaceholder { placeholder } if placeholder == "{{nope}}"),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "migration has an unknown placeholder {{nope}}"
+        );
     }
 }

@@ -3,7 +3,7 @@
 //! delivered rows) and [`audit`] (what reached the topic, compared with the outbox).
 
 pub mod audit;
-pub mod meter;
+pub(crate) mod meter;
 pub mod migrate;
 pub mod replay;
 pub mod retention;

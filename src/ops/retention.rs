@@ -74,13 +74,13 @@ use tracing::{info, warn};
 use crate::config::{Config, quote_ident, quote_qualified};
 use crate::delivery::ErrorClass;
 use crate::error::Result;
-use crate::lifecycle::Shutdown;
+use crate::lifecycle::{Shutdown, sleep_or_shutdown};
 use crate::outbox::checkpoint::{self, Checkpoint, precedes_sql};
 use crate::postgres::prerequisite::Prerequisite;
 
 /// How long dropping a partition may wait for its lock before trying next cycle.
 const PARTITION_LOCK_TIMEOUT: &str = "5s";
-/// Backoff of the cycle loop after a transient error.
+/// Pause of the cycle loop before retrying after a transient error (constant).
 const RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 /// Flags of `outbox-relay retention` (besides `--config`).
@@ -140,25 +140,26 @@ impl CycleReport {
 
 /// SQL statements of a cycle, built once from the config.
 #[derive(Debug, Clone)]
-pub struct RetentionSql {
+struct RetentionSql {
     /// `$1` period in seconds (float8), `$2` checkpoint xmin (bigint, may be NULL),
     /// `$3` batch size.
-    pub delete_batch: String,
+    delete_batch: String,
     /// Same condition, counted (for `--dry-run`; `$3` unused).
-    pub count: String,
+    count: String,
     /// `$1` period in seconds: partitions whose upper bound is older.
-    pub old_partitions: String,
+    old_partitions: String,
     /// `$1` root table, `$2` interval unit, `$3` partitions ahead.
-    pub ensure_partitions: String,
+    ensure_partitions: String,
 }
 
 impl RetentionSql {
     /// Builds the statements for the configured outbox.
-    pub fn new(cfg: &Config) -> Result<RetentionSql> {
+    fn new(cfg: &Config) -> Result<RetentionSql> {
         let t = quote_qualified(&cfg.outbox.table);
         let created_at = quote_ident(&cfg.outbox.columns.created_at);
-        let (schema, _) =
-            crate::config::qualified_name(&cfg.outbox.table).map_err(crate::Error::Other)?;
+        // Config validation already checked the name; a hand-built Config may not be.
+        let (schema, _) = crate::config::qualified_name(&cfg.outbox.table)
+            .map_err(|e| crate::Error::OpsTableName(e.to_string()))?;
         let eligible = format!(
             "o.{created_at} < now() - make_interval(secs => $1::float8)
                AND (o.sent_at IS NOT NULL OR {})",
@@ -194,7 +195,7 @@ impl RetentionSql {
     /// Whether any row of partition `part` (quoted name) is not delivered by
     /// checkpoint `$1`.
     #[must_use]
-    pub fn partition_has_unconfirmed(part: &str) -> String {
+    fn partition_has_unconfirmed(part: &str) -> String {
         format!(
             "SELECT EXISTS (SELECT 1 FROM {part} o WHERE o.sent_at IS NULL AND NOT COALESCE({}, false))",
             precedes_sql("o", 1)
@@ -213,7 +214,7 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
                     println!(
                         "{}",
                         serde_json::to_string(&report)
-                            .map_err(|e| crate::Error::Other(e.to_string()))?
+                            .map_err(crate::Error::RetentionReportJson)?
                     );
                 } else {
                     info!("{}", report.render());
@@ -224,9 +225,8 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
             }
             Err(e) if e.class() == ErrorClass::Transient && !args.once => {
                 warn!(error = %e, "retention cycle failed; retrying");
-                tokio::select! {
-                    () = &mut shutdown => return Ok(()),
-                    () = tokio::time::sleep(RETRY_PAUSE) => {}
+                if sleep_or_shutdown(&mut shutdown, RETRY_PAUSE).await {
+                    return Ok(());
                 }
                 if client.is_closed() {
                     client = crate::postgres::connect(&config.postgres.url).await?;
@@ -238,9 +238,8 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
         if args.once {
             return Ok(());
         }
-        tokio::select! {
-            () = &mut shutdown => return Ok(()),
-            () = tokio::time::sleep(interval) => {}
+        if sleep_or_shutdown(&mut shutdown, interval).await {
+            return Ok(());
         }
     }
 }

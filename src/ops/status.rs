@@ -80,8 +80,10 @@ impl Status {
 
 /// Reads the status for the configured slot and poison table.
 pub async fn read(client: &Client, config: &Config) -> Result<Status> {
-    let err = |what: &str, e: tokio_postgres::Error| {
-        Error::Other(format!("{what}: {}", describe_error(&e)))
+    let err = |what: &'static str, source: tokio_postgres::Error| Error::StatusQuery {
+        what,
+        detail: describe_error(&source),
+        source,
     };
     let slot = &config.postgres.slot;
     let current: String = client
