@@ -9,12 +9,15 @@ use plotters::prelude::*;
 
 use super::report::Report;
 
+/// Why the chart could not be drawn (the SVG backend writes the file).
+pub(crate) type PlotError = DrawingAreaErrorKind<std::io::Error>;
+
 const WIDTH: u32 = 1100;
 const ROW_HEIGHT: u32 = 34;
 const CHART_EXTRA: u32 = 110;
 
 /// Draws the report's chart into `path`.
-pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
+pub(crate) fn draw(report: &Report, path: &Path) -> Result<(), PlotError> {
     let throughput_height = CHART_EXTRA + ROW_HEIGHT * count_u32(report.results.len());
     let latency_height = if report.steady.is_empty() {
         0
@@ -23,7 +26,7 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
     };
     let root =
         SVGBackend::new(path, (WIDTH, throughput_height + latency_height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(throughput_height);
     let rows: Vec<Row> = report
         .results
@@ -58,7 +61,7 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
             &rows,
         )?;
     }
-    root.present().map_err(|e| e.to_string())
+    root.present()
 }
 
 struct Row {
@@ -77,7 +80,7 @@ fn bars(
     caption: &str,
     unit: &str,
     rows: &[Row],
-) -> Result<(), String> {
+) -> Result<(), PlotError> {
     let top = rows
         .iter()
         .map(|r| r.whisker.map_or(r.bar, |(_, max)| max.max(r.bar)))
@@ -90,8 +93,7 @@ fn bars(
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(200)
-        .build_cartesian_2d(0.0..top, (0..n).into_segmented())
-        .map_err(|e| e.to_string())?;
+        .build_cartesian_2d(0.0..top, (0..n).into_segmented())?;
     let labels: Vec<String> = rows.iter().map(|r| r.label.clone()).collect();
     let label_of = move |v: &SegmentValue<usize>| match v {
         SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
@@ -104,8 +106,7 @@ fn bars(
         .y_label_formatter(&label_of)
         .x_label_formatter(&|v| format!("{v:.0}"))
         .x_desc(unit)
-        .draw()
-        .map_err(|e| e.to_string())?;
+        .draw()?;
     let light = RGBColor(158, 202, 225);
     let dark = RGBColor(49, 130, 189);
     chart
@@ -120,8 +121,7 @@ fn bars(
             );
             bar.set_margin(6, 6, 0, 0);
             bar
-        }))
-        .map_err(|e| e.to_string())?;
+        }))?;
     chart
         .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
             let inner = r.inner?;
@@ -134,8 +134,7 @@ fn bars(
             );
             bar.set_margin(12, 12, 0, 0);
             Some(bar)
-        }))
-        .map_err(|e| e.to_string())?;
+        }))?;
     chart
         .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
             let (min, max) = r.whisker?;
@@ -146,7 +145,6 @@ fn bars(
                 ],
                 BLACK.stroke_width(2),
             ))
-        }))
-        .map_err(|e| e.to_string())?;
+        }))?;
     Ok(())
 }

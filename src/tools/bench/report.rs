@@ -8,7 +8,10 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use super::stats::{Latency, Spread};
-use super::{BenchArgs, BenchError, Workload, drain::Mode};
+use super::args::BenchArgs;
+use super::drain::Mode;
+use super::error::BenchError;
+use crate::tools::workload::Workload;
 
 /// One measured drain.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -94,7 +97,11 @@ pub struct WorkloadInfo {
 
 impl WorkloadInfo {
     #[must_use]
-    pub fn new(args: &BenchArgs, workload: &Workload, samples: &[(Mode, Sample)]) -> WorkloadInfo {
+    pub(crate) fn new(
+        args: &BenchArgs,
+        workload: &Workload,
+        samples: &[(Mode, Sample)],
+    ) -> WorkloadInfo {
         let all = |f: fn(&Sample) -> Option<f64>| {
             Spread::of(&samples.iter().filter_map(|(_, s)| f(s)).collect::<Vec<_>>())
         };
@@ -136,7 +143,7 @@ pub struct Ratios {
 impl Report {
     /// Aggregates `samples` per mode, in the order of `modes`.
     #[must_use]
-    pub fn new(workload: WorkloadInfo, modes: &[Mode], samples: &[(Mode, Sample)]) -> Report {
+    pub(crate) fn new(workload: WorkloadInfo, modes: &[Mode], samples: &[(Mode, Sample)]) -> Report {
         let results: Vec<ModeResult> = modes
             .iter()
             .filter_map(|mode| aggregate(*mode, samples))
@@ -331,9 +338,9 @@ impl Report {
     /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
     /// steady-rate latencies (p50 and p99) when measured.
     pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
-        super::plot::draw(self, path).map_err(|message| BenchError::Output {
+        super::plot::draw(self, path).map_err(|source| BenchError::Output {
             path: path.display().to_string(),
-            message,
+            source,
         })
     }
 }
@@ -347,8 +354,7 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
     let spread_of = |f: &dyn Fn(&Sample) -> Option<f64>| {
         Spread::of(&mine.iter().filter_map(|s| f(s)).collect::<Vec<_>>())
     };
-    #[allow(clippy::cast_precision_loss)]
-    let as_f64 = |v: Option<i64>| v.map(|v| v as f64);
+    let as_f64 = |v: Option<i64>| v.map(super::stats::signed_f64);
     Some(ModeResult {
         mode: mode.label(),
         settings: mode.settings(),
