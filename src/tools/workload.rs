@@ -241,7 +241,12 @@ impl Writers {
         let (all_writers, writer) = (i64::from(workload.writers), i64::from(w));
         let mut written = Written::default();
         let (mut t, mut i) = (u64::from(w), 0u64);
-        while t < transactions && !self.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
+        while t < transactions
+            && !self
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(Ordering::Relaxed))
+        {
             if let Some((offset, part)) = schedule {
                 tokio::time::sleep_until(start + offset + part.due(i)).await;
             }

@@ -9,6 +9,9 @@
 
 use crate::tools::workload::WorkloadError;
 
+/// Why the `--plot` chart could not be drawn (the SVG backend writes the file).
+pub(crate) type PlotError = plotters::drawing::DrawingAreaErrorKind<std::io::Error>;
+
 /// Errors of `outbox-relay bench`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -66,10 +69,7 @@ pub enum BenchError {
         expected: u64,
     },
     #[error("cannot write {path}: {source}")]
-    Output {
-        path: String,
-        source: super::plot::PlotError,
-    },
+    Output { path: String, source: PlotError },
     #[error("interrupted (the run's slot, tables and topic were dropped)")]
     Interrupted,
 }

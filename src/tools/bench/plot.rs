@@ -7,17 +7,26 @@ use std::path::Path;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use super::error::{BenchError, PlotError};
 use super::report::Report;
-
-/// Why the chart could not be drawn (the SVG backend writes the file).
-pub(crate) type PlotError = DrawingAreaErrorKind<std::io::Error>;
 
 const WIDTH: u32 = 1100;
 const ROW_HEIGHT: u32 = 34;
 const CHART_EXTRA: u32 = 110;
 
+impl Report {
+    /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
+    /// steady-rate latencies (p50 and p99) when measured.
+    pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
+        draw(self, path).map_err(|source| BenchError::Output {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+}
+
 /// Draws the report's chart into `path`.
-pub(crate) fn draw(report: &Report, path: &Path) -> Result<(), PlotError> {
+fn draw(report: &Report, path: &Path) -> Result<(), PlotError> {
     let throughput_height = CHART_EXTRA + ROW_HEIGHT * count_u32(report.results.len());
     let latency_height = if report.steady.is_empty() {
         0
@@ -109,42 +118,39 @@ fn bars(
         .draw()?;
     let light = RGBColor(158, 202, 225);
     let dark = RGBColor(49, 130, 189);
-    chart
-        .draw_series(rows.iter().enumerate().map(|(i, r)| {
-            let color = if r.inner.is_some() { light } else { dark };
-            let mut bar = Rectangle::new(
-                [
-                    (0.0, SegmentValue::Exact(i)),
-                    (r.bar, SegmentValue::Exact(i + 1)),
-                ],
-                color.filled(),
-            );
-            bar.set_margin(6, 6, 0, 0);
-            bar
-        }))?;
-    chart
-        .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
-            let inner = r.inner?;
-            let mut bar = Rectangle::new(
-                [
-                    (0.0, SegmentValue::Exact(i)),
-                    (inner, SegmentValue::Exact(i + 1)),
-                ],
-                dark.filled(),
-            );
-            bar.set_margin(12, 12, 0, 0);
-            Some(bar)
-        }))?;
-    chart
-        .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
-            let (min, max) = r.whisker?;
-            Some(PathElement::new(
-                vec![
-                    (min, SegmentValue::CenterOf(i)),
-                    (max, SegmentValue::CenterOf(i)),
-                ],
-                BLACK.stroke_width(2),
-            ))
-        }))?;
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
+        let color = if r.inner.is_some() { light } else { dark };
+        let mut bar = Rectangle::new(
+            [
+                (0.0, SegmentValue::Exact(i)),
+                (r.bar, SegmentValue::Exact(i + 1)),
+            ],
+            color.filled(),
+        );
+        bar.set_margin(6, 6, 0, 0);
+        bar
+    }))?;
+    chart.draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
+        let inner = r.inner?;
+        let mut bar = Rectangle::new(
+            [
+                (0.0, SegmentValue::Exact(i)),
+                (inner, SegmentValue::Exact(i + 1)),
+            ],
+            dark.filled(),
+        );
+        bar.set_margin(12, 12, 0, 0);
+        Some(bar)
+    }))?;
+    chart.draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
+        let (min, max) = r.whisker?;
+        Some(PathElement::new(
+            vec![
+                (min, SegmentValue::CenterOf(i)),
+                (max, SegmentValue::CenterOf(i)),
+            ],
+            BLACK.stroke_width(2),
+        ))
+    }))?;
     Ok(())
 }

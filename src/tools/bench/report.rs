@@ -3,15 +3,17 @@
 //! as a terminal table, one JSON object, or an SVG chart.
 
 use std::fmt::Write as _;
-use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::stats::{Latency, Spread};
 use super::args::BenchArgs;
 use super::drain::Mode;
-use super::error::BenchError;
+use super::stats::{Latency, Spread};
 use crate::tools::workload::Workload;
+
+/// The steady-rate fraction (of the CDC maximum) whose latencies go into the main
+/// results table.
+pub(crate) const HEADLINE_FRACTION: f64 = 0.5;
 
 /// One measured drain.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -41,7 +43,7 @@ pub struct ModeResult {
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
-    /// From the steady run at [`super::steady::HEADLINE_FRACTION`] of the CDC maximum.
+    /// From the steady run at [`HEADLINE_FRACTION`] of the CDC maximum.
     pub latency: Option<LatencySpread>,
 }
 
@@ -143,7 +145,11 @@ pub struct Ratios {
 impl Report {
     /// Aggregates `samples` per mode, in the order of `modes`.
     #[must_use]
-    pub(crate) fn new(workload: WorkloadInfo, modes: &[Mode], samples: &[(Mode, Sample)]) -> Report {
+    pub(crate) fn new(
+        workload: WorkloadInfo,
+        modes: &[Mode],
+        samples: &[(Mode, Sample)],
+    ) -> Report {
         let results: Vec<ModeResult> = modes
             .iter()
             .filter_map(|mode| aggregate(*mode, samples))
@@ -196,10 +202,7 @@ impl Report {
             result.latency = self
                 .steady
                 .iter()
-                .find(|s| {
-                    s.mode == result.mode
-                        && (s.fraction - super::steady::HEADLINE_FRACTION).abs() < 1e-9
-                })
+                .find(|s| s.mode == result.mode && (s.fraction - HEADLINE_FRACTION).abs() < 1e-9)
                 .map(|s| s.latency);
         }
     }
@@ -333,15 +336,6 @@ impl Report {
             }
         }
         out
-    }
-
-    /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
-    /// steady-rate latencies (p50 and p99) when measured.
-    pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
-        super::plot::draw(self, path).map_err(|source| BenchError::Output {
-            path: path.display().to_string(),
-            source,
-        })
     }
 }
 

@@ -175,7 +175,8 @@ pub(crate) fn signed_f64(n: i64) -> f64 {
 /// `as` is defined to saturate.
 #[must_use]
 pub(crate) fn truncate_u64(v: f64) -> u64 {
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // saturating by definition, see above
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    // saturating by definition, see above
     let n = v as u64;
     n
 }

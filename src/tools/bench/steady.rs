@@ -30,8 +30,6 @@ use crate::tools::workload::{Pace, Workload};
 
 /// Offered load as fractions of the CDC backlog maximum.
 pub(crate) const FRACTIONS: [f64; 3] = [0.25, 0.5, 0.8];
-/// The fraction whose latencies go into the main results table.
-pub(crate) const HEADLINE_FRACTION: f64 = 0.5;
 /// Label of the poller in the steady runs: the backlog label of its settings.
 pub(crate) const POLL_LABEL: &str = "poll-b1000-w1";
 /// The poller's settings for the steady runs: one worker keeps per-key order, a
@@ -124,8 +122,7 @@ async fn one_run(
     duration: Duration,
 ) -> Result<(f64, Latency)> {
     let fixture = Fixture::create(config).await?;
-    let result =
-        until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
+    let result = until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
     fixture.cleanup().await;
     result
 }
@@ -201,8 +198,8 @@ fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
 async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Child) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let table = fixture.config.outbox.table.clone();
-    let (_, table_name) = crate::config::qualified_name(&table)
-        .map_err(|e| BenchError::TableName(e.to_string()))?;
+    let (_, table_name) =
+        crate::config::qualified_name(&table).map_err(|e| BenchError::TableName(e.to_string()))?;
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         tick.tick().await;
