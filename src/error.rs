@@ -31,8 +31,6 @@ pub enum Error {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
-    #[error(transparent)]
-    Bench(#[from] crate::tools::bench::BenchError),
     /// A transient failure (connection lost, server restarting): retried.
     #[error("{0}")]
     Transient(String),
@@ -103,7 +101,6 @@ impl Error {
             Error::Postgres(_)
             | Error::Kafka(_)
             | Error::Io(_)
-            | Error::Bench(_)
             | Error::Transient(_)
             | Error::Other(_) => 1,
             // --- ops ---

@@ -8,8 +8,43 @@ use outbox_relay::cdc::{self, cutover};
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
 use outbox_relay::ops::{audit, migrate, replay};
-use outbox_relay::tools::demo;
+use outbox_relay::tools::bench::BenchError;
+use outbox_relay::tools::demo::{self, DemoError};
 use outbox_relay::{Error, postgres};
+
+/// Why a command failed: the relay's [`Error`], or a developer tool's own error,
+/// which wraps the relay's error where one caused it.
+#[derive(Debug, thiserror::Error)]
+enum Failure {
+    #[error(transparent)]
+    Relay(#[from] Error),
+    #[error(transparent)]
+    Bench(#[from] BenchError),
+    #[error(transparent)]
+    Demo(#[from] DemoError),
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+}
+
+impl From<outbox_relay::config::ConfigError> for Failure {
+    fn from(e: outbox_relay::config::ConfigError) -> Failure {
+        Failure::Relay(e.into())
+    }
+}
+
+impl Failure {
+    /// The exit code (`docs/architecture.md#exit-codes`): the relay error's own,
+    /// also inside a tool's error; 1 for anything else.
+    fn exit_code(&self) -> ExitCode {
+        let relay = match self {
+            Failure::Relay(e) => Some(e),
+            Failure::Bench(e) => e.relay_error(),
+            Failure::Demo(e) => e.relay_error(),
+            Failure::Json(_) => None,
+        };
+        relay.map_or(ExitCode::from(1), Error::exit_code)
+    }
+}
 
 fn init_tracing(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -47,7 +82,7 @@ async fn termination_signal() {
     tracing::info!("termination signal received");
 }
 
-async fn run(cli: Cli) -> Result<ExitCode, Error> {
+async fn run(cli: Cli) -> Result<ExitCode, Failure> {
     match cli.command {
         Command::Run(args) => {
             let config = args.load()?;
@@ -87,10 +122,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Error> {
             let client = postgres::connect(&config.postgres.url).await?;
             let status = outbox_relay::ops::status::read(&client, &config).await?;
             if json {
-                println!(
-                    "{}",
-                    serde_json::to_string(&status).map_err(|e| Error::Other(e.to_string()))?
-                );
+                println!("{}", serde_json::to_string(&status)?);
             } else {
                 print!("{}", status.render());
             }

@@ -11,18 +11,76 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use rdkafka::error::KafkaError;
 use rdkafka::mocking::MockCluster;
 
 use crate::config::Config;
-use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::ops::meter::Meter;
 use crate::postgres::prerequisite::Prerequisite;
+use crate::tools::workload::{Keys, Workload, WorkloadError, Writers};
 
 /// The dev-env script, so the demo works from an installed binary too.
 const DEV_ENV_SCRIPT: &str = include_str!("../../scripts/dev-env");
 const TOPIC: &str = "outbox.event.order";
 const SLOT: &str = "outbox_relay_demo";
+/// Entities each writer owns: an entity's events come from one writer, in order.
+const ENTITIES_PER_WRITER: u32 = 100;
+
+/// Why the demo failed. A relay error keeps its own exit code (the caller maps
+/// [`DemoError::relay_error`]); the demo's own failures exit with 1.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoError {
+    /// The relay, PostgreSQL or the broker failed, with the relay's own error.
+    #[error(transparent)]
+    Relay(crate::Error),
+    #[error("cannot start the embedded broker: {0}")]
+    EmbeddedBroker(#[source] KafkaError),
+    #[error("cannot create the demo topic: {0}")]
+    DemoTopic(#[source] KafkaError),
+    #[error("relay task failed: {0}")]
+    RelayTask(#[source] tokio::task::JoinError),
+    #[error("the relay did not start streaming within 60 s")]
+    NotStreaming,
+    #[error("bad LSN from the server: {0}")]
+    BadLsn(#[source] crate::lsn::ParseLsnError),
+    #[error("the relay stopped before relaying every event")]
+    RelayStopped,
+    #[error("events not relayed within 10 minutes")]
+    NotRelayed,
+    #[error("writer task failed: {0}")]
+    WriterTask(#[source] tokio::task::JoinError),
+}
+
+impl DemoError {
+    /// The relay error inside, which decides the exit code; `None` for the demo's
+    /// own errors (exit code 1).
+    #[must_use]
+    pub fn relay_error(&self) -> Option<&crate::Error> {
+        match self {
+            DemoError::Relay(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl<E: Into<crate::Error>> From<E> for DemoError {
+    fn from(e: E) -> DemoError {
+        DemoError::Relay(e.into())
+    }
+}
+
+impl From<WorkloadError> for DemoError {
+    fn from(e: WorkloadError) -> DemoError {
+        match e {
+            WorkloadError::Relay(e) => DemoError::Relay(e),
+            WorkloadError::Task(e) => DemoError::WriterTask(e),
+        }
+    }
+}
+
+type Result<T, E = DemoError> = std::result::Result<T, E>;
 
 /// Flags of `outbox-relay demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -115,9 +173,10 @@ fn demo_config(url: &str, brokers: &str) -> Result<Config> {
 /// Runs the demo and prints its summary.
 pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
     if args.events == 0 || args.writers == 0 || args.rows_per_tx == 0 {
-        return Err(Error::Config(crate::config::ConfigError::Invalid(
+        return Err(crate::config::ConfigError::Invalid(
             "--events, --writers and --rows-per-tx must be positive".into(),
-        )));
+        )
+        .into());
     }
     eprintln!("demo: starting a throwaway PostgreSQL (wal_level=logical)…");
     let cluster = DemoCluster::start(args.keep).await?;
@@ -128,10 +187,9 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
             brokers.clone()
         }
         None => {
-            mock = MockCluster::new(1)
-                .map_err(|e| Error::Other(format!("cannot start the embedded broker: {e}")))?;
+            mock = MockCluster::new(1).map_err(DemoError::EmbeddedBroker)?;
             mock.create_topic(TOPIC, 6, 1)
-                .map_err(|e| Error::Other(format!("cannot create the demo topic: {e}")))?;
+                .map_err(DemoError::DemoTopic)?;
             mock.bootstrap_servers()
         }
     };
@@ -169,13 +227,13 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
         Ok(result) => {
             result?;
         }
-        Err(e) => return Err(Error::Other(format!("relay task failed: {e}"))),
+        Err(e) => return Err(DemoError::RelayTask(e)),
     }
 
     eprintln!("demo: auditing the topic against the outbox…");
     let audit = crate::ops::audit::run(&config, &crate::ops::audit::AuditArgs::default()).await?;
-    #[allow(clippy::cast_precision_loss)]
-    let events_per_s = args.events as f64 / elapsed.as_secs_f64();
+    let events = u64::try_from(args.events).unwrap_or(u64::MAX);
+    let events_per_s = crate::tools::bench::stats::rate(events, elapsed);
     let summary = DemoSummary {
         events: args.events,
         elapsed,
@@ -225,9 +283,7 @@ async fn wait_for_slot(client: &tokio_postgres::Client) -> Result<()> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(Error::Other(
-                "the relay did not start streaming within 60 s".into(),
-            ));
+            return Err(DemoError::NotStreaming);
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -238,8 +294,7 @@ async fn current_lsn(client: &tokio_postgres::Client) -> Result<Lsn> {
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await?
         .get(0);
-    lsn.parse()
-        .map_err(|e| Error::Other(format!("bad LSN from the server: {e}")))
+    lsn.parse().map_err(DemoError::BadLsn)
 }
 
 /// Waits until the slot is confirmed at `end`, showing the WAL relayed since
@@ -248,7 +303,7 @@ async fn wait_confirmed(
     client: &tokio_postgres::Client,
     (begin, started): (Lsn, Instant),
     end: Lsn,
-    relay: &tokio::task::JoinHandle<Result<crate::cdc::session::RunSummary>>,
+    relay: &tokio::task::JoinHandle<crate::Result<crate::cdc::session::RunSummary>>,
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(600);
     let total = end.as_u64().saturating_sub(begin.as_u64());
@@ -273,12 +328,10 @@ async fn wait_confirmed(
             return Ok(());
         }
         if relay.is_finished() {
-            return Err(Error::Other(
-                "the relay stopped before relaying every event".into(),
-            ));
+            return Err(DemoError::RelayStopped);
         }
         if Instant::now() > deadline {
-            return Err(Error::Other("events not relayed within 10 minutes".into()));
+            return Err(DemoError::NotRelayed);
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -287,39 +340,16 @@ async fn wait_confirmed(
 /// Concurrent writers; each owns a set of entities, so per-entity commit order is
 /// the order each writer inserts them in.
 async fn write_events(url: &str, args: &DemoArgs) -> Result<()> {
-    let mut tasks = Vec::new();
-    for w in 0..args.writers {
-        let count = args.events / args.writers + usize::from(w < args.events % args.writers);
-        let url = url.to_owned();
-        let (writers, per_tx) = (args.writers, args.rows_per_tx);
-        tasks.push(tokio::spawn(async move {
-            let client = crate::postgres::connect(&url).await?;
-            let mut written = 0;
-            while written < count {
-                let n = per_tx.min(count - written);
-                client
-                    .execute(
-                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                         SELECT 'order', 'order-' || ((g % 100) * $1 + $2), 'OrderPlaced',
-                                jsonb_build_object('order_id', (g % 100) * $1 + $2, 'seq', g,
-                                                   'amount_cents', 1000 + g % 9000, 'currency', 'EUR')
-                         FROM generate_series($3::bigint, $4::bigint) g",
-                        &[
-                            &i64::try_from(writers).unwrap_or(1),
-                            &i64::try_from(w).unwrap_or(0),
-                            &i64::try_from(written).unwrap_or(0),
-                            &i64::try_from(written + n - 1).unwrap_or(0),
-                        ],
-                    )
-                    .await?;
-                written += n;
-            }
-            Ok::<(), Error>(())
-        }));
-    }
-    for t in tasks {
-        t.await
-            .map_err(|e| Error::Other(format!("writer task failed: {e}")))??;
-    }
+    let workload = Workload {
+        events: u64::try_from(args.events).unwrap_or(u64::MAX),
+        payload_bytes: 0,
+        rows_per_tx: u32::try_from(args.rows_per_tx).unwrap_or(u32::MAX),
+        writers: u32::try_from(args.writers).unwrap_or(u32::MAX),
+        entities: ENTITIES_PER_WRITER,
+    };
+    Writers::new(url, "outbox", workload)
+        .keys(Keys::PerWriter)
+        .run()
+        .await?;
     Ok(())
 }

@@ -26,6 +26,7 @@ fn positive(v: &Value, what: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_measures_every_mode_and_cleans_up() {
+    let _heavy = harness::heavy().await;
     let env = harness::env();
     let db = harness::unique("bench");
     let admin = harness::connect(&env.pg_url).await;

@@ -8,58 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::harness::{self, Record, RelayProcess, TestDb, consume, consume_unique, run_cli};
+use outbox_relay::tools::workload::{Pace, Workload};
 
-/// One writer: transactions of 1-3 outbox rows (and a business row) on its own
-/// entities until `stop`, every 7th rolled back. Payloads carry the entity's
-/// sequence number. Returns the committed and the rolled-back idempotency keys.
-async fn writer(url: String, w: usize, stop: Arc<AtomicBool>) -> (Vec<String>, Vec<String>) {
-    let mut client = harness::connect(&url).await;
-    let entities: Vec<String> = (0..4).map(|e| format!("w{w}-e{e}")).collect();
-    let mut seq: HashMap<String, u64> = HashMap::new();
-    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
-    let mut i = 0usize;
-    while !stop.load(Ordering::Relaxed) {
-        let tx = client.transaction().await.expect("begin");
-        let mut keys = Vec::new();
-        let rollback = i % 7 == 6;
-        for r in 0..1 + i % 3 {
-            let entity = &entities[(i + r) % entities.len()];
-            let n = seq.entry(entity.clone()).or_default();
-            let payload = format!(r#"{{"entity": "{entity}", "seq": {n}}}"#);
-            if !rollback {
-                *n += 1;
-            }
-            tx.execute(
-                "INSERT INTO business_orders (entity, amount) VALUES ($1, 1)",
-                &[entity],
-            )
-            .await
-            .expect("business row");
-            let key: String = tx
-                .query_one(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb) RETURNING idempotency_key",
-                    &[entity, &payload],
-                )
-                .await
-                .expect("outbox row")
-                .get(0);
-            keys.push(key);
-        }
-        if rollback {
-            tx.rollback().await.expect("rollback");
-            rolled_back.extend(keys);
-        } else {
-            tx.commit().await.expect("commit");
-            committed.extend(keys);
-        }
-        i += 1;
-        // Pace the writers (a few hundred transactions per second each).
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    (committed, rolled_back)
-}
+use crate::harness::{
+    self, Record, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique, run_cli,
+};
 
 async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client.query_one(sql, &[]).await.unwrap().get(0)
@@ -87,32 +40,6 @@ fn deliveries(records: &[Record]) -> HashMap<String, usize> {
             .or_default() += 1;
     }
     counts
-}
-
-/// Per-key order: in partition order, each key's `seq` only grows (first
-/// deliveries only, as a deduplicating consumer sees them).
-fn assert_per_key_order(records: &[Record]) {
-    let mut sorted = records.to_vec();
-    sorted.sort_by_key(|r| (r.partition, r.offset));
-    let mut seen = HashSet::new();
-    let mut last: HashMap<Vec<u8>, i64> = HashMap::new();
-    for r in sorted {
-        if !seen.insert(r.header("idempotency_key").unwrap().to_owned()) {
-            continue;
-        }
-        let payload: serde_json::Value =
-            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-        let seq = payload["seq"].as_i64().unwrap();
-        let key = r.key.clone().unwrap();
-        if let Some(prev) = last.get(&key) {
-            assert!(
-                seq > *prev,
-                "key {} out of order: seq {seq} after {prev}",
-                String::from_utf8_lossy(&key)
-            );
-        }
-        last.insert(key, seq);
-    }
 }
 
 /// `outbox-relay audit --json`, parsed.
@@ -145,10 +72,23 @@ fn random_delay(max_ms: u64) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
     let db = TestDb::create("cutover_main").await;
+    // 4 writers until `stop`, 2 rows and a business row per transaction, every 7th
+    // rolled back, paced to a few hundred transactions per second each.
     let stop = Arc::new(AtomicBool::new(false));
-    let writers: Vec<_> = (0..4)
-        .map(|w| tokio::spawn(writer(db.url.clone(), w, Arc::clone(&stop))))
-        .collect();
+    let workload = Workload {
+        events: u64::MAX,
+        payload_bytes: 0,
+        rows_per_tx: 2,
+        writers: 4,
+        entities: 4,
+    };
+    let writers = tokio::spawn(
+        db.writers(workload)
+            .rollback_every(7)
+            .pace(Pace::Pause(Duration::from_millis(2)))
+            .until(Arc::clone(&stop))
+            .run(),
+    );
 
     // The poller drains the outbox while the writers write.
     let poller = RelayProcess::start_command(
@@ -176,12 +116,8 @@ async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
     )
     .await;
     stop.store(true, Ordering::Relaxed);
-    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
-    for w in writers {
-        let (c, r) = w.await.unwrap();
-        committed.extend(c);
-        rolled_back.extend(r);
-    }
+    let written = writers.await.unwrap().expect("the writers");
+    let (committed, rolled_back) = (written.committed, written.rolled_back);
 
     let records =
         consume_unique(&db.topic, committed.len(), Duration::from_secs(120), &relay).await;

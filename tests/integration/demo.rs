@@ -21,6 +21,7 @@ fn assert_clean_summary(out: &std::process::Output) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_with_the_embedded_broker_relays_and_audits_clean() {
+    let _heavy = harness::heavy().await;
     let out = tokio::task::spawn_blocking(|| harness::run_cli(&["demo", "--events", "2000"]))
         .await
         .unwrap();
@@ -29,6 +30,7 @@ async fn demo_with_the_embedded_broker_relays_and_audits_clean() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_with_a_real_broker() {
+    let _heavy = harness::heavy().await;
     let brokers = harness::env().brokers.clone();
     let out = tokio::task::spawn_blocking(move || {
         harness::run_cli(&["demo", "--events", "2000", "--brokers", &brokers])

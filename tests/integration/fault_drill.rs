@@ -14,6 +14,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::harness;
+
 /// About 75 s alone on 2 cores (debug binary); the cap leaves room for the other
 /// tests running at the same time.
 const DRILL_DEADLINE: Duration = Duration::from_secs(240);
@@ -50,6 +52,7 @@ fn signal(child: &Child, sig: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
+    let _heavy = harness::heavy().await;
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let seed = seed();
     let seed_text = seed.to_string();

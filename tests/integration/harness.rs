@@ -8,13 +8,14 @@
 
 #![allow(dead_code)] // not every test binary module uses every helper
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use outbox_relay::config::Config;
+use outbox_relay::tools::workload::{Keys, Workload, Writers};
 use rdkafka::ClientConfig;
 use rdkafka::Message;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -23,6 +24,23 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::{Client, NoTls};
+
+/// Tests that load the machine for a long time (the 100k drain, the bench, the
+/// demo, the fault drill) hold this while they run, so they run one at a time and
+/// leave the CPU to the other tests in between rather than starving them all at
+/// once.
+pub async fn heavy() -> tokio::sync::SemaphorePermit<'static> {
+    static HEAVY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    HEAVY
+        .acquire()
+        .await
+        .expect("the heavy-test semaphore is never closed")
+}
+
+/// The application's own write in each workload transaction: the relay must skip
+/// it (not in the publication) and still see the transaction's events.
+pub const BUSINESS_ROW: &str =
+    "INSERT INTO business_orders (entity, amount) VALUES ('workload', 1)";
 
 /// Connection facts of the running dev environment.
 #[derive(Debug, Clone)]
@@ -173,8 +191,19 @@ impl TestDb {
         Config::load(&self.config_path).expect("load test config")
     }
 
+    /// The library's workload writer (the one the demo and the bench use) for this
+    /// test's outbox: each writer owns its entities, so per-key order is checkable
+    /// from the payloads' `seq` ([`assert_per_key_order`]); every transaction also
+    /// writes a business row; the idempotency keys come back.
+    pub fn writers(&self, workload: Workload) -> Writers {
+        Writers::new(&self.url, "outbox", workload)
+            .keys(Keys::PerWriter)
+            .also(BUSINESS_ROW)
+            .returning_keys()
+    }
+
     /// Inserts a business row and an outbox row in one transaction; returns the
-    /// idempotency key.
+    /// idempotency key. (One hand-made event; workloads use [`TestDb::writers`].)
     pub async fn insert_event(&mut self, entity: &str, event_type: &str, payload: &str) -> String {
         let tx = self.client.transaction().await.expect("begin");
         tx.execute(
@@ -586,6 +615,40 @@ pub async fn consume_exactly(
         relay.log()
     );
     records
+}
+
+/// Per-key order as a deduplicating consumer sees it: in each partition's offset
+/// order, considering the first delivery of each event only (a re-delivery after a
+/// crash repeats an earlier event; consumers drop it by its idempotency key), the
+/// payload's `seq` of every key only grows. Callers that promise exactly-once
+/// count duplicates separately.
+pub fn assert_per_key_order(records: &[Record]) {
+    let mut sorted: Vec<&Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.partition, r.offset));
+    let mut seen = HashSet::new();
+    let mut last: HashMap<&[u8], i64> = HashMap::new();
+    for r in sorted {
+        let key = r
+            .header("idempotency_key")
+            .expect("an idempotency_key header");
+        if !seen.insert(key) {
+            continue;
+        }
+        let payload: serde_json::Value =
+            serde_json::from_slice(r.payload.as_deref().expect("a payload")).expect("json");
+        let seq = payload["seq"]
+            .as_i64()
+            .expect("a numeric seq in the payload");
+        let entity = r.key.as_deref().expect("a record key");
+        if let Some(prev) = last.get(entity) {
+            assert!(
+                seq > *prev,
+                "key {} out of order: seq {seq} after {prev}",
+                String::from_utf8_lossy(entity)
+            );
+        }
+        last.insert(entity, seq);
+    }
 }
 
 /// The slot's `confirmed_flush_lsn` as a number (0 when missing).

@@ -258,8 +258,39 @@ async fn least_privilege_role_relays_poisons_and_heartbeats() {
             .unwrap_or(false)
     })
     .await;
-    // Heartbeats ran as the role (they would log a failure otherwise).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Heartbeats ran as the role: two ticks completed on one connection of the
+    // role (a failed tick drops its connection, and logs a failure).
+    let heartbeat_tick = || async {
+        client
+            .query_opt(
+                "SELECT pid, query_start::text FROM pg_stat_activity
+                 WHERE usename = $1 AND state = 'idle'
+                   AND query LIKE '%(pg_current_wal_lsn() - restart_lsn)::float8%'",
+                &[&role],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1)))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut first = None;
+    loop {
+        let tick = heartbeat_tick().await;
+        match (&first, tick) {
+            (Some((pid, at)), Some((now_pid, now_at))) if *pid == now_pid && *at != now_at => {
+                break;
+            }
+            (None, tick) => first = tick,
+            _ => {}
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no two heartbeats as the role; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert!(!relay.log().contains("heartbeat failed"), "{}", relay.log());
 
     // ... and the role can do nothing else to the outbox.

@@ -13,7 +13,9 @@ use outbox_relay::{Error, Result};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::harness::{self, Record, RelayProcess, TestDb, consume, consume_from};
+use crate::harness::{
+    self, Record, RelayProcess, TestDb, assert_per_key_order, consume, consume_from,
+};
 
 fn args(batch_size: u32, workers: u32) -> PollArgs {
     PollArgs {
@@ -84,32 +86,6 @@ async fn insert_sequenced(db: &mut TestDb, entities: usize, from: usize, n: usiz
         keys.push(db.insert_event(&entity, "Created", &payload).await);
     }
     keys
-}
-
-/// Per-key order: in each partition's offset order, the `seq` of a key never goes
-/// back (considering first occurrences only, as a deduplicating consumer does).
-fn assert_per_key_order(records: &[Record]) {
-    let mut sorted = records.to_vec();
-    sorted.sort_by_key(|r| (r.partition, r.offset));
-    let mut seen = HashSet::new();
-    let mut last: HashMap<Vec<u8>, i64> = HashMap::new();
-    for r in sorted {
-        if !seen.insert(r.header("idempotency_key").unwrap().to_owned()) {
-            continue;
-        }
-        let payload: serde_json::Value =
-            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-        let seq = payload["seq"].as_i64().unwrap();
-        let key = r.key.clone().unwrap();
-        if let Some(prev) = last.get(&key) {
-            assert!(
-                seq > *prev,
-                "key {} out of order: seq {seq} after {prev}",
-                String::from_utf8_lossy(&key)
-            );
-        }
-        last.insert(key, seq);
-    }
 }
 
 fn keys_of(records: &[Record]) -> Vec<String> {

@@ -5,121 +5,37 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use outbox_relay::tools::workload::{Keys, Workload, Writers};
+
 use crate::harness::{
-    self, RelayProcess, TestDb, confirmed_flush, consume, consume_exactly, parse_lsn,
+    self, RelayProcess, TestDb, assert_per_key_order, confirmed_flush, consume, consume_exactly,
+    parse_lsn,
 };
 
-/// Writes `transactions` transactions for the given entities from one connection:
-/// each with 1-3 outbox rows (and a business row), every 10th rolled back. The
-/// payload carries the entity's sequence number, so per-key order is checkable.
+/// `writers` concurrent writers of `transactions` transactions each, through the
+/// library's workload writer: 2 outbox rows and a business row per transaction,
+/// 5 entities per writer, a `tenant` header, every 10th transaction rolled back.
 /// Returns the idempotency keys committed and those rolled back.
-async fn writer(
-    url: String,
-    entities: Vec<String>,
-    transactions: usize,
-) -> (Vec<String>, Vec<String>) {
-    let mut client = harness::connect(&url).await;
-    let mut committed = Vec::new();
-    let mut rolled_back = Vec::new();
-    let mut seq: HashMap<String, u64> = HashMap::new();
-    for i in 0..transactions {
-        let tx = client.transaction().await.expect("begin");
-        let rows = 1 + i % 3;
-        let mut keys = Vec::new();
-        for r in 0..rows {
-            let entity = &entities[(i + r) % entities.len()];
-            let n = seq.entry(entity.clone()).or_default();
-            let payload = format!(
-                r#"{{"entity": "{entity}", "seq": {n}, "pad": "{}"}}"#,
-                "x".repeat(i % 50)
-            );
-            if i % 10 != 9 {
-                *n += 1;
-            }
-            tx.execute(
-                "INSERT INTO business_orders (entity, amount) VALUES ($1, $2)",
-                &[entity, &i32::try_from(i).unwrap()],
-            )
-            .await
-            .expect("business row");
-            let key: String = tx
-                .query_one(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-                     VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb, '{\"tenant\": \"t1\"}')
-                     RETURNING idempotency_key",
-                    &[entity, &payload],
-                )
-                .await
-                .expect("outbox row")
-                .get(0);
-            keys.push(key);
-        }
-        if i % 10 == 9 {
-            tx.rollback().await.expect("rollback");
-            rolled_back.extend(keys);
-        } else {
-            tx.commit().await.expect("commit");
-            committed.extend(keys);
-        }
-    }
-    (committed, rolled_back)
-}
-
-/// Runs `writers` concurrent writers with disjoint entities.
 async fn write_concurrently(
     db: &TestDb,
-    writers: usize,
-    transactions: usize,
+    writers: u32,
+    transactions: u64,
 ) -> (Vec<String>, Vec<String>) {
-    let mut handles = Vec::new();
-    for w in 0..writers {
-        let entities = (0..5).map(|e| format!("w{w}-e{e}")).collect();
-        handles.push(tokio::spawn(writer(db.url.clone(), entities, transactions)));
-    }
-    let mut committed = Vec::new();
-    let mut rolled_back = Vec::new();
-    for h in handles {
-        let (c, r) = h.await.expect("writer task");
-        committed.extend(c);
-        rolled_back.extend(r);
-    }
-    (committed, rolled_back)
-}
-
-/// Checks per-key order: for each key, the `seq` in the payloads never goes back.
-fn assert_per_key_order(records: &[harness::Record]) {
-    let mut last: HashMap<Vec<u8>, i64> = HashMap::new();
-    for r in records {
-        let payload: serde_json::Value =
-            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-        let seq = payload["seq"].as_i64().unwrap();
-        let key = r.key.clone().unwrap();
-        if let Some(prev) = last.get(&key) {
-            assert!(
-                seq > *prev,
-                "key {} out of order: seq {seq} after {prev}",
-                String::from_utf8_lossy(&key)
-            );
-        }
-        last.insert(key, seq);
-    }
-}
-
-/// Records sorted by (partition, offset): the order a consumer of each partition sees.
-fn by_partition(mut records: Vec<harness::Record>) -> Vec<harness::Record> {
-    records.sort_by_key(|r| (r.partition, r.offset));
-    records
-}
-
-/// The first delivery of each event, in partition order: what per-key commit order
-/// is judged on (a re-delivery after a crash repeats an earlier event; consumers
-/// drop it by its idempotency key).
-fn first_deliveries(records: Vec<harness::Record>) -> Vec<harness::Record> {
-    let mut seen = HashSet::new();
-    by_partition(records)
-        .into_iter()
-        .filter(|r| seen.insert(r.header("idempotency_key").unwrap().to_owned()))
-        .collect()
+    let workload = Workload {
+        events: u64::from(writers) * transactions * 2,
+        payload_bytes: 120,
+        rows_per_tx: 2,
+        writers,
+        entities: 5,
+    };
+    let written = db
+        .writers(workload)
+        .headers(r#"{"tenant": "t1"}"#)
+        .rollback_every(10)
+        .run()
+        .await
+        .expect("write the workload");
+    (written.committed, written.rolled_back)
 }
 
 fn keys_of(records: &[harness::Record]) -> Vec<String> {
@@ -139,8 +55,7 @@ async fn relays_concurrent_writers_exactly_once_in_commit_order() {
 
     consume_exactly(&db.topic, committed.len(), Duration::from_secs(90), &relay).await;
     // Anything beyond the expected count would be a duplicate: read a little longer.
-    let records =
-        by_partition(consume(&db.topic, committed.len() + 1, Duration::from_secs(3)).await);
+    let records = consume(&db.topic, committed.len() + 1, Duration::from_secs(3)).await;
     let keys = keys_of(&records);
     let unique: HashSet<&String> = keys.iter().collect();
     assert_eq!(unique.len(), keys.len(), "no duplicates when nothing fails");
@@ -237,7 +152,7 @@ async fn restart_after_clean_stop_resends_nothing() {
         150,
         "a clean stop confirms everything: nothing is re-sent"
     );
-    assert_per_key_order(&by_partition(records));
+    assert_per_key_order(&records);
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -335,7 +250,7 @@ async fn kill_9_with_events_in_flight_loses_nothing_and_bounds_duplicates() {
         "{duplicates} duplicates > bound {bound}"
     );
     // First deliveries per key are in commit order.
-    assert_per_key_order(&first_deliveries(records));
+    assert_per_key_order(&records);
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -585,7 +500,7 @@ async fn broker_outage_holds_the_slot_and_loses_nothing() {
         relay.log()
     );
     eprintln!("broker outage: {} duplicates", keys.len() - unique.len());
-    assert_per_key_order(&first_deliveries(records));
+    assert_per_key_order(&records);
     let poisoned: i64 = db
         .client
         .query_one("SELECT count(*) FROM poison_outbox", &[])
@@ -611,37 +526,25 @@ async fn broker_outage_holds_the_slot_and_loses_nothing() {
 /// measures properly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn drains_100k_events_from_concurrent_writers() {
-    const WRITERS: usize = 4;
-    const PER_WRITER: usize = 25_000;
-    const ROWS_PER_TX: usize = 10;
+    const WRITERS: u32 = 4;
+    const PER_WRITER: u64 = 25_000;
+    let _heavy = harness::heavy().await;
     let db = TestDb::create("relay_100k").await;
     db.create_slot().await;
-    let mut handles = Vec::new();
-    for w in 0..WRITERS {
-        let url = db.url.clone();
-        handles.push(tokio::spawn(async move {
-            let client = harness::connect(&url).await;
-            // Entity e{n} belongs to writer n % WRITERS, and its seq grows with g:
-            // commit order per entity is seq order.
-            let sql = format!(
-                "DO $$ BEGIN
-                   FOR t IN 0..{txs} LOOP
-                     INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                     SELECT 'order', 'e' || ((g % 250) * {WRITERS} + {w}), 'Created',
-                            jsonb_build_object('seq', g, 'writer', {w}, 'pad', repeat('x', 200))
-                     FROM generate_series(t * {ROWS_PER_TX}, t * {ROWS_PER_TX} + {last}) g;
-                     COMMIT;
-                   END LOOP;
-                 END $$",
-                txs = PER_WRITER / ROWS_PER_TX - 1,
-                last = ROWS_PER_TX - 1,
-            );
-            client.batch_execute(&sql).await.unwrap();
-        }));
-    }
-    for h in handles {
-        h.await.unwrap();
-    }
+    // 250 entities per writer, seq growing with each writer's commits: commit
+    // order per entity is seq order.
+    let workload = Workload {
+        events: u64::from(WRITERS) * PER_WRITER,
+        payload_bytes: 300,
+        rows_per_tx: 10,
+        writers: WRITERS,
+        entities: 250,
+    };
+    Writers::new(&db.url, "outbox", workload)
+        .keys(Keys::PerWriter)
+        .run()
+        .await
+        .expect("write the backlog");
     let end: String = db
         .client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -662,9 +565,8 @@ async fn drains_100k_events_from_concurrent_writers() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let elapsed = started.elapsed();
-    let total = WRITERS * PER_WRITER;
-    #[allow(clippy::cast_precision_loss)]
-    let rate = total as f64 / elapsed.as_secs_f64();
+    let total = usize::try_from(u64::from(WRITERS) * PER_WRITER).unwrap();
+    let rate = f64::from(u32::try_from(total).unwrap()) / elapsed.as_secs_f64();
     eprintln!("drained {total} events in {elapsed:.2?}: {rate:.0} events/s (incl. process start)");
 
     let records = consume_exactly(&db.topic, total, Duration::from_secs(120), &relay).await;
@@ -672,7 +574,7 @@ async fn drains_100k_events_from_concurrent_writers() {
     let unique: HashSet<&String> = keys.iter().collect();
     assert_eq!(unique.len(), total, "zero loss");
     assert_eq!(keys.len(), total, "no duplicates without failures");
-    assert_per_key_order(&by_partition(records));
+    assert_per_key_order(&records);
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -776,7 +678,7 @@ async fn standby_takes_over_when_the_active_relay_dies() {
     let keys = keys_of(&records);
     let unique: HashSet<&String> = keys.iter().collect();
     assert_eq!(unique.len(), 200, "nothing lost across the takeover");
-    assert_per_key_order(&first_deliveries(records));
+    assert_per_key_order(&records);
     eprintln!(
         "standby took over and delivered within {takeover:.1?} of the kill ({} duplicates)",
         keys.len() - unique.len()
@@ -847,7 +749,7 @@ async fn cut_replication_connection_reconnects_without_loss() {
     let unique: HashSet<&String> = keys.iter().collect();
     assert_eq!(unique.len(), 150, "no loss; log:\n{}", relay.log());
     eprintln!("3 cuts: {} duplicates", keys.len() - unique.len());
-    assert_per_key_order(&first_deliveries(records));
+    assert_per_key_order(&records);
     assert!(relay.is_running(), "{}", relay.log());
     assert!(relay.log().contains("reconnecting"), "{}", relay.log());
     relay.terminate(Duration::from_secs(30)).await;

@@ -31,13 +31,12 @@ use rdkafka::Message;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
-use super::BenchError;
+use super::error::{BenchError, Result};
 use super::fixture::Fixture;
 use super::usage::Usage;
 use crate::cdc::progress::{Action, Core, CoreConfig, StatusUpdate};
 use crate::config::Config;
 use crate::delivery::EventId;
-use crate::error::{Error, Result};
 use crate::kafka::{self, Publisher, RecordRef};
 use crate::lsn::Lsn;
 use crate::outbox::{Mapped, OutboxMapper};
@@ -53,7 +52,7 @@ const PROTO_VERSION: u8 = 1;
 
 /// One contender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     RecvLogical,
     Ours,
     BrokerCeiling,
@@ -64,7 +63,7 @@ pub enum Mode {
 impl Mode {
     /// The name in tables and JSON.
     #[must_use]
-    pub fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         match self {
             Mode::RecvLogical => "pg-ceiling-recvlogical".into(),
             Mode::Ours => "pg-ceiling-ours".into(),
@@ -76,7 +75,7 @@ impl Mode {
 
     /// What the mode runs, for the table.
     #[must_use]
-    pub fn settings(&self) -> String {
+    pub(crate) fn settings(&self) -> String {
         match self {
             Mode::RecvLogical => "pg_recvlogical, pgoutput v1, to /dev/null".into(),
             Mode::Ours => "our client+decoder+mapper+ack tracker, null sink".into(),
@@ -90,37 +89,37 @@ impl Mode {
 
     /// Whether the mode reads a replication slot.
     #[must_use]
-    pub fn reads_wal(&self) -> bool {
+    pub(crate) fn reads_wal(&self) -> bool {
         matches!(self, Mode::RecvLogical | Mode::Ours | Mode::Cdc)
     }
 
     /// Whether the mode's records end up on the topic (and are counted there).
     #[must_use]
-    pub fn delivers(&self) -> bool {
+    pub(crate) fn delivers(&self) -> bool {
         matches!(self, Mode::Cdc | Mode::Poll { .. })
     }
 }
 
 /// What draining took.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Drained {
-    pub elapsed: Duration,
+pub(crate) struct Drained {
+    pub(crate) elapsed: Duration,
     /// CPU and peak RSS of the process doing the work, while it did it.
-    pub usage: Option<Usage>,
+    pub(crate) usage: Option<Usage>,
 }
 
 /// Everything a mode needs to know about the backlog.
 #[derive(Debug, Clone, Copy)]
-pub struct Target {
-    pub events: u64,
+pub(crate) struct Target {
+    pub(crate) events: u64,
     /// A WAL position past the last event's commit.
-    pub end_lsn: Lsn,
+    pub(crate) end_lsn: Lsn,
     /// Payload size of the broker-ceiling records.
-    pub payload_bytes: usize,
+    pub(crate) payload_bytes: usize,
 }
 
 /// Drains the backlog of `fixture` with `mode`.
-pub async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Result<Drained> {
+pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Result<Drained> {
     match mode {
         Mode::RecvLogical => recvlogical(fixture, target).await,
         Mode::Ours => null_sink(&fixture.config, target).await,
@@ -156,7 +155,7 @@ fn deadline_for(target: Target) -> Duration {
 /// `outbox-relay <args> --config <fixture config>` (this very binary), with no
 /// `OUTBOX_RELAY__` variables inherited: they would override the run's unique
 /// names.
-pub fn relay_command(fixture: &Fixture, args: &[&str]) -> Result<tokio::process::Command> {
+pub(crate) fn relay_command(fixture: &Fixture, args: &[&str]) -> Result<tokio::process::Command> {
     let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
     cmd.args(args).arg("--config").arg(&fixture.config_path);
     for (name, _) in std::env::vars_os() {
@@ -198,9 +197,10 @@ impl RelayChild {
             .stderr(Stdio::from(stderr))
             .kill_on_drop(true);
         let started = Instant::now();
-        let child = cmd
-            .spawn()
-            .map_err(|e| BenchError::Spawn(what.to_owned(), e.to_string()))?;
+        let child = cmd.spawn().map_err(|source| BenchError::Spawn {
+            what: what.to_owned(),
+            source,
+        })?;
         let pid = child.id().map(|p| p.to_string()).unwrap_or_default();
         Ok(RelayChild {
             child,
@@ -255,7 +255,7 @@ impl RelayChild {
         })
     }
 
-    fn failure(&self, what: &str) -> Error {
+    fn failure(&self, what: &str) -> BenchError {
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
         let tail: Vec<&str> = log.lines().rev().take(10).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
@@ -263,7 +263,6 @@ impl RelayChild {
             what: self.what.clone(),
             message: format!("{what}; last log lines:\n{}", tail.join("\n")),
         }
-        .into()
     }
 }
 
@@ -275,8 +274,7 @@ async fn recvlogical(fixture: &Fixture, target: Target) -> Result<Drained> {
     let Some(exe) = find_pg_tool("pg_recvlogical") else {
         return Err(BenchError::Missing(
             "pg_recvlogical (install the PostgreSQL client/server binaries)".into(),
-        )
-        .into());
+        ));
     };
     let config = &fixture.config;
     let mut cmd = tokio::process::Command::new(exe);
@@ -343,8 +341,8 @@ async fn null_sink(config: &Config, target: Target) -> Result<Drained> {
         )
         .await
         .map_err(replication_error)?;
-    let mapper = OutboxMapper::new(&config.outbox, &config.kafka, None)
-        .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let mapper =
+        OutboxMapper::new(&config.outbox, &config.kafka, None).map_err(BenchError::Mapper)?;
     let core = Core::new(
         CoreConfig {
             max_in_flight_events: config.relay.max_in_flight_events,
@@ -374,7 +372,7 @@ async fn null_sink(config: &Config, target: Target) -> Result<Drained> {
             })?
             .map_err(replication_error)?;
         let Some(frame) = frame else {
-            return Err(BenchError::Setup("the server ended the replication stream".into()).into());
+            return Err(BenchError::StreamEnded);
         };
         sink.on_frame(frame)?;
         sink.execute(&mut stream).await?;
@@ -400,21 +398,19 @@ struct NullSink {
 impl NullSink {
     fn on_frame(&mut self, frame: ServerFrame) -> Result<()> {
         let now = Instant::now();
-        let protocol =
-            |e: String| Error::from(BenchError::Setup(format!("replication stream: {e}")));
         match frame {
             ServerFrame::XLogData { wal_end, data, .. } => {
                 self.core.received(wal_end);
                 match self
                     .decoder
                     .decode(data)
-                    .map_err(|e| protocol(e.to_string()))?
+                    .map_err(|e| BenchError::Stream(e.into()))?
                 {
                     LogicalReplicationMessage::Begin(b) => {
                         self.commit_lsn = b.final_lsn;
                         self.core
                             .begin(b.final_lsn, b.xid)
-                            .map_err(|e| protocol(e.to_string()))?;
+                            .map_err(|e| BenchError::Stream(e.into()))?;
                     }
                     LogicalReplicationMessage::Relation(r) => {
                         self.mapper.on_relation(&r);
@@ -423,18 +419,18 @@ impl NullSink {
                         let mapped = self
                             .mapper
                             .map_insert(&insert, self.commit_lsn)
-                            .map_err(|e| protocol(e.to_string()))?;
+                            .map_err(|e| BenchError::Stream(e.into()))?;
                         if let Mapped::Event(event) = mapped {
                             self.core
                                 .admit(event.byte_size(), now)
-                                .map_err(|e| protocol(e.to_string()))?;
+                                .map_err(|e| BenchError::Stream(e.into()))?;
                             self.events += 1;
                         }
                     }
                     LogicalReplicationMessage::Commit(c) => {
                         self.core
                             .commit(c.commit_lsn, c.end_lsn, now)
-                            .map_err(|e| protocol(e.to_string()))?;
+                            .map_err(|e| BenchError::Stream(e.into()))?;
                     }
                     _ => {}
                 }
@@ -472,8 +468,8 @@ async fn send_status(stream: &mut ReplicationStream, status: StatusUpdate) -> Re
     stream.send_status(&frame).await.map_err(replication_error)
 }
 
-fn replication_error(e: crate::postgres::replication::ReplicationError) -> Error {
-    crate::postgres::process_error(e, "")
+fn replication_error(e: crate::postgres::replication::ReplicationError) -> BenchError {
+    BenchError::from(crate::postgres::process_error(e, ""))
 }
 
 /// This process's CPU since `before`, and its peak RSS since the last reset.
@@ -530,8 +526,7 @@ async fn broker_ceiling(config: &Config, target: Target) -> Result<Drained> {
                     return Err(BenchError::Child {
                         what: "broker-ceiling".into(),
                         message: rejected.message,
-                    }
-                    .into());
+                    });
                 }
             }
         }
@@ -541,7 +536,7 @@ async fn broker_ceiling(config: &Config, target: Target) -> Result<Drained> {
                 what: "broker-ceiling".into(),
                 message: format!("only {acked} of {} records acked in time", target.events),
             })?
-            .ok_or_else(|| BenchError::Setup("the producer's report channel closed".into()))?;
+            .ok_or(BenchError::ReportsClosed)?;
         acked += count_ok(report)?;
         while let Ok(report) = reports.try_recv() {
             acked += count_ok(report)?;
@@ -561,8 +556,7 @@ fn count_ok(report: kafka::DeliveryReport) -> Result<u64> {
         Err((code, message)) => Err(BenchError::Child {
             what: "broker-ceiling".into(),
             message: format!("delivery failed ({code:?}): {message}"),
-        }
-        .into()),
+        }),
     }
 }
 
@@ -572,7 +566,7 @@ fn count_ok(report: kafka::DeliveryReport) -> Result<u64> {
 
 /// Reads the topic from offset 0 until `expected` distinct offsets were seen or
 /// nothing arrived for `idle`; returns how many it saw.
-pub async fn count_on_topic(config: &Config, expected: u64, idle: Duration) -> Result<u64> {
+pub(crate) async fn count_on_topic(config: &Config, expected: u64, idle: Duration) -> Result<u64> {
     let brokers = config.kafka.brokers.clone();
     let topic = config.kafka.topic_template.clone();
     let mut consumer_config = ClientConfig::new();
@@ -595,14 +589,14 @@ pub async fn count_on_topic(config: &Config, expected: u64, idle: Duration) -> R
         count_blocking(&consumer_config, &topic, expected, idle, &stop)
     })
     .await
-    .map_err(|e| BenchError::Task(e.to_string()))?
+    .map_err(BenchError::Task)?
 }
 
 /// Sets its flag when dropped: a consumer loop on a blocking thread watches it,
 /// so an interrupted (dropped) caller stops the loop and the consumer is closed
 /// before the process exits.
 #[derive(Debug)]
-pub struct StopOnDrop(pub Arc<AtomicBool>);
+pub(crate) struct StopOnDrop(pub(crate) Arc<AtomicBool>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {

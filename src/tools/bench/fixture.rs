@@ -17,57 +17,55 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use tokio_postgres::Client;
 
-use super::{BenchError, Workload};
+use super::error::{BenchError, Result};
+use super::stats::count_f64;
 use crate::config::{Config, quote_ident, quote_qualified};
-use crate::error::{Error, Result};
 use crate::lsn::Lsn;
+use crate::tools::workload::{Workload, Writers};
 
 /// Partitions of each run's topic.
-pub const TOPIC_PARTITIONS: i32 = 6;
-
-/// Length of the jsonb text of a payload without its padding (see [`INSERT_SQL`]).
-const PAYLOAD_BASE_BYTES: usize = 84;
+pub(crate) const TOPIC_PARTITIONS: i32 = 6;
 
 /// How long cleanup waits for a slot to be released by a stopped reader.
 const SLOT_RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// One run's objects. Call [`Fixture::cleanup`] when done (also after a failure).
 #[derive(Debug)]
-pub struct Fixture {
+pub(crate) struct Fixture {
     /// Unique prefix of every name.
-    pub name: String,
+    pub(crate) name: String,
     /// The config a relay of this run uses (also written to [`Fixture::config_path`]).
-    pub config: Config,
-    pub config_path: PathBuf,
-    pub topic: String,
+    pub(crate) config: Config,
+    pub(crate) config_path: PathBuf,
+    pub(crate) topic: String,
     client: Client,
     table: String,
 }
 
 /// What writing the workload cost PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Fill {
+pub(crate) struct Fill {
     /// Events written.
-    pub events: u64,
-    pub elapsed: Duration,
+    pub(crate) events: u64,
+    pub(crate) elapsed: Duration,
     /// WAL written during the insert, per event.
-    pub wal_bytes_per_event: f64,
+    pub(crate) wal_bytes_per_event: f64,
     /// Average text length of the payloads written.
-    pub avg_payload_bytes: f64,
+    pub(crate) avg_payload_bytes: f64,
 }
 
 /// Size and vacuum state of the outbox table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TableStats {
-    pub total_bytes: i64,
-    pub dead_tuples: i64,
-    pub updated: i64,
+pub(crate) struct TableStats {
+    pub(crate) total_bytes: i64,
+    pub(crate) dead_tuples: i64,
+    pub(crate) updated: i64,
 }
 
 impl Fixture {
     /// Creates the tables, publication and topic for one run (the slot separately,
     /// with [`Fixture::create_slot`], when the mode reads the WAL).
-    pub async fn create(base: &Config) -> Result<Fixture> {
+    pub(crate) async fn create(base: &Config) -> Result<Fixture> {
         let id = uuid::Uuid::now_v7().simple().to_string();
         let name = format!("bench_{}", &id[20..]);
         let text = relay_toml(base, &name)?;
@@ -111,13 +109,13 @@ impl Fixture {
 
     /// The PostgreSQL client of this run's database.
     #[must_use]
-    pub fn client(&self) -> &Client {
+    pub(crate) fn client(&self) -> &Client {
         &self.client
     }
 
     /// Creates the run's logical slot (pgoutput) now, so every row inserted from
     /// here on is in its stream.
-    pub async fn create_slot(&self) -> Result<()> {
+    pub(crate) async fn create_slot(&self) -> Result<()> {
         self.client
             .execute(
                 "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -129,34 +127,10 @@ impl Fixture {
 
     /// Writes the backlog: `workload.events` rows in transactions of
     /// `rows_per_tx`, from `writers` concurrent connections.
-    pub async fn fill(&self, workload: &Workload) -> Result<Fill> {
+    pub(crate) async fn fill(&self, workload: &Workload) -> Result<Fill> {
         let before = self.wal_lsn().await?;
         let started = Instant::now();
-        let mut tasks = tokio::task::JoinSet::new();
-        for w in 0..workload.writers {
-            let url = self.config.postgres.url.clone();
-            let sql = insert_sql(&self.table);
-            let workload = workload.clone();
-            tasks.spawn(async move {
-                let client = crate::postgres::connect(&url).await?;
-                let statement = client.prepare(&sql).await?;
-                let chunks = workload.events.div_ceil(u64::from(workload.rows_per_tx));
-                let mut chunk = u64::from(w);
-                while chunk < chunks {
-                    let first = chunk * u64::from(workload.rows_per_tx);
-                    let last = (first + u64::from(workload.rows_per_tx)).min(workload.events) - 1;
-                    let (entities, pad, first, last) = insert_params(&workload, first, last);
-                    client
-                        .execute(&statement, &[&entities, &pad, &first, &last])
-                        .await?;
-                    chunk += u64::from(workload.writers);
-                }
-                Ok::<(), Error>(())
-            });
-        }
-        while let Some(joined) = tasks.join_next().await {
-            joined.map_err(|e| BenchError::Task(e.to_string()))??;
-        }
+        self.writers(workload).run().await?;
         let elapsed = started.elapsed();
         let after = self.wal_lsn().await?;
         let avg: Option<f64> = self
@@ -170,14 +144,19 @@ impl Fixture {
             )
             .await?
             .get(0);
-        #[allow(clippy::cast_precision_loss)]
-        let per_event = (after.0.saturating_sub(before.0)) as f64 / workload.events.max(1) as f64;
+        let per_event =
+            count_f64(after.0.saturating_sub(before.0)) / count_f64(workload.events.max(1));
         Ok(Fill {
             events: workload.events,
             elapsed,
             wal_bytes_per_event: per_event,
             avg_payload_bytes: avg.unwrap_or(0.0),
         })
+    }
+
+    /// The workload's writers, into this run's table (the steady runs pace them).
+    pub(crate) fn writers(&self, workload: &Workload) -> Writers {
+        Writers::new(&self.config.postgres.url, &self.table, workload.clone())
     }
 
     /// Commits one marker row after the workload and returns a WAL position taken
@@ -190,7 +169,7 @@ impl Fixture {
     /// non-transactional logical message, would be confirmed only at the
     /// walsender's next keepalive, seconds later.) `pg_recvlogical --endpos` stops
     /// at the marker's commit, the first record past it.
-    pub async fn end_marker(&self) -> Result<Lsn> {
+    pub(crate) async fn end_marker(&self) -> Result<Lsn> {
         self.client.batch_execute("BEGIN").await?;
         let lsn = async {
             self.client
@@ -224,7 +203,7 @@ impl Fixture {
     }
 
     /// `pg_current_wal_lsn()`.
-    pub async fn wal_lsn(&self) -> Result<Lsn> {
+    pub(crate) async fn wal_lsn(&self) -> Result<Lsn> {
         let lsn: String = self
             .client
             .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -234,7 +213,7 @@ impl Fixture {
     }
 
     /// The slot's `confirmed_flush_lsn`.
-    pub async fn confirmed_flush(&self) -> Result<Lsn> {
+    pub(crate) async fn confirmed_flush(&self) -> Result<Lsn> {
         let lsn: Option<String> = self
             .client
             .query_opt(
@@ -247,7 +226,7 @@ impl Fixture {
     }
 
     /// Whether any row is still unsent (the poller's view).
-    pub async fn any_unsent(&self) -> Result<bool> {
+    pub(crate) async fn any_unsent(&self) -> Result<bool> {
         Ok(self
             .client
             .query_one(
@@ -262,9 +241,9 @@ impl Fixture {
     }
 
     /// Size, dead tuples and updates of the outbox table.
-    pub async fn table_stats(&self) -> Result<TableStats> {
+    pub(crate) async fn table_stats(&self) -> Result<TableStats> {
         let (schema, table) = crate::config::qualified_name(&self.config.outbox.table)
-            .map_err(|e| BenchError::Setup(e.clone()))?;
+            .map_err(|e| BenchError::TableName(e.to_string()))?;
         let row = self
             .client
             .query_one(
@@ -286,7 +265,7 @@ impl Fixture {
     /// Drops the slot (waiting for its reader to let go), the publication, the
     /// tables, the topic and the config file. Best effort: a failure is logged, not
     /// returned, so that it never hides the run's own error.
-    pub async fn cleanup(self) {
+    pub(crate) async fn cleanup(self) {
         if let Err(e) = self.drop_slot().await {
             tracing::warn!(slot = %self.config.postgres.slot, error = %e, "cannot drop the benchmark slot; drop it by hand");
         }
@@ -338,48 +317,19 @@ impl Fixture {
     }
 }
 
-/// The statement each writer repeats: `$3..=$4` numbered events, ~`$2` bytes of
-/// padding, entity `order-(g % $1)`.
-fn insert_sql(table: &str) -> String {
-    format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload)
-         SELECT 'order', 'order-' || (g % $1), 'OrderPlaced',
-                jsonb_build_object('order_id', g % $1, 'seq', g, 'amount_cents', 1000 + g % 9000,
-                                   'currency', 'EUR', 'note', repeat('x', $2::int))
-         FROM generate_series($3::bigint, $4::bigint) g"
-    )
-}
-
-/// Parameters of [`insert_sql`] for events `first..=last`.
-#[must_use]
-pub fn insert_params(workload: &Workload, first: u64, last: u64) -> (i64, i32, i64, i64) {
-    let pad = i32::try_from(workload.payload_bytes.saturating_sub(PAYLOAD_BASE_BYTES))
-        .unwrap_or(i32::MAX);
-    (
-        i64::from(workload.entities),
-        pad,
-        i64::try_from(first).unwrap_or(i64::MAX),
-        i64::try_from(last).unwrap_or(i64::MAX),
-    )
-}
-
-/// The insert statement for a table, for the steady-rate writers.
-#[must_use]
-pub fn insert_statement(fixture: &Fixture) -> String {
-    insert_sql(&fixture.table)
-}
-
 fn parse_lsn(text: &str) -> Result<Lsn> {
-    text.parse()
-        .map_err(|e| Error::Other(format!("bad LSN {text:?} from the server: {e}")))
+    text.parse().map_err(|source| BenchError::BadLsn {
+        text: text.to_owned(),
+        source,
+    })
 }
 
 /// The config of one run: the user's connection and producer settings, this run's
 /// names.
 fn relay_toml(base: &Config, name: &str) -> Result<String> {
     use toml::{Table, Value};
-    let (schema, _) =
-        crate::config::qualified_name(&base.outbox.table).map_err(BenchError::Setup)?;
+    let (schema, _) = crate::config::qualified_name(&base.outbox.table)
+        .map_err(|e| BenchError::TableName(e.to_string()))?;
     let mut postgres = Table::new();
     postgres.insert("url".into(), Value::String(base.postgres.url.clone()));
     postgres.insert("slot".into(), Value::String(format!("{name}_slot")));
@@ -414,11 +364,11 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
     let mut relay = Table::new();
     relay.insert(
         "max_in_flight_events".into(),
-        int(base.relay.max_in_flight_events as u64),
+        int(u64::try_from(base.relay.max_in_flight_events).unwrap_or(u64::MAX)),
     );
     relay.insert(
         "max_in_flight_bytes".into(),
-        int(base.relay.max_in_flight_bytes as u64),
+        int(u64::try_from(base.relay.max_in_flight_bytes).unwrap_or(u64::MAX)),
     );
     relay.insert(
         "max_attempts".into(),
@@ -432,7 +382,7 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
     doc.insert("kafka".into(), Value::Table(kafka));
     doc.insert("relay".into(), Value::Table(relay));
     doc.insert("log".into(), Value::Table(log));
-    toml::to_string(&doc).map_err(|e| BenchError::Setup(e.to_string()).into())
+    toml::to_string(&doc).map_err(BenchError::RunConfig)
 }
 
 /// Creates a topic and waits until metadata shows every partition, so producers do
@@ -443,7 +393,7 @@ async fn create_topic(brokers: &str, name: &str, partitions: i32) -> Result<()> 
     let name = name.to_owned();
     tokio::task::spawn_blocking(move || wait_for_topic(&brokers, &name, partitions))
         .await
-        .map_err(|e| BenchError::Task(e.to_string()))?
+        .map_err(BenchError::Task)?
 }
 
 fn wait_for_topic(brokers: &str, name: &str, partitions: i32) -> Result<()> {
@@ -465,9 +415,9 @@ fn wait_for_topic(brokers: &str, name: &str, partitions: i32) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Err(Error::BrokerUnavailable(format!(
-        "topic {name} never appeared in the broker's metadata"
-    )))
+    Err(BenchError::TopicNotVisible {
+        topic: name.to_owned(),
+    })
 }
 
 async fn delete_topic(brokers: &str, name: &str) {

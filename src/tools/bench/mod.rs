@@ -38,220 +38,36 @@
 //! application's inserts and by the drain itself (the poller's `UPDATE`s), and the
 //! poller's dead tuples and table growth.
 
-pub mod drain;
-pub mod fixture;
+mod args;
+mod drain;
+mod error;
+mod fixture;
 mod plot;
+mod progress;
 pub mod report;
 pub mod stats;
-pub mod steady;
-pub mod usage;
+mod steady;
+mod usage;
 
-use std::io::IsTerminal;
-use std::path::PathBuf;
+pub use self::args::{BenchArgs, ModeGroup, WorkloadKind};
+pub use self::error::BenchError;
+
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressStyle};
-
 use self::drain::{Drained, Mode, Target};
+use self::error::Result;
 use self::fixture::Fixture;
+use self::progress::{Progress, until_interrupted};
 use self::report::{Report, Sample, WorkloadInfo};
 use crate::config::Config;
-use crate::error::Result;
-
-/// Entities (Kafka keys) the workload spreads its events over.
-pub const ENTITIES: u32 = 1000;
-
-/// Poller settings compared (batch size, workers).
-pub const POLL_VARIANTS: [(u32, u32); 4] = [(100, 1), (100, 4), (1000, 1), (1000, 4)];
-
-/// Errors of the benchmark itself (database and broker errors keep their own types).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BenchError {
-    #[error("benchmark setup: {0}")]
-    Setup(String),
-    #[error("cannot start {0}: {1}")]
-    Spawn(String, String),
-    #[error("{what} failed: {message}")]
-    Child { what: String, message: String },
-    #[error("{0} is needed for this mode but was not found")]
-    Missing(String),
-    #[error("benchmark task failed: {0}")]
-    Task(String),
-    #[error("{mode}: {found} of {expected} events on the topic")]
-    Undelivered {
-        mode: String,
-        found: u64,
-        expected: u64,
-    },
-    #[error("cannot write {path}: {message}")]
-    Output { path: String, message: String },
-    #[error("interrupted (the run's slot, tables and topic were dropped)")]
-    Interrupted,
-}
-
-/// Mode groups of `--modes`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ModeGroup {
-    /// `pg_recvlogical` and our replication client with a null sink.
-    PgCeiling,
-    /// Our producer alone, no database.
-    BrokerCeiling,
-    /// The real `outbox-relay run`.
-    Cdc,
-    /// The real `outbox-relay poll`, four settings.
-    Poll,
-}
-
-/// Which workloads to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum WorkloadKind {
-    /// Pre-inserted backlog, drained as fast as possible.
-    Backlog,
-    /// Fixed-rate writers; latency from commit to delivery.
-    Steady,
-    /// Both.
-    All,
-}
-
-/// Flags of `outbox-relay bench` (besides `--config`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct BenchArgs {
-    /// Events per run.
-    #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub events: u64,
-    /// Approximate payload size (jsonb text) of each event.
-    #[arg(long, default_value_t = 300)]
-    pub payload_bytes: usize,
-    /// Outbox rows per writer transaction.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
-    pub rows_per_tx: u32,
-    /// Concurrent writer connections.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub writers: u32,
-    /// Modes to compare.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "pg-ceiling,broker-ceiling,cdc,poll"
-    )]
-    pub modes: Vec<ModeGroup>,
-    /// Workload.
-    #[arg(long, value_enum, default_value_t = WorkloadKind::Backlog)]
-    pub workload: WorkloadKind,
-    /// Measurements of each figure (median and min–max are shown).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
-    pub repeat: u32,
-    /// Seconds each steady-rate run writes.
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
-    pub steady_secs: u64,
-    /// Print one JSON object on stdout instead of the table.
-    #[arg(long)]
-    pub json: bool,
-    /// Write an SVG bar chart of the results to this file.
-    #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<PathBuf>,
-}
-
-/// The workload of every run.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Workload {
-    pub events: u64,
-    pub payload_bytes: usize,
-    pub rows_per_tx: u32,
-    pub writers: u32,
-    pub entities: u32,
-}
-
-impl BenchArgs {
-    fn workload(&self) -> Workload {
-        Workload {
-            events: self.events,
-            payload_bytes: self.payload_bytes,
-            rows_per_tx: self.rows_per_tx,
-            writers: self.writers,
-            entities: ENTITIES,
-        }
-    }
-
-    /// The modes of the selected groups, in a fixed order.
-    fn modes(&self) -> Vec<Mode> {
-        let mut modes = Vec::new();
-        let has = |g| self.modes.contains(&g);
-        if has(ModeGroup::PgCeiling) {
-            modes.extend([Mode::RecvLogical, Mode::Ours]);
-        }
-        if has(ModeGroup::BrokerCeiling) {
-            modes.push(Mode::BrokerCeiling);
-        }
-        if has(ModeGroup::Cdc) {
-            modes.push(Mode::Cdc);
-        }
-        if has(ModeGroup::Poll) {
-            modes.extend(
-                POLL_VARIANTS
-                    .iter()
-                    .map(|&(batch, workers)| Mode::Poll { batch, workers }),
-            );
-        }
-        modes
-    }
-}
-
-/// Progress on stderr: a bar on a terminal, plain lines otherwise.
-#[derive(Debug)]
-pub struct Progress {
-    bar: Option<ProgressBar>,
-}
-
-impl Progress {
-    fn new(total: u64) -> Progress {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = ProgressBar::new(total);
-            if let Ok(style) =
-                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-            {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            bar.enable_steady_tick(Duration::from_millis(200));
-            bar
-        });
-        Progress { bar }
-    }
-
-    /// Announces the next step.
-    pub fn step(&self, message: String) {
-        match &self.bar {
-            Some(bar) => bar.set_message(message),
-            None => eprintln!("bench: {message}"),
-        }
-    }
-
-    /// One run is done.
-    pub fn done(&self, message: &str) {
-        match &self.bar {
-            Some(bar) => {
-                bar.inc(1);
-                bar.println(format!("bench: {message}"));
-            }
-            None => eprintln!("bench: {message}"),
-        }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-    }
-}
+use crate::tools::workload::Workload;
 
 /// Runs the benchmark and returns its report (printing is the caller's).
 pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
     let workload = args.workload();
     let modes = args.modes();
     if modes.is_empty() {
-        return Err(BenchError::Setup("--modes selects nothing".into()).into());
+        return Err(BenchError::NoModes);
     }
     let steady = matches!(args.workload, WorkloadKind::Steady | WorkloadKind::All);
     let backlog = matches!(args.workload, WorkloadKind::Backlog | WorkloadKind::All);
@@ -295,9 +111,7 @@ pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
         let cdc_max = report
             .result("cdc")
             .map(|r| r.events_per_s.median)
-            .ok_or_else(|| {
-                BenchError::Setup("no CDC maximum to derive the steady rates from".into())
-            })?;
+            .ok_or(BenchError::NoCdcMaximum)?;
         report.steady =
             steady::run(config, &workload, &steady_modes, cdc_max, args, &progress).await?;
         report.attach_latencies();
@@ -317,18 +131,6 @@ async fn backlog_run(
     let result = until_interrupted(backlog_in(&fixture, mode, workload, progress)).await;
     fixture.cleanup().await;
     result
-}
-
-/// Runs `work` unless Ctrl-C comes first, so that the caller can still drop the
-/// run's slot (a forgotten slot pins WAL). Child processes die with the dropped
-/// future (`kill_on_drop`).
-pub(crate) async fn until_interrupted<T>(
-    work: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
-    tokio::select! {
-        result = work => result,
-        _ = tokio::signal::ctrl_c() => Err(BenchError::Interrupted.into()),
-    }
 }
 
 async fn backlog_in(
@@ -356,9 +158,8 @@ async fn backlog_in(
         events: workload.events,
         end_lsn,
         payload_bytes: fill.map_or(workload.payload_bytes, |f| {
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            let avg = f.avg_payload_bytes.round() as usize;
-            avg
+            let avg = stats::truncate_u64(f.avg_payload_bytes.round());
+            usize::try_from(avg).unwrap_or(usize::MAX)
         }),
     };
     progress.step(format!("{}: draining", mode.label()));
@@ -374,8 +175,7 @@ async fn backlog_in(
                 mode: mode.label(),
                 found,
                 expected: workload.events,
-            }
-            .into());
+            });
         }
         Some(found)
     } else {
@@ -406,13 +206,16 @@ fn sample_of(
     table_before: fixture::TableStats,
     table_after: Option<fixture::TableStats>,
 ) -> Sample {
-    #[allow(clippy::cast_precision_loss)]
-    let (n, drain_wal) = (events.max(1) as f64, drain_wal_bytes as f64);
-    #[allow(clippy::cast_precision_loss)]
+    let (n, drain_wal) = (
+        stats::count_f64(events.max(1)),
+        stats::count_f64(drain_wal_bytes),
+    );
     Sample {
         events_per_s: stats::rate(events, drained.elapsed),
         cpu_s_per_1m: drained.usage.map(|u| u.cpu.as_secs_f64() * 1e6 / n),
-        rss_mib: drained.usage.map(|u| u.peak_rss_kib as f64 / 1024.0),
+        rss_mib: drained
+            .usage
+            .map(|u| stats::count_f64(u.peak_rss_kib) / 1024.0),
         insert_wal_bytes_per_event: fill.map(|f| f.wal_bytes_per_event),
         insert_events_per_s: fill.map(|f| stats::rate(f.events, f.elapsed)),
         avg_payload_bytes: fill.map(|f| f.avg_payload_bytes),

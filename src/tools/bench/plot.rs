@@ -7,14 +7,26 @@ use std::path::Path;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use super::error::{BenchError, PlotError};
 use super::report::Report;
 
 const WIDTH: u32 = 1100;
 const ROW_HEIGHT: u32 = 34;
 const CHART_EXTRA: u32 = 110;
 
+impl Report {
+    /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
+    /// steady-rate latencies (p50 and p99) when measured.
+    pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
+        draw(self, path).map_err(|source| BenchError::Output {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+}
+
 /// Draws the report's chart into `path`.
-pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
+fn draw(report: &Report, path: &Path) -> Result<(), PlotError> {
     let throughput_height = CHART_EXTRA + ROW_HEIGHT * count_u32(report.results.len());
     let latency_height = if report.steady.is_empty() {
         0
@@ -23,7 +35,7 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
     };
     let root =
         SVGBackend::new(path, (WIDTH, throughput_height + latency_height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(throughput_height);
     let rows: Vec<Row> = report
         .results
@@ -58,7 +70,7 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), String> {
             &rows,
         )?;
     }
-    root.present().map_err(|e| e.to_string())
+    root.present()
 }
 
 struct Row {
@@ -77,7 +89,7 @@ fn bars(
     caption: &str,
     unit: &str,
     rows: &[Row],
-) -> Result<(), String> {
+) -> Result<(), PlotError> {
     let top = rows
         .iter()
         .map(|r| r.whisker.map_or(r.bar, |(_, max)| max.max(r.bar)))
@@ -90,8 +102,7 @@ fn bars(
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(200)
-        .build_cartesian_2d(0.0..top, (0..n).into_segmented())
-        .map_err(|e| e.to_string())?;
+        .build_cartesian_2d(0.0..top, (0..n).into_segmented())?;
     let labels: Vec<String> = rows.iter().map(|r| r.label.clone()).collect();
     let label_of = move |v: &SegmentValue<usize>| match v {
         SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
@@ -104,49 +115,42 @@ fn bars(
         .y_label_formatter(&label_of)
         .x_label_formatter(&|v| format!("{v:.0}"))
         .x_desc(unit)
-        .draw()
-        .map_err(|e| e.to_string())?;
+        .draw()?;
     let light = RGBColor(158, 202, 225);
     let dark = RGBColor(49, 130, 189);
-    chart
-        .draw_series(rows.iter().enumerate().map(|(i, r)| {
-            let color = if r.inner.is_some() { light } else { dark };
-            let mut bar = Rectangle::new(
-                [
-                    (0.0, SegmentValue::Exact(i)),
-                    (r.bar, SegmentValue::Exact(i + 1)),
-                ],
-                color.filled(),
-            );
-            bar.set_margin(6, 6, 0, 0);
-            bar
-        }))
-        .map_err(|e| e.to_string())?;
-    chart
-        .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
-            let inner = r.inner?;
-            let mut bar = Rectangle::new(
-                [
-                    (0.0, SegmentValue::Exact(i)),
-                    (inner, SegmentValue::Exact(i + 1)),
-                ],
-                dark.filled(),
-            );
-            bar.set_margin(12, 12, 0, 0);
-            Some(bar)
-        }))
-        .map_err(|e| e.to_string())?;
-    chart
-        .draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
-            let (min, max) = r.whisker?;
-            Some(PathElement::new(
-                vec![
-                    (min, SegmentValue::CenterOf(i)),
-                    (max, SegmentValue::CenterOf(i)),
-                ],
-                BLACK.stroke_width(2),
-            ))
-        }))
-        .map_err(|e| e.to_string())?;
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
+        let color = if r.inner.is_some() { light } else { dark };
+        let mut bar = Rectangle::new(
+            [
+                (0.0, SegmentValue::Exact(i)),
+                (r.bar, SegmentValue::Exact(i + 1)),
+            ],
+            color.filled(),
+        );
+        bar.set_margin(6, 6, 0, 0);
+        bar
+    }))?;
+    chart.draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
+        let inner = r.inner?;
+        let mut bar = Rectangle::new(
+            [
+                (0.0, SegmentValue::Exact(i)),
+                (inner, SegmentValue::Exact(i + 1)),
+            ],
+            dark.filled(),
+        );
+        bar.set_margin(12, 12, 0, 0);
+        Some(bar)
+    }))?;
+    chart.draw_series(rows.iter().enumerate().filter_map(|(i, r)| {
+        let (min, max) = r.whisker?;
+        Some(PathElement::new(
+            vec![
+                (min, SegmentValue::CenterOf(i)),
+                (max, SegmentValue::CenterOf(i)),
+            ],
+            BLACK.stroke_width(2),
+        ))
+    }))?;
     Ok(())
 }

@@ -3,12 +3,17 @@
 //! as a terminal table, one JSON object, or an SVG chart.
 
 use std::fmt::Write as _;
-use std::path::Path;
 
 use serde_json::{Value, json};
 
+use super::args::BenchArgs;
+use super::drain::Mode;
 use super::stats::{Latency, Spread};
-use super::{BenchArgs, BenchError, Workload, drain::Mode};
+use crate::tools::workload::Workload;
+
+/// The steady-rate fraction (of the CDC maximum) whose latencies go into the main
+/// results table.
+pub(crate) const HEADLINE_FRACTION: f64 = 0.5;
 
 /// One measured drain.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -38,7 +43,7 @@ pub struct ModeResult {
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
-    /// From the steady run at [`super::steady::HEADLINE_FRACTION`] of the CDC maximum.
+    /// From the steady run at [`HEADLINE_FRACTION`] of the CDC maximum.
     pub latency: Option<LatencySpread>,
 }
 
@@ -94,7 +99,11 @@ pub struct WorkloadInfo {
 
 impl WorkloadInfo {
     #[must_use]
-    pub fn new(args: &BenchArgs, workload: &Workload, samples: &[(Mode, Sample)]) -> WorkloadInfo {
+    pub(crate) fn new(
+        args: &BenchArgs,
+        workload: &Workload,
+        samples: &[(Mode, Sample)],
+    ) -> WorkloadInfo {
         let all = |f: fn(&Sample) -> Option<f64>| {
             Spread::of(&samples.iter().filter_map(|(_, s)| f(s)).collect::<Vec<_>>())
         };
@@ -136,7 +145,11 @@ pub struct Ratios {
 impl Report {
     /// Aggregates `samples` per mode, in the order of `modes`.
     #[must_use]
-    pub fn new(workload: WorkloadInfo, modes: &[Mode], samples: &[(Mode, Sample)]) -> Report {
+    pub(crate) fn new(
+        workload: WorkloadInfo,
+        modes: &[Mode],
+        samples: &[(Mode, Sample)],
+    ) -> Report {
         let results: Vec<ModeResult> = modes
             .iter()
             .filter_map(|mode| aggregate(*mode, samples))
@@ -189,10 +202,7 @@ impl Report {
             result.latency = self
                 .steady
                 .iter()
-                .find(|s| {
-                    s.mode == result.mode
-                        && (s.fraction - super::steady::HEADLINE_FRACTION).abs() < 1e-9
-                })
+                .find(|s| s.mode == result.mode && (s.fraction - HEADLINE_FRACTION).abs() < 1e-9)
                 .map(|s| s.latency);
         }
     }
@@ -327,15 +337,6 @@ impl Report {
         }
         out
     }
-
-    /// Writes an SVG chart: events/s per mode (median bar, min–max whisker), and the
-    /// steady-rate latencies (p50 and p99) when measured.
-    pub fn plot(&self, path: &Path) -> Result<(), BenchError> {
-        super::plot::draw(self, path).map_err(|message| BenchError::Output {
-            path: path.display().to_string(),
-            message,
-        })
-    }
 }
 
 fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
@@ -347,8 +348,7 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
     let spread_of = |f: &dyn Fn(&Sample) -> Option<f64>| {
         Spread::of(&mine.iter().filter_map(|s| f(s)).collect::<Vec<_>>())
     };
-    #[allow(clippy::cast_precision_loss)]
-    let as_f64 = |v: Option<i64>| v.map(|v| v as f64);
+    let as_f64 = |v: Option<i64>| v.map(super::stats::signed_f64);
     Some(ModeResult {
         mode: mode.label(),
         settings: mode.settings(),

@@ -46,12 +46,9 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
         return None;
     }
     let n = sorted.len();
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let rank = ((p.clamp(0.0, 100.0) / 100.0) * n as f64).ceil() as usize;
+    let len = u64::try_from(n).unwrap_or(u64::MAX);
+    let rank = truncate_u64(((p.clamp(0.0, 100.0) / 100.0) * count_f64(len)).ceil());
+    let rank = usize::try_from(rank).unwrap_or(n);
     Some(sorted[rank.clamp(1, n) - 1])
 }
 
@@ -100,8 +97,7 @@ impl Schedule {
         }
         let tx_per_s = events_per_s / f64::from(rows_per_tx);
         let interval = Duration::from_secs_f64(1.0 / tx_per_s);
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let count = (duration.as_secs_f64() * tx_per_s).floor() as u64;
+        let count = truncate_u64((duration.as_secs_f64() * tx_per_s).floor());
         Some(Schedule { interval, count })
     }
 
@@ -149,12 +145,40 @@ impl Schedule {
 #[must_use]
 pub fn rate(events: u64, elapsed: Duration) -> f64 {
     let secs = elapsed.as_secs_f64();
-    #[allow(clippy::cast_precision_loss)]
     if secs > 0.0 {
-        events as f64 / secs
+        count_f64(events) / secs
     } else {
         0.0
     }
+}
+
+/// A count as a float, for rates and averages. Exact up to 2^53 (about 9·10^15),
+/// far beyond any count of events, bytes or ticks a run sees; above it the nearest
+/// float is as good as a measured figure needs.
+#[must_use]
+pub(crate) fn count_f64(n: u64) -> f64 {
+    #[allow(clippy::cast_precision_loss)] // exact below 2^53, see above
+    let f = n as f64;
+    f
+}
+
+/// [`count_f64`] for signed figures (table sizes, tuple counts, timestamps).
+#[must_use]
+pub(crate) fn signed_f64(n: i64) -> f64 {
+    #[allow(clippy::cast_precision_loss)] // exact below 2^53, as count_f64
+    let f = n as f64;
+    f
+}
+
+/// The whole part of `v` (round it first where that is meant): negative values and
+/// NaN give 0, values beyond `u64::MAX` give `u64::MAX`, as Rust's float-to-int
+/// `as` is defined to saturate.
+#[must_use]
+pub(crate) fn truncate_u64(v: f64) -> u64 {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    // saturating by definition, see above
+    let n = v as u64;
+    n
 }
 
 #[cfg(test)]
@@ -212,6 +236,16 @@ mod tests {
                 .all(|(_, p)| p.interval() == Duration::from_millis(30))
         );
         assert_eq!(s.split(0).len(), 1);
+    }
+
+    #[test]
+    fn float_conversions_saturate() {
+        assert_eq!(truncate_u64(2.9), 2);
+        assert_eq!(truncate_u64(-1.0), 0);
+        assert_eq!(truncate_u64(f64::NAN), 0);
+        assert_eq!(truncate_u64(1e30), u64::MAX);
+        assert_eq!(count_f64(1 << 53), 9_007_199_254_740_992.0);
+        assert_eq!(signed_f64(-5), -5.0);
     }
 
     #[test]

@@ -18,20 +18,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
+use super::args::BenchArgs;
 use super::drain::{Mode, StopOnDrop, relay_command};
-use super::fixture::{Fixture, insert_params, insert_statement};
+use super::error::{BenchError, Result};
+use super::fixture::Fixture;
+use super::progress::{Progress, until_interrupted};
 use super::report::{LatencySpread, SteadyResult};
-use super::stats::{Latency, Schedule, Spread, rate};
-use super::{BenchArgs, BenchError, Progress, Workload};
+use super::stats::{Latency, Schedule, Spread, rate, signed_f64};
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::tools::workload::{Pace, Workload};
 
 /// Offered load as fractions of the CDC backlog maximum.
-pub const FRACTIONS: [f64; 3] = [0.25, 0.5, 0.8];
-/// The fraction whose latencies go into the main results table.
-pub const HEADLINE_FRACTION: f64 = 0.5;
+pub(crate) const FRACTIONS: [f64; 3] = [0.25, 0.5, 0.8];
 /// Label of the poller in the steady runs: the backlog label of its settings.
-pub const POLL_LABEL: &str = "poll-b1000-w1";
+pub(crate) const POLL_LABEL: &str = "poll-b1000-w1";
 /// The poller's settings for the steady runs: one worker keeps per-key order, a
 /// 50 ms interval trades idle queries for latency.
 const POLL_ARGS: [&str; 7] = [
@@ -48,7 +48,7 @@ const DRAIN_GRACE: Duration = Duration::from_secs(60);
 
 /// Which contenders run the steady workload: the two real relays.
 #[must_use]
-pub fn modes(modes: &[Mode]) -> Vec<&'static str> {
+pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     let mut out = Vec::new();
     if modes.contains(&Mode::Cdc) {
         out.push("cdc");
@@ -60,7 +60,7 @@ pub fn modes(modes: &[Mode]) -> Vec<&'static str> {
 }
 
 /// Runs every (mode, fraction) `--repeat` times.
-pub async fn run(
+pub(crate) async fn run(
     config: &Config,
     workload: &Workload,
     modes: &[&'static str],
@@ -122,8 +122,7 @@ async fn one_run(
     duration: Duration,
 ) -> Result<(f64, Latency)> {
     let fixture = Fixture::create(config).await?;
-    let result =
-        super::until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
+    let result = until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
     fixture.cleanup().await;
     result
 }
@@ -135,10 +134,8 @@ async fn run_in(
     events_per_s: f64,
     duration: Duration,
 ) -> Result<(f64, Latency)> {
-    let schedule =
-        Schedule::new(events_per_s, workload.rows_per_tx, duration).ok_or_else(|| {
-            BenchError::Setup(format!("no steady schedule for {events_per_s} events/s"))
-        })?;
+    let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
+        .ok_or(BenchError::NoSchedule { events_per_s })?;
     let cdc = mode == "cdc";
     debug_assert!(cdc || mode == POLL_LABEL);
     if cdc {
@@ -161,25 +158,24 @@ async fn run_in(
     let deadline = tokio::time::Instant::now() + DRAIN_GRACE;
     let mut consumer = consumer;
     let latencies = tokio::select! {
-        joined = &mut consumer => joined.map_err(|e| BenchError::Task(e.to_string()))??,
+        joined = &mut consumer => joined.map_err(BenchError::Task)??,
         () = tokio::time::sleep_until(deadline) => {
             stop.store(true, Ordering::Release);
-            consumer.await.map_err(|e| BenchError::Task(e.to_string()))??
+            consumer.await.map_err(BenchError::Task)??
         }
     };
     let _ = child.start_kill();
     let _ = child.wait().await;
     let written = written?;
-    if (latencies.len() as u64) < written {
+    let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
+    if found < written {
         return Err(BenchError::Undelivered {
             mode: format!("{mode} (steady)"),
-            found: latencies.len() as u64,
+            found,
             expected: written,
-        }
-        .into());
+        });
     }
-    let latency =
-        Latency::of(latencies).ok_or_else(|| BenchError::Setup("no latency samples".into()))?;
+    let latency = Latency::of(latencies).ok_or(BenchError::NoLatencySamples)?;
     // The schedule spans `duration`; writers that fell behind took longer.
     Ok((rate(written, write_elapsed.max(duration)), latency))
 }
@@ -191,8 +187,10 @@ fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    cmd.spawn()
-        .map_err(|e| BenchError::Spawn("the relay".into(), e.to_string()).into())
+    cmd.spawn().map_err(|source| BenchError::Spawn {
+        what: "the relay".into(),
+        source,
+    })
 }
 
 /// Waits until the relay reads: the CDC relay holds its slot; the poller has run
@@ -200,7 +198,8 @@ fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
 async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Child) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let table = fixture.config.outbox.table.clone();
-    let (_, table_name) = crate::config::qualified_name(&table).map_err(BenchError::Setup)?;
+    let (_, table_name) =
+        crate::config::qualified_name(&table).map_err(|e| BenchError::TableName(e.to_string()))?;
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         tick.tick().await;
@@ -230,45 +229,27 @@ async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Ch
             return Err(BenchError::Child {
                 what: "the relay".into(),
                 message: format!("exited with {status} before it was ready"),
-            }
-            .into());
+            });
         }
         if Instant::now() > deadline {
-            return Err(BenchError::Setup("the relay was not ready within 30 s".into()).into());
+            return Err(BenchError::RelayNotReady);
         }
     }
 }
 
-/// The open-loop writers; returns how many events they wrote.
+/// The open-loop writers; returns how many events they wrote. Writer `w` sends
+/// transactions `w, w + writers, …` on the schedule, each `rows_per_tx` rows.
 async fn write(fixture: &Fixture, workload: &Workload, schedule: Schedule) -> Result<u64> {
-    let start = tokio::time::Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for (w, (offset, part)) in schedule.split(workload.writers).into_iter().enumerate() {
-        let url = fixture.config.postgres.url.clone();
-        let sql = insert_statement(fixture);
-        let workload = workload.clone();
-        let w = w as u64;
-        tasks.spawn(async move {
-            let client = crate::postgres::connect(&url).await?;
-            let statement = client.prepare(&sql).await?;
-            let rows = u64::from(workload.rows_per_tx);
-            for i in 0..part.count() {
-                tokio::time::sleep_until(start + offset + part.due(i)).await;
-                let tx = w + i * u64::from(workload.writers);
-                let (entities, pad, first, last) =
-                    insert_params(&workload, tx * rows, tx * rows + rows - 1);
-                client
-                    .execute(&statement, &[&entities, &pad, &first, &last])
-                    .await?;
-            }
-            Ok::<u64, Error>(part.count() * rows)
-        });
-    }
-    let mut written = 0;
-    while let Some(joined) = tasks.join_next().await {
-        written += joined.map_err(|e| BenchError::Task(e.to_string()))??;
-    }
-    Ok(written)
+    let workload = Workload {
+        events: schedule.count() * u64::from(workload.rows_per_tx),
+        ..workload.clone()
+    };
+    let written = fixture
+        .writers(&workload)
+        .pace(Pace::Schedule(schedule))
+        .run()
+        .await?;
+    Ok(written.events)
 }
 
 fn consumer_config(config: &Config) -> ClientConfig {
@@ -309,7 +290,7 @@ fn consume_latencies(
     consumer.assign(&assignment)?;
     let mut next: HashMap<i32, i64> = HashMap::new();
     let mut out = Vec::with_capacity(usize::try_from(expected).unwrap_or(0));
-    while (out.len() as u64) < expected && !stop.load(Ordering::Acquire) {
+    while u64::try_from(out.len()).unwrap_or(u64::MAX) < expected && !stop.load(Ordering::Acquire) {
         let Some(Ok(m)) = consumer.poll(Duration::from_millis(50)) else {
             continue;
         };
@@ -322,8 +303,7 @@ fn consume_latencies(
         }
         *seen = m.offset() + 1;
         if let Some(ts) = m.timestamp().to_millis() {
-            #[allow(clippy::cast_precision_loss)]
-            out.push(now_ms - ts as f64);
+            out.push(now_ms - signed_f64(ts));
         }
     }
     Ok(out)

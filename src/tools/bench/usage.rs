@@ -16,18 +16,18 @@ const USER_HZ: f64 = 100.0;
 
 /// One reading of a process's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Usage {
+pub(crate) struct Usage {
     /// User + system CPU time so far.
-    pub cpu: Duration,
+    pub(crate) cpu: Duration,
     /// Peak resident set size so far, in KiB (`VmHWM`).
-    pub peak_rss_kib: u64,
+    pub(crate) peak_rss_kib: u64,
 }
 
 impl Usage {
     /// Reads `/proc/<pid>` (`"self"` for this process); `None` when it is gone or
     /// unreadable.
     #[must_use]
-    pub fn read(pid: &str) -> Option<Usage> {
+    pub(crate) fn read(pid: &str) -> Option<Usage> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         Some(Usage {
@@ -38,13 +38,13 @@ impl Usage {
 
     /// This process.
     #[must_use]
-    pub fn of_self() -> Option<Usage> {
+    pub(crate) fn of_self() -> Option<Usage> {
         Usage::read("self")
     }
 
     /// Resets this process's peak RSS to its current RSS, so the next reading shows
     /// the peak from now on. Best effort (needs Linux ≥ 4.0).
-    pub fn reset_self_peak() {
+    pub(crate) fn reset_self_peak() {
         let _ = std::fs::write("/proc/self/clear_refs", "5");
     }
 }
@@ -57,8 +57,9 @@ fn cpu_from_stat(stat: &str) -> Option<Duration> {
     // After the command: state is field 3, utime field 14, stime field 15.
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    #[allow(clippy::cast_precision_loss)]
-    Some(Duration::from_secs_f64((utime + stime) as f64 / USER_HZ))
+    Some(Duration::from_secs_f64(
+        super::stats::count_f64(utime + stime) / USER_HZ,
+    ))
 }
 
 /// `VmHWM` in KiB from the text of `/proc/<pid>/status`.

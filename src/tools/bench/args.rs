@@ -1,0 +1,112 @@
+//! The flags of `outbox-relay bench` and what they select: the workload every run
+//! writes and the modes compared on it.
+
+use std::path::PathBuf;
+
+use super::drain::Mode;
+use crate::tools::workload::Workload;
+
+/// Entities (Kafka keys) the workload spreads its events over.
+pub(crate) const ENTITIES: u32 = 1000;
+
+/// Poller settings compared (batch size, workers).
+pub(crate) const POLL_VARIANTS: [(u32, u32); 4] = [(100, 1), (100, 4), (1000, 1), (1000, 4)];
+
+/// Mode groups of `--modes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeGroup {
+    /// `pg_recvlogical` and our replication client with a null sink.
+    PgCeiling,
+    /// Our producer alone, no database.
+    BrokerCeiling,
+    /// The real `outbox-relay run`.
+    Cdc,
+    /// The real `outbox-relay poll`, four settings.
+    Poll,
+}
+
+/// Which workloads to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkloadKind {
+    /// Pre-inserted backlog, drained as fast as possible.
+    Backlog,
+    /// Fixed-rate writers; latency from commit to delivery.
+    Steady,
+    /// Both.
+    All,
+}
+
+/// Flags of `outbox-relay bench` (besides `--config`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Events per run.
+    #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub events: u64,
+    /// Approximate payload size (jsonb text) of each event.
+    #[arg(long, default_value_t = 300)]
+    pub payload_bytes: usize,
+    /// Outbox rows per writer transaction.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rows_per_tx: u32,
+    /// Concurrent writer connections.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub writers: u32,
+    /// Modes to compare.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "pg-ceiling,broker-ceiling,cdc,poll"
+    )]
+    pub modes: Vec<ModeGroup>,
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Backlog)]
+    pub workload: WorkloadKind,
+    /// Measurements of each figure (median and min–max are shown).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
+    /// Seconds each steady-rate run writes.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub steady_secs: u64,
+    /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG bar chart of the results to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    pub(crate) fn workload(&self) -> Workload {
+        Workload {
+            events: self.events,
+            payload_bytes: self.payload_bytes,
+            rows_per_tx: self.rows_per_tx,
+            writers: self.writers,
+            entities: ENTITIES,
+        }
+    }
+
+    /// The modes of the selected groups, in a fixed order.
+    pub(crate) fn modes(&self) -> Vec<Mode> {
+        let mut modes = Vec::new();
+        let has = |g| self.modes.contains(&g);
+        if has(ModeGroup::PgCeiling) {
+            modes.extend([Mode::RecvLogical, Mode::Ours]);
+        }
+        if has(ModeGroup::BrokerCeiling) {
+            modes.push(Mode::BrokerCeiling);
+        }
+        if has(ModeGroup::Cdc) {
+            modes.push(Mode::Cdc);
+        }
+        if has(ModeGroup::Poll) {
+            modes.extend(
+                POLL_VARIANTS
+                    .iter()
+                    .map(|&(batch, workers)| Mode::Poll { batch, workers }),
+            );
+        }
+        modes
+    }
+}
