@@ -38,6 +38,10 @@ pub enum Error {
     Transient(String),
     #[error("{0}")]
     Other(String),
+    // --- outbox ---
+    /// Taking, reading or pruning a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::outbox::checkpoint::CheckpointError),
 }
 
 impl Error {
@@ -54,6 +58,8 @@ impl Error {
             | Error::Bench(_)
             | Error::Transient(_)
             | Error::Other(_) => 1,
+            // --- outbox ---
+            Error::Checkpoint(e) => e.exit_code(),
         })
     }
 
@@ -64,6 +70,8 @@ impl Error {
             Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            // --- outbox ---
+            Error::Checkpoint(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }
