@@ -88,6 +88,10 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    // --- outbox ---
+    /// Taking, reading or pruning a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::outbox::checkpoint::CheckpointError),
 }
 
 impl Error {
@@ -115,6 +119,8 @@ impl Error {
             | Error::ReplayReportsClosed
             | Error::RetentionReportJson(_)
             | Error::StatusQuery { .. } => 1,
+            // --- outbox ---
+            Error::Checkpoint(e) => e.exit_code(),
         })
     }
 
@@ -125,6 +131,8 @@ impl Error {
             Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            // --- outbox ---
+            Error::Checkpoint(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }

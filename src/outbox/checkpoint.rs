@@ -73,15 +73,59 @@ use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
 use crate::config::{self, Config, quote_ident};
-use crate::error::{Error, Result};
-use crate::lsn::Lsn;
+use crate::delivery::ErrorClass;
+use crate::lsn::{Lsn, ParseLsnError};
+
+/// Why a checkpoint could not be taken, read or pruned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// `outbox.table` is not a table name like `schema.table` (the configuration
+    /// check refuses it first; the message is the configuration's).
+    #[error("{0}")]
+    TableName(String),
+    /// A statement on the checkpoint table or `pg_replication_slots` failed.
+    #[error("PostgreSQL error: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// The server sent text that is not an LSN.
+    #[error("server sent an invalid LSN {text:?}: {source}")]
+    InvalidLsn {
+        /// The text as received.
+        text: String,
+        /// Why it is not an LSN.
+        source: ParseLsnError,
+    },
+}
+
+impl CheckpointError {
+    /// The process exit code: 1, as for any PostgreSQL failure that is not a missing
+    /// prerequisite (exit code 3 is reserved for the checks in
+    /// `postgres::prerequisite`).
+    #[must_use]
+    pub fn exit_code(&self) -> u8 {
+        1
+    }
+
+    /// Whether retrying can help: a PostgreSQL error without a server error (the
+    /// connection failed) is transient, anything else is fatal.
+    #[must_use]
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            CheckpointError::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            _ => ErrorClass::Fatal,
+        }
+    }
+}
+
+/// Result of the checkpoint operations.
+type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
 /// Name of the checkpoint table (in the outbox's schema).
-pub const TABLE_NAME: &str = "outbox_relay_checkpoint";
+const TABLE_NAME: &str = "outbox_relay_checkpoint";
 
 /// Checkpoints the slot has not passed yet, beyond which no new one is taken: while
 /// the relay is stopped a cycle would otherwise add one row per interval forever.
-pub const MAX_PENDING: i64 = 64;
+const MAX_PENDING: i64 = 64;
 
 /// 2^32: 32-bit xids wrap at this.
 const XID_MODULUS: i64 = 1 << 32;
@@ -115,8 +159,9 @@ pub struct SlotProgress {
 }
 
 /// `"schema".outbox_relay_checkpoint` for the configured outbox.
-pub fn table(cfg: &Config) -> Result<String> {
-    let (schema, _) = config::qualified_name(&cfg.outbox.table).map_err(Error::Other)?;
+fn table(cfg: &Config) -> Result<String> {
+    let (schema, _) =
+        config::qualified_name(&cfg.outbox.table).map_err(CheckpointError::TableName)?;
     Ok(format!(
         "{}.{}",
         quote_ident(&schema),
@@ -144,8 +189,12 @@ pub fn precedes(row_xmin: u32, horizon: i64, checkpoint_xmin: i64) -> bool {
     row_age > checkpoint_age && checkpoint_age < MAX_CHECKPOINT_AGE
 }
 
-/// Takes a checkpoint for the configured slot, unless [`MAX_PENDING`] checkpoints are
-/// already waiting for the slot. Returns it when taken.
+/// Takes a checkpoint for the configured slot, unless `MAX_PENDING` (64) checkpoints
+/// are already waiting for the slot. Returns it when taken.
+///
+/// # Errors
+///
+/// [`CheckpointError`]: a statement failed or the server sent an invalid LSN.
 pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Checkpoint>> {
     let table = table(cfg)?;
     let slot = &cfg.postgres.slot;
@@ -256,7 +305,7 @@ pub struct Marked {
 /// SQL marking up to `$2` unsent rows that precede checkpoint `$1` as sent (by id,
 /// so it is right for a partitioned outbox too).
 #[must_use]
-pub fn mark_sent_sql(cfg: &Config) -> String {
+fn mark_sent_sql(cfg: &Config) -> String {
     let t = config::quote_qualified(&cfg.outbox.table);
     let id = quote_ident(&cfg.outbox.columns.id);
     let created_at = quote_ident(&cfg.outbox.columns.created_at);
@@ -332,8 +381,10 @@ fn checkpoint_from_row(row: &tokio_postgres::Row) -> Result<Checkpoint> {
 }
 
 fn parse_lsn(text: &str) -> Result<Lsn> {
-    text.parse()
-        .map_err(|e| Error::Other(format!("server sent an invalid LSN {text:?}: {e}")))
+    text.parse().map_err(|source| CheckpointError::InvalidLsn {
+        text: text.to_owned(),
+        source,
+    })
 }
 
 #[cfg(test)]

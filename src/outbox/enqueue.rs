@@ -77,9 +77,13 @@ pub enum EnqueueError {
     /// The key given already exists (SQLSTATE 23505): this event was enqueued before.
     #[error("idempotency key {0:?} was already enqueued")]
     DuplicateKey(String),
-    /// `outbox_enqueue` does not exist: run `outbox-relay migrate`.
-    #[error("outbox_enqueue() is missing: run `outbox-relay migrate` ({0})")]
-    NotInstalled(String),
+    /// `outbox_enqueue` (or its schema) does not exist: run `outbox-relay migrate`.
+    #[error(
+        "outbox_enqueue() is missing: run `outbox-relay migrate` ({})",
+        crate::postgres::describe_error(.0)
+    )]
+    NotInstalled(#[source] tokio_postgres::Error),
+    /// Any other failure of the statement.
     #[error("enqueue failed: {0}")]
     Postgres(#[from] tokio_postgres::Error),
 }
@@ -178,7 +182,7 @@ fn classify(e: tokio_postgres::Error, event: &Event) -> EnqueueError {
             EnqueueError::DuplicateKey(event.idempotency_key.clone().unwrap_or_default())
         }
         Some(c) if *c == SqlState::UNDEFINED_FUNCTION || *c == SqlState::INVALID_SCHEMA_NAME => {
-            EnqueueError::NotInstalled(crate::postgres::describe_error(&e))
+            EnqueueError::NotInstalled(e)
         }
         _ => EnqueueError::Postgres(e),
     }

@@ -1,0 +1,454 @@
+//! The mapping rules: one `pgoutput` `Insert` into the outbox table, or one row
+//! given as column text, becomes one Kafka record ([`OutboxEvent`]) or one
+//! [`UnmappableRow`].
+//!
+//! [`OutboxMapper::map_insert`] (the CDC relay) and [`OutboxMapper::map_row`] (the
+//! polling relay, `replay`, the cutover) share [`OutboxMapper::build`], so `run`,
+//! `poll` and `replay` cannot drift apart (`docs/architecture.md#the-kafka-record`).
+//! The mapper is pure — no I/O, no clock, no logging — so the sans-IO core, the
+//! benchmarks and the fuzzer drive it directly. The checks run in the order of the
+//! record contract (key, idempotency key, payload, topic, `created_at`, envelope,
+//! headers), and the first failing one names the row's error kind.
+//!
+//! # Cost
+//!
+//! Mapping a row allocates the topic `String`, the headers `Vec` and the two short
+//! `occurred_at` / `source_lsn` header values (plus the envelope when configured,
+//! the decoded payload for `bytea`, and the names and escaped values of the row's
+//! `headers` entries). Key, payload, idempotency key, event id and the
+//! `event_type` / `aggregate_type` header values are zero-copy slices of the
+//! replication message; each is moved into the record once, so a field costs one
+//! reference-count increment. The rendered topic is not cached: a cache hit would
+//! still copy the name into the record's `String`, which costs about what
+//! rendering a template of a few segments does.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::bytea::decode_bytea_text;
+use super::columns::{FIELD_COUNT, Field, FieldNames};
+use super::envelope::{Envelope, build_envelope};
+use super::headers::parse_header_object;
+use super::record::{
+    EventSource, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_IDEMPOTENCY_KEY,
+    HEADER_OCCURRED_AT, HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow,
+    PayloadFormat, PoisonFields, RESERVED_HEADERS, Reject, RelationStatus, UnmappableRow,
+    error_kind, lossy, payload_text, poison_timestamp, put_lsn,
+};
+use super::relation::{
+    OutboxRelation, RelationCache, RelationEntry, RowRef, extract_row, poison_from_tuple, status_of,
+};
+use super::timestamp::{RFC3339_LEN, parse_pg_timestamp, put_rfc3339};
+use super::topic::{TopicTemplate, validate_topic_name};
+use crate::config::{ConfigError, EnvelopeConfig, KafkaConfig, OutboxConfig, qualified_name};
+use crate::lsn::Lsn;
+use crate::postgres::pgoutput::{Insert, Relation};
+
+/// Maps outbox inserts to Kafka records; holds the relation cache of one
+/// replication session.
+#[derive(Debug)]
+pub struct OutboxMapper {
+    outbox: OutboxConfig,
+    schema: String,
+    table: String,
+    template: TopicTemplate,
+    envelope: Option<Envelope>,
+    /// Field names as configured, for [`OutboxMapper::map_row`].
+    configured_names: Arc<FieldNames>,
+    relations: RelationCache,
+}
+
+impl OutboxMapper {
+    /// Builds a mapper for `outbox.table`, with `kafka.topic_template` and an
+    /// optional payload envelope.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] when the table name is malformed or the template
+    /// has a placeholder other than `{aggregate_type}` / `{event_type}`, unbalanced
+    /// braces, or characters that can never appear in a topic name.
+    pub fn new(
+        outbox: &OutboxConfig,
+        kafka: &KafkaConfig,
+        envelope: Option<EnvelopeConfig>,
+    ) -> Result<Self, ConfigError> {
+        Self::with_template(outbox, &kafka.topic_template, envelope)
+    }
+
+    /// Like [`OutboxMapper::new`], with the topic template given directly.
+    ///
+    /// # Errors
+    ///
+    /// As [`OutboxMapper::new`].
+    pub fn with_template(
+        outbox: &OutboxConfig,
+        topic_template: &str,
+        envelope: Option<EnvelopeConfig>,
+    ) -> Result<Self, ConfigError> {
+        let (schema, table) = qualified_name(&outbox.table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
+        let template = TopicTemplate::parse(topic_template).map_err(|m| {
+            ConfigError::Invalid(format!("kafka.topic_template {topic_template:?} {m}"))
+        })?;
+        let envelope = envelope.as_ref().map(Envelope::new);
+        let configured_names = Arc::new(FieldNames {
+            names: Field::ALL.map(|f| f.configured(outbox).to_owned()),
+            present: [true; FIELD_COUNT],
+        });
+        Ok(OutboxMapper {
+            outbox: outbox.clone(),
+            schema,
+            table,
+            template,
+            envelope,
+            configured_names,
+            relations: RelationCache::default(),
+        })
+    }
+
+    /// Forgets every relation, for a new replication session (the server describes
+    /// each relation again before its first change).
+    pub fn reset_session(&mut self) {
+        self.relations.clear();
+    }
+
+    /// Records a Relation message. A second message for the same OID (after
+    /// `ALTER TABLE`, or a new session) replaces the first, so later inserts use
+    /// the new column positions and types.
+    pub fn on_relation(&mut self, rel: &Relation) -> RelationStatus<'_> {
+        let entry = if rel.namespace == self.schema && rel.name == self.table {
+            RelationEntry::Outbox(Box::new(OutboxRelation::resolve(rel, &self.outbox)))
+        } else {
+            RelationEntry::NotOutbox
+        };
+        status_of(self.relations.insert(rel.id, entry))
+    }
+
+    /// How the mapper sees relation `relation_id`, if it was described.
+    #[must_use]
+    pub fn relation_status(&self, relation_id: u32) -> Option<RelationStatus<'_>> {
+        self.relations.get(relation_id).map(status_of)
+    }
+
+    /// Maps one Insert of the replication stream; `commit_lsn` is its transaction's
+    /// commit LSN (the `source_lsn` header).
+    ///
+    /// # Errors
+    ///
+    /// [`MapError`] when the Insert contradicts the session's Relation messages.
+    pub fn map_insert(&self, insert: &Insert, commit_lsn: Lsn) -> Result<Mapped, MapError> {
+        let rel = match self.relations.get(insert.relation_id) {
+            None => {
+                return Err(MapError::UnknownRelation {
+                    relation_id: insert.relation_id,
+                });
+            }
+            Some(RelationEntry::NotOutbox) => return Ok(Mapped::NotOutbox),
+            Some(RelationEntry::Outbox(rel)) => rel,
+        };
+        if insert.tuple.len() != rel.columns.len() {
+            return Err(MapError::ColumnCount {
+                relation_id: insert.relation_id,
+                expected: rel.columns.len(),
+                actual: insert.tuple.len(),
+            });
+        }
+        let result = match &rel.problem {
+            Some(problem) => Err(problem.clone()),
+            None => extract_row(rel, &insert.tuple)
+                .and_then(|row| self.build(row, &rel.names, Some(commit_lsn))),
+        };
+        Ok(match result {
+            Ok(event) => Mapped::Event(event),
+            Err(reject) => Mapped::Unmappable(UnmappableRow {
+                reason: reject.reason,
+                error_kind: reject.kind,
+                fields: poison_from_tuple(rel, &insert.tuple, commit_lsn),
+            }),
+        })
+    }
+
+    /// Maps one outbox row given as column text (the polling relay, `replay`),
+    /// with the same rules as [`OutboxMapper::map_insert`]. `source_lsn` is `None`
+    /// outside CDC (no `source_lsn` header).
+    ///
+    /// # Errors
+    ///
+    /// The row cannot become a record; the error carries its poison data.
+    pub fn map_row(
+        &self,
+        row: &OutboxRow,
+        source_lsn: Option<Lsn>,
+    ) -> Result<OutboxEvent, Box<UnmappableRow>> {
+        self.build(RowRef::of(row), &self.configured_names, source_lsn)
+            .map_err(|reject| {
+                Box::new(UnmappableRow {
+                    reason: reject.reason,
+                    error_kind: reject.kind,
+                    fields: poison_from_row(&self.configured_names, row, source_lsn),
+                })
+            })
+    }
+
+    /// The mapping rules proper. Every value ends up in the event at most once
+    /// (moved out of `row`), so a field costs one reference-count increment.
+    fn build(
+        &self,
+        row: RowRef<'_>,
+        names: &Arc<FieldNames>,
+        source_lsn: Option<Lsn>,
+    ) -> Result<OutboxEvent, Reject> {
+        let RowRef {
+            id,
+            idempotency_key,
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            topic,
+            headers: row_headers,
+            payload,
+            payload_format,
+            created_at,
+        } = row;
+
+        // Key: the entity id.
+        let key = match aggregate_id {
+            None => {
+                return Err(Reject::new(
+                    error_kind::NULL_KEY,
+                    format!(
+                        "{} is NULL: an event without an entity id has no Kafka key",
+                        names.describe(Field::AggregateId)
+                    ),
+                ));
+            }
+            Some(k) if k.is_empty() => {
+                return Err(Reject::new(
+                    error_kind::EMPTY_KEY,
+                    format!(
+                        "{} is empty: an event without an entity id has no Kafka key",
+                        names.describe(Field::AggregateId)
+                    ),
+                ));
+            }
+            Some(k) => k.into_owned(),
+        };
+
+        // Idempotency key: the idempotency_key column, else the id.
+        let (idempotency_key, key_field) = match (idempotency_key, &id) {
+            (Some(k), _) => (k.into_owned(), Field::IdempotencyKey),
+            (None, Some(id)) => (Bytes::clone(id), Field::Id),
+            (None, None) => {
+                return Err(Reject::new(
+                    error_kind::NULL_IDEMPOTENCY_KEY,
+                    format!(
+                        "no idempotency key: {} and {} are NULL",
+                        names.describe(Field::IdempotencyKey),
+                        names.describe(Field::Id)
+                    ),
+                ));
+            }
+        };
+        if idempotency_key.is_empty() {
+            return Err(Reject::new(
+                error_kind::EMPTY_IDEMPOTENCY_KEY,
+                format!(
+                    "{} is empty: consumers could not deduplicate the event",
+                    names.describe(key_field)
+                ),
+            ));
+        }
+
+        // Payload, as PostgreSQL gave it.
+        let Some(raw_payload) = payload else {
+            return Err(Reject::new(
+                error_kind::NULL_PAYLOAD,
+                format!("{} is NULL", names.describe(Field::Payload)),
+            ));
+        };
+        let (value, payload_format) = match payload_format {
+            PayloadFormat::Json | PayloadFormat::Text | PayloadFormat::Raw => {
+                (raw_payload.into_owned(), payload_format)
+            }
+            PayloadFormat::ByteaText => {
+                let bytes = decode_bytea_text(&raw_payload).map_err(|e| {
+                    Reject::new(
+                        error_kind::BAD_PAYLOAD,
+                        format!(
+                            "{} is not bytea text output: {e}",
+                            names.describe(Field::Payload)
+                        ),
+                    )
+                })?;
+                (bytes, PayloadFormat::Raw)
+            }
+        };
+
+        // Topic: the row's, else the template's.
+        let topic = match topic.as_deref() {
+            Some(t) if !t.is_empty() => {
+                validate_topic_name(t).map_err(|e| {
+                    Reject::new(
+                        error_kind::INVALID_TOPIC,
+                        format!(
+                            "topic {:?} from the {} {e}",
+                            String::from_utf8_lossy(t),
+                            names.describe(Field::Topic)
+                        ),
+                    )
+                })?;
+                String::from_utf8(t.to_vec()).map_err(|e| {
+                    Reject::new(
+                        error_kind::INVALID_TOPIC,
+                        format!("topic is not UTF-8: {e}"),
+                    )
+                })?
+            }
+            _ => self
+                .template
+                .render(
+                    aggregate_type.as_deref().map(|b| &b[..]),
+                    event_type.as_deref().map(|b| &b[..]),
+                )
+                .map_err(|e| Reject::new(error_kind::INVALID_TOPIC, e.to_string()))?,
+        };
+
+        // created_at → CreateTime and occurred_at.
+        let created_at_micros = match &created_at {
+            None => None,
+            Some(text) => Some(parse_pg_timestamp(text).map_err(|e| {
+                Reject::new(
+                    error_kind::BAD_TIMESTAMP,
+                    format!("{}: {e}", names.describe(Field::CreatedAt)),
+                )
+            })?),
+        };
+        let occurred_at = created_at_micros.map(|micros| {
+            let mut buf = Vec::with_capacity(RFC3339_LEN);
+            put_rfc3339(&mut buf, micros);
+            Bytes::from(buf)
+        });
+
+        let has_id = id.is_some();
+        let event_id = match id {
+            Some(id) => id.into_owned(),
+            None => idempotency_key.clone(),
+        };
+
+        let (payload, raw_payload) = match &self.envelope {
+            None => (value, None),
+            Some(envelope) => {
+                let wrapped = build_envelope(
+                    envelope,
+                    &event_id,
+                    event_type.as_deref().map(|b| &b[..]),
+                    occurred_at.as_deref(),
+                    &value,
+                    payload_format,
+                )
+                .map_err(|e| {
+                    Reject::new(
+                        error_kind::BAD_PAYLOAD,
+                        format!("{}: {e}", names.describe(Field::Payload)),
+                    )
+                })?;
+                (wrapped, Some(value))
+            }
+        };
+
+        // Headers, in contract order.
+        let mut headers: Vec<(HeaderName, Bytes)> =
+            Vec::with_capacity(RESERVED_HEADERS.len() + if row_headers.is_some() { 4 } else { 0 });
+        headers.push((
+            Cow::Borrowed(HEADER_IDEMPOTENCY_KEY),
+            idempotency_key.clone(),
+        ));
+        if let Some(v) = event_type {
+            headers.push((Cow::Borrowed(HEADER_EVENT_TYPE), v.into_owned()));
+        }
+        if let Some(v) = aggregate_type {
+            headers.push((Cow::Borrowed(HEADER_AGGREGATE_TYPE), v.into_owned()));
+        }
+        if let Some(v) = occurred_at {
+            headers.push((Cow::Borrowed(HEADER_OCCURRED_AT), v));
+        }
+        if let Some(lsn) = source_lsn {
+            let mut buf = Vec::with_capacity(17);
+            put_lsn(&mut buf, lsn);
+            headers.push((Cow::Borrowed(HEADER_SOURCE_LSN), Bytes::from(buf)));
+        }
+        if let Some(text) = &row_headers {
+            parse_header_object(text, &mut headers).map_err(|e| {
+                Reject::new(
+                    error_kind::BAD_HEADERS,
+                    format!("{}: {e}", names.describe(Field::Headers)),
+                )
+            })?;
+        }
+
+        let timestamp_ms = created_at_micros
+            .map(|m| m.div_euclid(1000))
+            .filter(|ms| *ms >= 0);
+
+        Ok(OutboxEvent {
+            key,
+            topic,
+            payload,
+            headers,
+            timestamp_ms,
+            idempotency_key,
+            event_id,
+            source_lsn,
+            source: EventSource {
+                names: Arc::clone(names),
+                has_id,
+                headers: row_headers.map(Cow::into_owned),
+                raw_payload,
+                payload_format,
+                created_at_micros,
+            },
+        })
+    }
+}
+
+/// Poison data of a row given as text.
+fn poison_from_row(names: &FieldNames, row: &OutboxRow, lsn: Option<Lsn>) -> PoisonFields {
+    let text = |b: &Option<Bytes>| b.as_deref().map(lossy);
+    let payload = row.payload.as_ref().map(|p| match row.payload_format {
+        PayloadFormat::Raw => payload_text(p, PayloadFormat::Raw),
+        _ => lossy(p),
+    });
+    let created_at = text(&row.created_at).map(|t| poison_timestamp(&t));
+    let values = [
+        (Field::Id, text(&row.id)),
+        (Field::IdempotencyKey, text(&row.idempotency_key)),
+        (Field::AggregateType, text(&row.aggregate_type)),
+        (Field::AggregateId, text(&row.aggregate_id)),
+        (Field::EventType, text(&row.event_type)),
+        (Field::Topic, text(&row.topic)),
+        (Field::Headers, text(&row.headers)),
+        (Field::Payload, payload.clone()),
+        (Field::CreatedAt, text(&row.created_at)),
+    ];
+    PoisonFields {
+        outbox_id: text(&row.id),
+        idempotency_key: text(&row.idempotency_key).or_else(|| text(&row.id)),
+        aggregate_type: text(&row.aggregate_type),
+        aggregate_id: text(&row.aggregate_id),
+        event_type: text(&row.event_type),
+        topic: text(&row.topic),
+        headers: text(&row.headers),
+        payload,
+        created_at,
+        columns: values
+            .into_iter()
+            .map(|(f, v)| (names.get(f).to_owned(), v))
+            .collect(),
+        lsn,
+    }
+}
+
+#[cfg(test)]
+mod tests;
