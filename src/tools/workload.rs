@@ -25,6 +25,10 @@
 //!   entities of its own, so an entity's events are committed in `seq` order and a
 //!   consumer can check per-key order from the payloads alone.
 //!
+//! With [`Writers::varied`] (the tests) transaction sizes cycle through
+//! `1, 2, …, rows_per_tx` and the padding grows by `t % 50` bytes, so a run mixes
+//! one-row and multi-row commits and records of different lengths.
+//!
 //! Pacing ([`Pace`]): as fast as the database takes them (a backlog), open loop on
 //! a [`Schedule`] (the benchmark's steady rate: a transaction that is late is sent
 //! at once, so a slow database shows up as latency, not as a lower rate), or a
@@ -118,6 +122,7 @@ pub struct Writers {
     also: Option<String>,
     headers: Option<String>,
     returning: bool,
+    varied: bool,
     stop: Option<Arc<AtomicBool>>,
 }
 
@@ -136,6 +141,7 @@ impl Writers {
             also: None,
             headers: None,
             returning: false,
+            varied: false,
             stop: None,
         }
     }
@@ -184,6 +190,14 @@ impl Writers {
         self
     }
 
+    /// Varies transaction sizes (`1 + t % rows_per_tx` rows) and payload lengths
+    /// (`t % 50` more bytes of padding) from one transaction to the next.
+    #[must_use]
+    pub fn varied(mut self) -> Writers {
+        self.varied = true;
+        self
+    }
+
     /// Stops each writer before its next transaction once `stop` is set.
     #[must_use]
     pub fn until(mut self, stop: Arc<AtomicBool>) -> Writers {
@@ -228,9 +242,9 @@ impl Writers {
         let workload = &self.workload;
         let mut client = crate::postgres::connect(&self.url).await?;
         let statement = client.prepare(&self.sql()).await?;
-        let rows = u64::from(workload.rows_per_tx);
+        let sizes = TxSizes::new(workload.rows_per_tx, self.varied);
         let writers = u64::from(workload.writers);
-        let transactions = workload.events.div_ceil(rows);
+        let transactions = sizes.transactions(workload.events);
         let schedule = match self.pace {
             Pace::Schedule(schedule) => schedule.split(workload.writers).get(w as usize).copied(),
             Pace::Unpaced | Pace::Pause(_) => None,
@@ -250,8 +264,13 @@ impl Writers {
             if let Some((offset, part)) = schedule {
                 tokio::time::sleep_until(start + offset + part.due(i)).await;
             }
-            let first = t * rows;
-            let last = (first + rows).min(workload.events) - 1;
+            let (first, end) = sizes.range(t);
+            let last = end.min(workload.events) - 1;
+            let pad = if self.varied {
+                pad.saturating_add(i32::try_from(t % 50).unwrap_or(0))
+            } else {
+                pad
+            };
             let (first_g, last_g) = (
                 i64::try_from(first).unwrap_or(i64::MAX),
                 i64::try_from(last).unwrap_or(i64::MAX),
@@ -301,6 +320,52 @@ impl Writers {
     }
 }
 
+/// Which events each transaction holds: `rows` each, or (varied) sizes cycling
+/// through `1..=rows`.
+#[derive(Debug, Clone, Copy)]
+struct TxSizes {
+    rows: u64,
+    varied: bool,
+}
+
+impl TxSizes {
+    fn new(rows_per_tx: u32, varied: bool) -> TxSizes {
+        TxSizes {
+            rows: u64::from(rows_per_tx.max(1)),
+            varied,
+        }
+    }
+
+    /// Events before transaction `t`.
+    fn start(self, t: u64) -> u64 {
+        if !self.varied {
+            return t.saturating_mul(self.rows);
+        }
+        let (cycles, rest) = (t / self.rows, t % self.rows);
+        cycles
+            .saturating_mul(self.rows * (self.rows + 1) / 2)
+            .saturating_add(rest * (rest + 1) / 2)
+    }
+
+    /// Events `first..end` of transaction `t`.
+    fn range(self, t: u64) -> (u64, u64) {
+        (self.start(t), self.start(t + 1))
+    }
+
+    /// Transactions needed for `events` events.
+    fn transactions(self, events: u64) -> u64 {
+        if !self.varied {
+            return events.div_ceil(self.rows);
+        }
+        let per_cycle = self.rows * (self.rows + 1) / 2;
+        let mut t = (events / per_cycle).saturating_mul(self.rows);
+        while self.start(t) < events {
+            t += 1;
+        }
+        t
+    }
+}
+
 fn keys_of(rows: Vec<tokio_postgres::Row>) -> Vec<String> {
     rows.iter()
         .filter_map(|r| r.try_get::<_, String>(0).ok())
@@ -337,6 +402,20 @@ fn insert_sql(table: &str, keys: Keys, headers: bool, returning: bool) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn varied_transactions_cycle_through_their_sizes() {
+        let sizes = TxSizes::new(3, true);
+        let ranges: Vec<_> = (0..5).map(|t| sizes.range(t)).collect();
+        assert_eq!(ranges, [(0, 1), (1, 3), (3, 6), (6, 7), (7, 9)]);
+        assert_eq!(sizes.transactions(9), 5);
+        assert_eq!(sizes.transactions(8), 5);
+        assert_eq!(sizes.transactions(6), 3);
+        let fixed = TxSizes::new(2, false);
+        assert_eq!((fixed.range(3), fixed.transactions(7)), ((6, 8), 4));
+        // An endless run (`events: u64::MAX`) neither overflows nor loops forever.
+        assert!(sizes.transactions(u64::MAX) > u64::MAX / 3);
+    }
 
     /// The benchmark's statement, byte for byte as it has always been measured.
     #[test]

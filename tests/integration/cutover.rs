@@ -72,18 +72,19 @@ fn random_delay(max_ms: u64) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
     let db = TestDb::create("cutover_main").await;
-    // 4 writers until `stop`, 2 rows and a business row per transaction, every 7th
-    // rolled back, paced to a few hundred transactions per second each.
+    // 4 writers until `stop`, 1-3 rows and a business row per transaction, every
+    // 7th rolled back, paced to a few hundred transactions per second each.
     let stop = Arc::new(AtomicBool::new(false));
     let workload = Workload {
         events: u64::MAX,
         payload_bytes: 0,
-        rows_per_tx: 2,
+        rows_per_tx: 3,
         writers: 4,
         entities: 4,
     };
     let writers = tokio::spawn(
         db.writers(workload)
+            .varied()
             .rollback_every(7)
             .pace(Pace::Pause(Duration::from_millis(2)))
             .until(Arc::clone(&stop))

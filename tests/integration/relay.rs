@@ -13,23 +13,26 @@ use crate::harness::{
 };
 
 /// `writers` concurrent writers of `transactions` transactions each, through the
-/// library's workload writer: 2 outbox rows and a business row per transaction,
-/// 5 entities per writer, a `tenant` header, every 10th transaction rolled back.
-/// Returns the idempotency keys committed and those rolled back.
+/// library's workload writer: 1-3 outbox rows (payloads of varying length) and a
+/// business row per transaction, 5 entities per writer, a `tenant` header, every
+/// 10th transaction rolled back. Returns the idempotency keys committed and those
+/// rolled back.
 async fn write_concurrently(
     db: &TestDb,
     writers: u32,
     transactions: u64,
 ) -> (Vec<String>, Vec<String>) {
+    // Sizes cycle 1, 2, 3: `transactions` of them hold 2 rows on average.
     let workload = Workload {
         events: u64::from(writers) * transactions * 2,
         payload_bytes: 120,
-        rows_per_tx: 2,
+        rows_per_tx: 3,
         writers,
         entities: 5,
     };
     let written = db
         .writers(workload)
+        .varied()
         .headers(r#"{"tenant": "t1"}"#)
         .rollback_every(10)
         .run()
