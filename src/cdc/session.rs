@@ -23,6 +23,10 @@
 //! transaction not yet confirmed; the in-flight window bounds the duplicates). Fatal
 //! conditions (prerequisites, authentication, invalidated slot) end the process with
 //! a distinct exit code.
+//!
+//! This file is the loop. What it keeps per in-flight event (the record to produce
+//! again, the row to poison) is in `in_flight.rs`, its metric handles in
+//! `instruments.rs`.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
