@@ -92,6 +92,53 @@ pub enum Error {
     /// Taking, reading or pruning a checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] crate::outbox::checkpoint::CheckpointError),
+    // --- cdc ---
+    /// `run`: `START_REPLICATION` lost a race for the slot, typically with the
+    /// walsender of a relay that just died; the session is started again.
+    #[error(transparent)]
+    RelaySlotTaken(crate::postgres::replication::ReplicationError),
+    /// `run`: the producer's delivery-report channel closed under the relay.
+    #[error("the producer's delivery channel closed")]
+    RelayReportsClosed,
+    /// `run`: the task writing `poison_outbox` rows stopped.
+    #[error("the poison writer stopped")]
+    RelayPoisonWriterStopped,
+    /// `run`: the producer itself is unusable (librdkafka's fatal error); the event is
+    /// not poisoned (exit code 4, like [`Error::BrokerUnavailable`]).
+    #[error("Kafka broker unavailable: the producer hit a fatal error: {message}")]
+    RelayProducerFatal {
+        code: rdkafka::types::RDKafkaErrorCode,
+        message: String,
+    },
+    /// Cutover: the slot of an interrupted cutover is streamed by some process. Right
+    /// after a crash the old walsender may hold it until it notices, so `run` retries.
+    #[error(
+        "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
+         stop the process streaming from it (it may miss the backlog), then start again"
+    )]
+    CutoverSlotActive { slot: String, pid: i32 },
+    /// `cutover`: a termination signal arrived before the cutover completed.
+    #[error(
+        "cutover interrupted before it completed: run it again (or `run`); it starts \
+         over from a new slot and re-sends at most the rows that were in flight"
+    )]
+    CutoverInterrupted,
+    /// Metrics: the histogram buckets were refused.
+    #[error("metrics: {0}")]
+    MetricsBuckets(#[source] metrics_exporter_prometheus::BuildError),
+    /// Metrics: a `metrics` recorder is already installed in this process.
+    #[error("cannot install the metrics recorder: {0}")]
+    MetricsRecorder(#[source] metrics_exporter_prometheus::BuildError),
+    /// Metrics: `metrics.listen` cannot be bound.
+    #[error("metrics.listen = {listen:?}: cannot bind: {source}")]
+    MetricsBind {
+        listen: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Metrics: the bound listener has no local address.
+    #[error("metrics listener: {0}")]
+    MetricsListener(#[source] std::io::Error),
 }
 
 impl Error {
@@ -121,6 +168,17 @@ impl Error {
             | Error::StatusQuery { .. } => 1,
             // --- outbox ---
             Error::Checkpoint(e) => e.exit_code(),
+            // --- cdc ---
+            Error::RelayProducerFatal { .. } => 4,
+            Error::RelaySlotTaken(_)
+            | Error::RelayReportsClosed
+            | Error::RelayPoisonWriterStopped
+            | Error::CutoverSlotActive { .. }
+            | Error::CutoverInterrupted
+            | Error::MetricsBuckets(_)
+            | Error::MetricsRecorder(_)
+            | Error::MetricsBind { .. }
+            | Error::MetricsListener(_) => 1,
         })
     }
 
@@ -129,6 +187,8 @@ impl Error {
     pub fn class(&self) -> ErrorClass {
         match self {
             Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
+            // --- cdc ---
+            Error::RelaySlotTaken(_) | Error::CutoverSlotActive { .. } => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
             // --- outbox ---

@@ -82,11 +82,11 @@ use std::time::Duration;
 
 use tokio_postgres::{Client, IsolationLevel};
 
-use crate::config::{Config, CutoverMode, qualified_name, quote_ident};
+use crate::config::{Config, ConfigError, CutoverMode, qualified_name, quote_ident};
 use crate::delivery::Failure;
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher};
-use crate::lifecycle::Shutdown;
+use crate::lifecycle::{Backoff, Shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
 use crate::poller::{self, BatchOutcome, BatchRow, Delivery, Polled, RowResult};
@@ -96,12 +96,12 @@ use crate::postgres::replication::{ReplicationConnection, SnapshotAction, quote_
 use crate::postgres::slot::{self, SlotInfo};
 
 /// The marker table (migrations/0006_cutover.sql), in the outbox's schema.
-pub const MARKER_TABLE: &str = "outbox_relay_cutover";
+const MARKER_TABLE: &str = "outbox_relay_cutover";
 
 /// Most rows read, published and marked as one window.
 const MAX_WINDOW: usize = 10_000;
 
-/// Backoff between retries of refused rows, doubling.
+/// Backoff between retries of refused rows, doubling (see [`Backoff`]).
 const RETRY_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
 const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(10);
 
@@ -112,15 +112,15 @@ const BROKER_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// crash during `CREATE_REPLICATION_SLOT` the old walsender may still hold the slot
 /// until it notices, so `run` retries this with backoff.
 fn unfinished_slot_active(slot: &str, pid: i32) -> Error {
-    Error::Transient(format!(
-        "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
-         stop the process streaming from it (it may miss the backlog), then start again"
-    ))
+    Error::CutoverSlotActive {
+        slot: slot.to_owned(),
+        pid,
+    }
 }
 
 /// Who asks for the slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Trigger {
+pub(crate) enum Trigger {
     /// `outbox-relay run`, with its `relay.cutover` setting.
     Run(CutoverMode),
     /// `outbox-relay cutover`.
@@ -129,7 +129,7 @@ pub enum Trigger {
 
 /// The slot's row in the marker table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Marker {
+pub(crate) enum Marker {
     /// No row: the slot (if any) was not created by a cutover.
     Absent,
     /// Started, never completed: interrupted.
@@ -140,7 +140,7 @@ pub enum Marker {
 
 /// What to do before streaming.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Nothing: stream from the slot (or let the relay create it without snapshot).
     Stream,
     /// Create the slot with an exported snapshot and publish the backlog.
@@ -155,7 +155,7 @@ pub enum Decision {
 
 /// The decision table (see the module docs, "Crashes").
 #[must_use]
-pub fn decide(trigger: Trigger, slot_exists: bool, marker: Marker) -> Decision {
+pub(crate) fn decide(trigger: Trigger, slot_exists: bool, marker: Marker) -> Decision {
     match (marker, slot_exists, trigger) {
         // An interrupted cutover is finished whatever the mode: its backlog is unsent.
         (Marker::Unfinished, true, _) => Decision::Restart,
@@ -202,7 +202,7 @@ pub enum Outcome {
 ///
 /// [`Prerequisite`] errors (exit code 3), PostgreSQL errors (transient ones can be
 /// retried: the cutover then resumes), broker errors.
-pub async fn prepare(
+pub(crate) async fn prepare(
     config: &Config,
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
@@ -510,7 +510,7 @@ impl<'a> Backlog<'a> {
         before: &CutoverSummary,
     ) -> Result<BatchOutcome> {
         let mut total = BatchOutcome::default();
-        let mut backoff = RETRY_BACKOFF_INITIAL;
+        let mut backoff = Backoff::new(RETRY_BACKOFF_INITIAL, RETRY_BACKOFF_MAX);
         loop {
             let base = self.next_id;
             self.next_id = self.next_id.wrapping_add(rows.len() as u64);
@@ -545,13 +545,14 @@ impl<'a> Backlog<'a> {
             if rows.is_empty() {
                 return Ok(total);
             }
+            let pause = backoff.next_pause();
             tracing::warn!(
                 rows = rows.len(),
-                retry_in_ms = backoff.as_millis() as u64,
+                retry_in_ms = millis(pause),
                 "cutover: rows not acked yet; retrying before streaming starts"
             );
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+            // No shutdown here: `prepare` as a whole is raced against it.
+            tokio::time::sleep(pause).await;
         }
     }
 }
@@ -611,7 +612,9 @@ fn window_size(max_in_flight_events: usize) -> usize {
 
 /// The marker table, qualified with the outbox's schema and quoted.
 fn marker_table(config: &Config) -> Result<String> {
-    let (schema, _) = qualified_name(&config.outbox.table).map_err(Error::Other)?;
+    // Validated when the configuration was loaded; the same message if not.
+    let (schema, _) = qualified_name(&config.outbox.table)
+        .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
     Ok(format!(
         "{}.{}",
         quote_ident(&schema),
@@ -622,6 +625,11 @@ fn marker_table(config: &Config) -> Result<String> {
 /// The advisory-lock name of a slot's cutover.
 fn lock_key(slot: &str) -> String {
     format!("outbox-relay cutover {slot}")
+}
+
+/// A pause in whole milliseconds, for logs.
+fn millis(pause: Duration) -> u64 {
+    u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn count(n: u64) -> i64 {
@@ -706,11 +714,7 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
     let outcome = tokio::select! {
         biased;
         () = shutdown => {
-            return Err(Error::Other(
-                "cutover interrupted before it completed: run it again (or `run`); it starts \
-                 over from a new slot and re-sends at most the rows that were in flight"
-                    .into(),
-            ));
+            return Err(Error::CutoverInterrupted);
         }
         outcome = prepare(config, &conninfo, &mut conn, &mut metadata, Trigger::Command) => outcome?,
     };
@@ -895,7 +899,9 @@ mod tests {
     #[test]
     fn a_busy_unfinished_slot_is_retried_other_errors_are_prerequisites() {
         let busy = unfinished_slot_active("s", 7);
+        assert!(matches!(&busy, Error::CutoverSlotActive { slot, pid: 7 } if slot == "s"));
         assert_eq!(busy.class(), crate::delivery::ErrorClass::Transient);
+        assert_eq!(busy.exit_code(), std::process::ExitCode::from(1));
         let missing = Error::from(Prerequisite::CutoverTableMissing { table: "t".into() });
         assert_eq!(missing.exit_code(), std::process::ExitCode::from(3));
     }

@@ -35,29 +35,29 @@ use tokio_postgres::Client;
 use crate::postgres::conninfo::ConnInfo;
 
 /// The message prefix; the relay recognises its heartbeats by it.
-pub const PREFIX: &str = "outbox-relay";
+pub(crate) const PREFIX: &str = "outbox-relay";
 
 /// The heartbeat task's settings.
 #[derive(Debug, Clone)]
-pub struct HeartbeatConfig {
-    pub conninfo: ConnInfo,
-    pub slot: String,
+pub(crate) struct HeartbeatConfig {
+    pub(crate) conninfo: ConnInfo,
+    pub(crate) slot: String,
     /// Tick period.
-    pub interval: Duration,
+    pub(crate) interval: Duration,
     /// Emit the logical message on each tick (else only sample the slot).
-    pub emit: bool,
+    pub(crate) emit: bool,
 }
 
 /// Encodes a heartbeat's content: `"<pid>:<unix micros>"`.
 #[must_use]
-pub fn encode(pid: u32, sent: SystemTime) -> String {
+pub(crate) fn encode(pid: u32, sent: SystemTime) -> String {
     format!("{pid}:{}", unix_micros(sent))
 }
 
 /// Decodes a heartbeat emitted by process `pid`; `None` for another process's
 /// heartbeat or anything malformed.
 #[must_use]
-pub fn decode(content: &[u8], pid: u32) -> Option<i64> {
+pub(crate) fn decode(content: &[u8], pid: u32) -> Option<i64> {
     let text = std::str::from_utf8(content).ok()?;
     let (from, micros) = text.split_once(':')?;
     if from.parse::<u32>().ok()? != pid {
@@ -68,20 +68,20 @@ pub fn decode(content: &[u8], pid: u32) -> Option<i64> {
 
 /// Wall-clock microseconds since the Unix epoch (0 before it).
 #[must_use]
-pub fn unix_micros(at: SystemTime) -> i64 {
+pub(crate) fn unix_micros(at: SystemTime) -> i64 {
     at.duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
 /// The round trip of a heartbeat sent at `sent_micros`, seen at `now`.
 #[must_use]
-pub fn round_trip(sent_micros: i64, now: SystemTime) -> Duration {
+pub(crate) fn round_trip(sent_micros: i64, now: SystemTime) -> Duration {
     let micros = unix_micros(now).saturating_sub(sent_micros).max(0);
     Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }
 
 /// Runs until the task is aborted (the relay aborts it when it stops).
-pub async fn run(config: HeartbeatConfig) {
+pub(crate) async fn run(config: HeartbeatConfig) {
     // The first tick soon after start (the slot may be created by then), not at
     // once (it is not) nor a whole interval later (the gauges would stay empty).
     let first = tokio::time::Instant::now() + config.interval.min(Duration::from_secs(1));
@@ -95,8 +95,8 @@ pub async fn run(config: HeartbeatConfig) {
             client = crate::postgres::connect_info(&config.conninfo).await.ok();
         }
         let outcome = match &client {
-            Some(c) => beat(c, &config).await.map_err(|e| e.to_string()),
-            None => Err("cannot connect to PostgreSQL".to_owned()),
+            Some(c) => beat(c, &config).await.map_err(BeatError::Postgres),
+            None => Err(BeatError::Unreachable),
         };
         match outcome {
             Ok(()) if failing => {
@@ -114,6 +114,17 @@ pub async fn run(config: HeartbeatConfig) {
             }
         }
     }
+}
+
+/// Why a tick failed (logged once per outage).
+#[derive(Debug, thiserror::Error)]
+enum BeatError {
+    /// No metadata connection could be opened.
+    #[error("cannot connect to PostgreSQL")]
+    Unreachable,
+    /// The emit or the slot query failed.
+    #[error(transparent)]
+    Postgres(tokio_postgres::Error),
 }
 
 /// One tick: emit (when enabled), then sample the slot.

@@ -42,34 +42,34 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::error::{Error, Result};
 
 /// Counter, label `topic`: events acknowledged by the broker.
-pub const EVENTS_RELAYED: &str = "outbox_relay_events_relayed_total";
+pub(crate) const EVENTS_RELAYED: &str = "outbox_relay_events_relayed_total";
 /// Counter, label `topic`: events whose `poison_outbox` insert committed.
-pub const EVENTS_POISONED: &str = "outbox_relay_events_poisoned_total";
+pub(crate) const EVENTS_POISONED: &str = "outbox_relay_events_poisoned_total";
 /// Histogram (seconds): commit timestamp of the event's transaction to broker ack.
-pub const DELIVERY_LATENCY: &str = "outbox_relay_delivery_latency_seconds";
+pub(crate) const DELIVERY_LATENCY: &str = "outbox_relay_delivery_latency_seconds";
 /// Gauge: events produced (or being poisoned) and not yet resolved.
-pub const IN_FLIGHT_EVENTS: &str = "outbox_relay_in_flight_events";
+pub(crate) const IN_FLIGHT_EVENTS: &str = "outbox_relay_in_flight_events";
 /// Gauge: payload bytes of the in-flight events.
-pub const IN_FLIGHT_BYTES: &str = "outbox_relay_in_flight_bytes";
+pub(crate) const IN_FLIGHT_BYTES: &str = "outbox_relay_in_flight_bytes";
 /// Gauge: highest WAL position received from the server (as a number).
-pub const RECEIVED_LSN: &str = "outbox_relay_received_lsn";
+pub(crate) const RECEIVED_LSN: &str = "outbox_relay_received_lsn";
 /// Gauge: the confirmed (flush) LSN last sent to the server (as a number).
-pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
+pub(crate) const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
 /// Gauge: `pg_current_wal_lsn() - confirmed_flush_lsn` of the slot, bytes.
-pub const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
+pub(crate) const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
 /// Gauge: `pg_current_wal_lsn() - restart_lsn` of the slot: WAL the slot retains.
-pub const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
+pub(crate) const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
 /// Counter: delivery reports with a transient (retried) broker error.
-pub const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
+pub(crate) const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
 /// Counter: replication sessions lost and re-established.
-pub const RECONNECTS: &str = "outbox_relay_reconnects_total";
+pub(crate) const RECONNECTS: &str = "outbox_relay_reconnects_total";
 /// Gauge: 1 while the relay streams from its slot, else 0.
-pub const STREAMING: &str = "outbox_relay_streaming";
+pub(crate) const STREAMING: &str = "outbox_relay_streaming";
 /// Histogram (seconds): heartbeat message emitted on the metadata connection until
 /// it came back through the replication stream.
-pub const HEARTBEAT_ROUND_TRIP: &str = "outbox_relay_heartbeat_round_trip_seconds";
+pub(crate) const HEARTBEAT_ROUND_TRIP: &str = "outbox_relay_heartbeat_round_trip_seconds";
 /// Counter: heartbeats that could not be emitted (metadata connection problems).
-pub const HEARTBEAT_FAILURES: &str = "outbox_relay_heartbeat_failures_total";
+pub(crate) const HEARTBEAT_FAILURES: &str = "outbox_relay_heartbeat_failures_total";
 
 /// Latency buckets (seconds): 1 ms to 2 min.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -80,17 +80,15 @@ const LATENCY_BUCKETS: &[f64] = &[
 ///
 /// # Errors
 ///
-/// [`Error::Other`] when a recorder is already installed.
+/// [`Error::MetricsRecorder`] when a recorder is already installed.
 pub fn install_recorder() -> Result<PrometheusHandle> {
     let builder = [DELIVERY_LATENCY, HEARTBEAT_ROUND_TRIP]
         .into_iter()
         .try_fold(PrometheusBuilder::new(), |b, name| {
             b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
         })
-        .map_err(|e| Error::Other(format!("metrics: {e}")))?;
-    let handle = builder
-        .install_recorder()
-        .map_err(|e| Error::Other(format!("cannot install the metrics recorder: {e}")))?;
+        .map_err(Error::MetricsBuckets)?;
+    let handle = builder.install_recorder().map_err(Error::MetricsRecorder)?;
     describe();
     Ok(handle)
 }
@@ -161,7 +159,7 @@ impl Health {
     }
 
     /// The relay started or stopped streaming from its slot.
-    pub fn set_streaming(&self, streaming: bool, now: Instant) {
+    pub(crate) fn set_streaming(&self, streaming: bool, now: Instant) {
         if streaming && !self.0.streaming.load(Ordering::Relaxed) {
             self.0
                 .last_progress_ms
@@ -172,7 +170,7 @@ impl Health {
     }
 
     /// Records the in-flight count and whether the confirmed LSN just advanced.
-    pub fn observe(&self, pending: usize, advanced: bool, now: Instant) {
+    pub(crate) fn observe(&self, pending: usize, advanced: bool, now: Instant) {
         let pending = u64::try_from(pending).unwrap_or(u64::MAX);
         let was_idle = self.0.pending.swap(pending, Ordering::Relaxed) == 0;
         // Becoming busy starts the stall clock; so does every advance.
@@ -185,7 +183,7 @@ impl Health {
 
     /// The readiness verdict at `now`.
     #[must_use]
-    pub fn readiness(&self, now: Instant, stall: Duration) -> Readiness {
+    pub(crate) fn readiness(&self, now: Instant, stall: Duration) -> Readiness {
         let since = self
             .millis(now)
             .saturating_sub(self.0.last_progress_ms.load(Ordering::Relaxed));
@@ -200,7 +198,7 @@ impl Health {
 
 /// `/readyz`'s answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Readiness {
+pub(crate) enum Readiness {
     Ready,
     /// Not streaming: starting, reconnecting, or a standby waiting for the slot.
     NotStreaming,
@@ -214,7 +212,7 @@ pub enum Readiness {
 impl Readiness {
     /// The HTTP status and body for it.
     #[must_use]
-    pub fn response(&self) -> (StatusCode, String) {
+    pub(crate) fn response(&self) -> (StatusCode, String) {
         match self {
             Readiness::Ready => (StatusCode::OK, "ready\n".to_owned()),
             Readiness::NotStreaming => (
@@ -234,7 +232,7 @@ impl Readiness {
 
 /// Pure readiness rule (see the module doc).
 #[must_use]
-pub fn judge(
+pub(crate) fn judge(
     streaming: bool,
     pending: u64,
     since_progress: Duration,
@@ -264,7 +262,7 @@ struct ServerState {
 ///
 /// # Errors
 ///
-/// [`Error::Other`] when the address is invalid or cannot be bound.
+/// [`Error::MetricsBind`] when the address is invalid or cannot be bound.
 pub async fn serve(
     listen: &str,
     handle: PrometheusHandle,
@@ -273,10 +271,11 @@ pub async fn serve(
 ) -> Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|e| Error::Other(format!("metrics.listen = {listen:?}: cannot bind: {e}")))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::Other(format!("metrics listener: {e}")))?;
+        .map_err(|source| Error::MetricsBind {
+            listen: listen.to_owned(),
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(Error::MetricsListener)?;
     let upkeep = handle.clone();
     // Histograms are summarised lazily; upkeep keeps their memory bounded when
     // nobody scrapes.

@@ -7,7 +7,9 @@
 //! from a polling relay when the slot is created.
 
 pub mod cutover;
-pub mod heartbeat;
+pub(crate) mod heartbeat;
+mod in_flight;
+mod instruments;
 pub mod metrics;
 pub mod progress;
 pub mod session;

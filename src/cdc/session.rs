@@ -23,6 +23,10 @@
 //! transaction not yet confirmed; the in-flight window bounds the duplicates). Fatal
 //! conditions (prerequisites, authentication, invalidated slot) end the process with
 //! a distinct exit code.
+//!
+//! This file is the loop. What it keeps per in-flight event (the record to produce
+//! again, the row to poison) is in `in_flight.rs`, its metric handles in
+//! `instruments.rs`.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -30,19 +34,21 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
+use crate::cdc::in_flight::{InFlight, order_key};
+use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::Health;
-use crate::cdc::progress::{Action, Core, CoreConfig, StatusUpdate};
+use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate};
 use crate::config::Config;
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher};
-use crate::lifecycle::Shutdown;
+use crate::lifecycle::{Backoff, Shutdown, sleep_or_shutdown};
 use crate::lsn::Lsn;
-use crate::outbox::{Mapped, OutboxEvent, OutboxMapper, PoisonFields};
-use crate::poison::{PoisonOutcome, PoisonRequest, PoisonRow, PoisonWriter};
+use crate::outbox::{MapError, Mapped, OutboxMapper};
+use crate::poison::{PoisonOutcome, PoisonRequest, PoisonWriter};
 use crate::postgres::conninfo::ConnInfo;
-use crate::postgres::pgoutput::{Decoder, LogicalReplicationMessage};
+use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
 use crate::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
 use crate::postgres::replication::{ReplicationConnection, ReplicationError, ReplicationStream};
 use crate::postgres::slot::{self, SlotState};
@@ -75,34 +81,43 @@ pub struct RunSummary {
     pub reconnects: u64,
 }
 
-/// One in-flight event as the shell keeps it: what to produce, and what to write to
-/// `poison_outbox` if it never can be.
-#[derive(Debug)]
-// The large variant is the hot path (one per event); boxing it would add an
-// allocation per event to save memory on the rare unmappable row.
-#[allow(clippy::large_enum_variant)]
-enum Pending {
-    Event {
-        event: OutboxEvent,
-        /// Commit time of its transaction (µs since 2000-01-01), for the latency.
-        committed_at: i64,
-        last_error: Option<(&'static str, String)>,
-    },
-    Unmappable {
-        fields: Box<PoisonFields>,
-        error_kind: &'static str,
-        reason: String,
-        lsn: Lsn,
-    },
-}
-
 /// Why a replication session ended.
 #[derive(Debug)]
 enum SessionEnd {
     /// Graceful shutdown finished.
     Shutdown,
     /// Reconnect after this (transient) reason.
-    Lost(String),
+    Lost(Lost),
+}
+
+/// Why a session was lost: the relay reconnects and restarts from the slot, which is
+/// always safe. The text is the reason logged with "replication session lost".
+#[derive(Debug, thiserror::Error)]
+enum Lost {
+    /// The connection failed (transiently) or a status update could not be sent.
+    #[error(transparent)]
+    Connection(#[from] ReplicationError),
+    /// The server ended the CopyBoth stream.
+    #[error("the server ended the replication stream")]
+    StreamEnded,
+    /// A frame could not be trusted.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+/// A replication frame the relay cannot make sense of: the stream is inconsistent
+/// from here on, so the session ends (see [`Relay::on_frame`]).
+#[derive(Debug, thiserror::Error)]
+enum FrameError {
+    /// The XLogData payload is not a pgoutput message.
+    #[error("undecodable pgoutput message: {0}")]
+    Decode(#[source] DecodeError),
+    /// An Insert does not match the relation it names.
+    #[error(transparent)]
+    Map(#[from] MapError),
+    /// The transaction framing was violated (or the window contract, by us).
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
 }
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
@@ -123,7 +138,7 @@ pub async fn run_with_health(
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
     tracing::info!(
         server_version = %prerequisites.server_version,
-        wal_sender_timeout_ms = prerequisites.wal_sender_timeout.as_millis() as u64,
+        wal_sender_timeout_ms = millis(prerequisites.wal_sender_timeout),
         "connected to PostgreSQL"
     );
 
@@ -133,8 +148,7 @@ pub async fn run_with_health(
     publisher.check_broker(Duration::from_secs(10)).await?;
     tracing::info!(brokers = %config.kafka.brokers, "connected to Kafka");
 
-    let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())
-        .map_err(|e| Error::Config(crate::config::ConfigError::Invalid(e.to_string())))?;
+    let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
 
     let (poison_tx, poison_rx) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let (outcome_tx, outcomes) = mpsc::channel(config.relay.max_in_flight_events.max(1));
@@ -189,7 +203,7 @@ async fn connect_when_reachable(
     conninfo: &ConnInfo,
     shutdown: &mut Shutdown,
 ) -> Result<Option<tokio_postgres::Client>> {
-    let mut delay = RECONNECT_BACKOFF_INITIAL;
+    let mut backoff = Backoff::new(RECONNECT_BACKOFF_INITIAL, RECONNECT_BACKOFF_MAX);
     let mut logged = false;
     loop {
         match crate::postgres::connect_info(conninfo).await {
@@ -202,12 +216,9 @@ async fn connect_when_reachable(
             }
             Err(e) => return Err(e),
         }
-        tokio::select! {
-            biased;
-            () = &mut *shutdown => return Ok(None),
-            () = tokio::time::sleep(delay) => {}
+        if sleep_or_shutdown(shutdown, backoff.next_pause()).await {
+            return Ok(None);
         }
-        delay = (delay * 2).min(RECONNECT_BACKOFF_MAX);
     }
 }
 
@@ -220,57 +231,11 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Metric handles, registered once so the hot path only touches atomics.
-struct Instruments {
-    in_flight_events: ::metrics::Gauge,
-    in_flight_bytes: ::metrics::Gauge,
-    received: ::metrics::Gauge,
-    confirmed: ::metrics::Gauge,
-    latency: ::metrics::Histogram,
-    transient_errors: ::metrics::Counter,
-    reconnects: ::metrics::Counter,
-    heartbeat_round_trip: ::metrics::Histogram,
-    /// `(relayed, poisoned)` counters per topic.
-    per_topic: HashMap<String, (::metrics::Counter, ::metrics::Counter)>,
-    /// The confirmed LSN at the last [`Relay::observe`], to tell an advance.
-    last_confirmed: Lsn,
-}
-
-impl Instruments {
-    fn new() -> Self {
-        use crate::cdc::metrics as m;
-        Instruments {
-            in_flight_events: ::metrics::gauge!(m::IN_FLIGHT_EVENTS),
-            in_flight_bytes: ::metrics::gauge!(m::IN_FLIGHT_BYTES),
-            received: ::metrics::gauge!(m::RECEIVED_LSN),
-            confirmed: ::metrics::gauge!(m::CONFIRMED_LSN),
-            latency: ::metrics::histogram!(m::DELIVERY_LATENCY),
-            transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
-            reconnects: ::metrics::counter!(m::RECONNECTS),
-            heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
-            per_topic: HashMap::new(),
-            last_confirmed: Lsn::ZERO,
-        }
-    }
-
-    fn topic(&mut self, topic: &str) -> &(::metrics::Counter, ::metrics::Counter) {
-        if !self.per_topic.contains_key(topic) {
-            let label = topic.to_owned();
-            let counters = (
-                ::metrics::counter!(crate::cdc::metrics::EVENTS_RELAYED, "topic" => label.clone()),
-                ::metrics::counter!(crate::cdc::metrics::EVENTS_POISONED, "topic" => label.clone()),
-            );
-            self.per_topic.insert(label, counters);
-        }
-        &self.per_topic[topic]
-    }
-}
-
 struct Relay {
     config: Config,
     conninfo: ConnInfo,
     core: Core,
-    pending: HashMap<EventId, Pending>,
+    pending: HashMap<EventId, InFlight>,
     mapper: OutboxMapper,
     publisher: Publisher,
     reports: mpsc::Receiver<DeliveryReport>,
@@ -292,7 +257,7 @@ struct Relay {
 
 impl Relay {
     async fn run(&mut self, mut shutdown: Shutdown) -> Result<RunSummary> {
-        let mut backoff = RECONNECT_BACKOFF_INITIAL;
+        let mut backoff = Backoff::new(RECONNECT_BACKOFF_INITIAL, RECONNECT_BACKOFF_MAX);
         let mut first = true;
         loop {
             let stream = tokio::select! {
@@ -304,13 +269,11 @@ impl Relay {
             let stream = match stream {
                 Ok(stream) => stream,
                 Err(e) if e.class() == ErrorClass::Transient => {
-                    tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot start replication; retrying");
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => return Ok(self.summary.clone()),
-                        () = tokio::time::sleep(backoff) => {}
+                    let pause = backoff.next_pause();
+                    tracing::warn!(error = %e, retry_in_ms = millis(pause), "cannot start replication; retrying");
+                    if sleep_or_shutdown(&mut shutdown, pause).await {
+                        return Ok(self.summary.clone());
                     }
-                    backoff = (backoff * 2).min(RECONNECT_BACKOFF_MAX);
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -322,13 +285,12 @@ impl Relay {
                 SessionEnd::Shutdown => return Ok(self.summary.clone()),
                 SessionEnd::Lost(reason) => {
                     self.summary.reconnects += 1;
-                    self.instruments.reconnects.increment(1);
+                    self.instruments.reconnect();
                     tracing::warn!(%reason, confirmed = %self.core.confirmed(), "replication session lost; reconnecting");
-                    backoff = RECONNECT_BACKOFF_INITIAL;
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => return Ok(self.summary.clone()),
-                        () = tokio::time::sleep(backoff) => {}
+                    // A session that streamed starts the backoff over.
+                    backoff.reset();
+                    if sleep_or_shutdown(&mut shutdown, backoff.peek()).await {
+                        return Ok(self.summary.clone());
                     }
                 }
             }
@@ -402,7 +364,7 @@ impl Relay {
                 // Lost a race for the slot (e.g. with the walsender of a relay that
                 // just died): retry; wait_for_slot applies the busy timeout.
                 if e.is_slot_in_use() {
-                    Error::Transient(e.to_string())
+                    Error::RelaySlotTaken(e)
                 } else {
                     replication_error(e)
                 }
@@ -421,9 +383,9 @@ impl Relay {
         tokio::pin!(timer);
         loop {
             if let Err(e) = self.execute_actions(&mut stream).await {
-                return Ok(SessionEnd::Lost(e.to_string()));
+                return Ok(SessionEnd::Lost(e.into()));
             }
-            self.observe();
+            self.instruments.observe(&self.core, &self.health);
             if let Some(deadline) = self.core.next_deadline() {
                 timer
                     .as_mut()
@@ -438,7 +400,7 @@ impl Relay {
                 }
                 report = self.reports.recv() => {
                     let Some(report) = report else {
-                        return Err(Error::Other("the producer's delivery channel closed".into()));
+                        return Err(Error::RelayReportsClosed);
                     };
                     self.on_report(report)?;
                     while let Ok(report) = self.reports.try_recv() {
@@ -447,7 +409,7 @@ impl Relay {
                 }
                 outcome = self.outcomes.recv() => {
                     let Some(outcome) = outcome else {
-                        return Err(Error::Other("the poison writer stopped".into()));
+                        return Err(Error::RelayPoisonWriterStopped);
                     };
                     self.on_poison_outcome(outcome);
                 }
@@ -458,11 +420,11 @@ impl Relay {
                     match frame {
                         Ok(Some(frame)) => {
                             if let Err(reason) = self.on_frame(frame) {
-                                return Ok(SessionEnd::Lost(reason));
+                                return Ok(SessionEnd::Lost(reason.into()));
                             }
                         }
-                        Ok(None) => return Ok(SessionEnd::Lost("the server ended the replication stream".into())),
-                        Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.to_string())),
+                        Ok(None) => return Ok(SessionEnd::Lost(Lost::StreamEnded)),
+                        Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
                         Err(e) => return Err(replication_error(e)),
                     }
                 }
@@ -472,14 +434,14 @@ impl Relay {
 
     /// Handles one frame of the CopyBoth stream. An `Err` ends the session (the
     /// stream is inconsistent; restarting from the slot is always safe).
-    fn on_frame(&mut self, frame: ServerFrame) -> std::result::Result<(), String> {
+    fn on_frame(&mut self, frame: ServerFrame) -> std::result::Result<(), FrameError> {
         let now = Instant::now();
         match frame {
             ServerFrame::XLogData { wal_end, data, .. } => {
                 self.core.received(wal_end);
                 let message = Decoder::new(PROTO_VERSION)
                     .decode(data)
-                    .map_err(|e| format!("undecodable pgoutput message: {e}"))?;
+                    .map_err(FrameError::Decode)?;
                 self.on_message(message, now)
             }
             ServerFrame::Keepalive {
@@ -497,35 +459,28 @@ impl Relay {
         &mut self,
         message: LogicalReplicationMessage,
         now: Instant,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), FrameError> {
         match message {
             LogicalReplicationMessage::Begin(begin) => {
                 tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
                 self.current_commit_lsn = begin.final_lsn;
                 self.current_commit_time = begin.commit_time;
-                self.core
-                    .begin(begin.final_lsn, begin.xid)
-                    .map_err(|e| e.to_string())
+                Ok(self.core.begin(begin.final_lsn, begin.xid)?)
             }
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
-                self.core
-                    .commit(commit.commit_lsn, commit.end_lsn, now)
-                    .map_err(|e| e.to_string())
+                Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
                 self.mapper.on_relation(&relation);
                 Ok(())
             }
             LogicalReplicationMessage::Insert(insert) => {
-                let mapped = self
-                    .mapper
-                    .map_insert(&insert, self.current_commit_lsn)
-                    .map_err(|e| e.to_string())?;
-                self.admit(mapped, now)
+                let mapped = self.mapper.map_insert(&insert, self.current_commit_lsn)?;
+                Ok(self.admit(mapped, now)?)
             }
             LogicalReplicationMessage::Message(message) => {
-                self.on_logical_message(&message);
+                self.instruments.logical_message(&message);
                 Ok(())
             }
             // Updates, deletes and truncates of the outbox are not events (the
@@ -535,17 +490,16 @@ impl Relay {
         }
     }
 
-    fn admit(&mut self, mapped: Mapped, now: Instant) -> std::result::Result<(), String> {
+    fn admit(&mut self, mapped: Mapped, now: Instant) -> std::result::Result<(), ProtocolError> {
         match mapped {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
                 let id = self
                     .core
-                    .admit_keyed(event.byte_size(), Some(order_key(&event)), now)
-                    .map_err(|e| e.to_string())?;
+                    .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
                 self.pending.insert(
                     id,
-                    Pending::Event {
+                    InFlight::Event {
                         event,
                         committed_at: self.current_commit_time,
                         last_error: None,
@@ -555,13 +509,10 @@ impl Relay {
             }
             Mapped::Unmappable(row) => {
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
-                let id = self
-                    .core
-                    .admit_unmappable(size)
-                    .map_err(|e| e.to_string())?;
+                let id = self.core.admit_unmappable(size)?;
                 self.pending.insert(
                     id,
-                    Pending::Unmappable {
+                    InFlight::Unmappable {
                         fields: Box::new(row.fields),
                         error_kind: row.error_kind,
                         reason: row.reason,
@@ -581,19 +532,24 @@ impl Relay {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
                 if let Some(pending) = self.pending.remove(&report.id) {
                     self.summary.delivered += 1;
-                    self.count_delivered(&pending);
+                    if let InFlight::Event {
+                        event,
+                        committed_at,
+                        ..
+                    } = &pending
+                    {
+                        self.instruments.delivered(&event.topic, *committed_at);
+                    }
                 }
                 self.core.delivered(report.id, now);
             }
             Err((code, message)) => {
                 if fatal {
-                    return Err(Error::BrokerUnavailable(format!(
-                        "the producer hit a fatal error: {message}"
-                    )));
+                    return Err(Error::RelayProducerFatal { code, message });
                 }
                 let failure = kafka::classify(code);
                 if failure == Failure::Transient {
-                    self.instruments.transient_errors.increment(1);
+                    self.instruments.transient_error();
                 }
                 self.record_failure(report.id, kafka::error_kind(code), &message, failure);
                 self.core.delivery_failed(report.id, failure, now);
@@ -603,7 +559,7 @@ impl Relay {
     }
 
     fn record_failure(&mut self, id: EventId, kind: &'static str, message: &str, failure: Failure) {
-        if let Some(Pending::Event {
+        if let Some(InFlight::Event {
             last_error, event, ..
         }) = self.pending.get_mut(&id)
         {
@@ -620,69 +576,11 @@ impl Relay {
             Ok(()) => {
                 if let Some(pending) = self.pending.remove(&outcome.id) {
                     self.summary.poisoned += 1;
-                    self.count_poisoned(&pending);
+                    self.instruments.poisoned(pending.topic());
                 }
                 self.core.poison_committed(outcome.id, now);
             }
             Err(_) => self.core.poison_insert_failed(outcome.id, now),
-        }
-    }
-
-    /// A logical-decoding message: our own heartbeat gives the round trip; any
-    /// other message (other prefixes, other relays' heartbeats) is ignored.
-    fn on_logical_message(&mut self, message: &crate::postgres::pgoutput::LogicalDecodingMessage) {
-        if message.prefix.as_bytes() != heartbeat::PREFIX.as_bytes() {
-            return;
-        }
-        if let Some(sent) = heartbeat::decode(&message.content, std::process::id()) {
-            let rtt = heartbeat::round_trip(sent, std::time::SystemTime::now());
-            tracing::trace!(rtt_ms = rtt.as_secs_f64() * 1000.0, "heartbeat");
-            self.instruments
-                .heartbeat_round_trip
-                .record(rtt.as_secs_f64());
-        }
-    }
-
-    fn count_delivered(&mut self, pending: &Pending) {
-        if let Pending::Event {
-            event,
-            committed_at,
-            ..
-        } = pending
-        {
-            let now = pg_epoch_micros(std::time::SystemTime::now());
-            let micros = now.saturating_sub(*committed_at).max(0);
-            // Lossless enough: latencies are far below 2^53 µs.
-            #[allow(clippy::cast_precision_loss)]
-            let seconds = micros as f64 / 1e6;
-            self.instruments.latency.record(seconds);
-            self.instruments.topic(&event.topic).0.increment(1);
-        }
-    }
-
-    fn count_poisoned(&mut self, pending: &Pending) {
-        let topic = match pending {
-            Pending::Event { event, .. } => event.topic.as_str(),
-            // Unmappable rows have no topic (that may be why they are poison).
-            Pending::Unmappable { .. } => "",
-        };
-        self.instruments.topic(topic).1.increment(1);
-    }
-
-    /// Publishes the window and positions to the gauges and the health state.
-    fn observe(&mut self) {
-        let confirmed = self.core.confirmed();
-        let in_flight = self.core.in_flight_events();
-        let advanced = confirmed > self.instruments.last_confirmed;
-        self.instruments.last_confirmed = confirmed;
-        self.health.observe(in_flight, advanced, Instant::now());
-        let i = &self.instruments;
-        #[allow(clippy::cast_precision_loss)]
-        {
-            i.in_flight_events.set(in_flight as f64);
-            i.in_flight_bytes.set(self.core.in_flight_bytes() as f64);
-            i.received.set(self.core.written().as_u64() as f64);
-            i.confirmed.set(confirmed.as_u64() as f64);
         }
     }
 
@@ -706,7 +604,7 @@ impl Relay {
     }
 
     fn produce(&mut self, id: EventId) {
-        let Some(Pending::Event { event, .. }) = self.pending.get(&id) else {
+        let Some(InFlight::Event { event, .. }) = self.pending.get(&id) else {
             return;
         };
         tracing::trace!(%id, topic = %event.topic, "produce");
@@ -722,34 +620,7 @@ impl Relay {
         let Some(pending) = self.pending.get(&id) else {
             return;
         };
-        let row = match pending {
-            Pending::Event {
-                event, last_error, ..
-            } => {
-                let (kind, error) = last_error
-                    .clone()
-                    .unwrap_or(("unknown", "delivery failed".to_owned()));
-                PoisonRow {
-                    fields: event.poison_fields(),
-                    error,
-                    error_kind: kind.to_owned(),
-                    attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
-                    lsn: event.source_lsn,
-                }
-            }
-            Pending::Unmappable {
-                fields,
-                error_kind,
-                reason,
-                lsn,
-            } => PoisonRow {
-                fields: (**fields).clone(),
-                error: reason.clone(),
-                error_kind: (*error_kind).to_owned(),
-                attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
-                lsn: Some(*lsn),
-            },
-        };
+        let row = pending.poison_row(attempts);
         // The channel holds one request per in-flight event at most, so it is never
         // full; if it were, the core retries after a backoff.
         if self.poison_tx.try_send(PoisonRequest { id, row }).is_err() {
@@ -823,14 +694,9 @@ async fn send_status(
     stream.send_status(&frame).await
 }
 
-/// What per-key order is kept for: the record key within its topic. A hash
-/// collision only holds an unrelated event a little longer (see `Core::admit_keyed`).
-fn order_key(event: &OutboxEvent) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    event.topic.hash(&mut h);
-    event.key.hash(&mut h);
-    h.finish()
+/// A pause in whole milliseconds, for logs.
+fn millis(pause: Duration) -> u64 {
+    u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn replication_error(e: ReplicationError) -> Error {

@@ -1,0 +1,285 @@
+//! The [`Core`]'s state and its outputs ([`Action`], [`StatusUpdate`]).
+//!
+//! All of the core's state is one struct, so that every input sees and leaves a
+//! consistent whole (the tests check its invariants after every call). Its behaviour is
+//! split by concern: the ack tracker and watermark in `tracker.rs`, each event's
+//! produce / retry / poison life in `events.rs`, status-update timing in `status.rs`.
+//! This file holds the state, its construction, and what the shell drains and asks.
+//!
+//! # Bounded memory
+//!
+//! Events: at most `max_in_flight_events` (admitting into a full window is an error, and
+//! a single event of any size is admitted into an empty window, so there is no deadlock).
+//! Transactions: an entry whose last event resolves after its `Commit` is merged into the
+//! entry before it (or popped, at the front), and a transaction with no outbox event
+//! (other tables only) resolves at its `Commit` the same way, so every queued entry except
+//! the open one holds at least one in-flight event: at most `max_in_flight_events + 1`
+//! entries, however many transactions are read. Actions: at most one live action per
+//! in-flight event, and status updates are coalesced into one.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Instant;
+
+use super::config::CoreConfig;
+use crate::delivery::EventId;
+use crate::lsn::Lsn;
+
+/// A standby status update (`'r'`) as the shell must send it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusUpdate {
+    /// Highest WAL position received (never below `flush`).
+    pub write: Lsn,
+    /// The confirmed watermark: everything before it is resolved.
+    pub flush: Lsn,
+    /// Same as `flush`.
+    pub apply: Lsn,
+    /// Always `false`: the relay never asks the server for an immediate keepalive.
+    pub reply_requested: bool,
+}
+
+/// Something the shell must do, drained with [`Core::next_action`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Produce (again) the record of `id`; report with [`Core::delivered`] or
+    /// [`Core::delivery_failed`]. `attempt` counts produces of this event, from 1.
+    Produce { id: EventId, attempt: u32 },
+    /// Write the event to `poison_outbox`; call [`Core::poison_committed`] once that
+    /// database transaction committed, or [`Core::poison_insert_failed`] if it did not.
+    InsertPoison { id: EventId, attempts: u32 },
+    /// Send this standby status update now, whether or not the reader is paused.
+    SendStatus(StatusUpdate),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct OpenTx {
+    pub(super) xid: u32,
+    pub(super) final_lsn: Lsn,
+    pub(super) seq: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TxEntry {
+    /// `None` while the transaction is open.
+    pub(super) end_lsn: Option<Lsn>,
+    /// Events of this entry not yet resolved.
+    pub(super) pending: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Then {
+    Produce,
+    InsertPoison,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EventState {
+    /// A produce of this attempt is requested or outstanding.
+    Producing { attempt: u32 },
+    /// Waiting for a retry deadline.
+    Backoff { until: Instant, then: Then },
+    /// A poison insert is requested or outstanding.
+    Poisoning,
+    /// Not produced yet: an earlier event of the same key is being retried (see
+    /// "Per-key order" in `events.rs`). Released in admission order.
+    Held,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Event {
+    pub(super) tx: u64,
+    pub(super) bytes: usize,
+    /// Produces issued (1 for an unmappable row: its one mapping attempt).
+    pub(super) attempts: u32,
+    pub(super) permanent_failures: u32,
+    /// Transient failures (produce or poison insert), for the backoff exponent.
+    pub(super) transient_failures: u32,
+    pub(super) state: EventState,
+    /// The record key's hash, when per-key order is to be kept.
+    pub(super) key: Option<u64>,
+    /// A delivery of it failed at least once (it then blocks its key until resolved).
+    pub(super) failed: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Pending {
+    Produce { id: EventId, attempt: u32 },
+    InsertPoison { id: EventId },
+}
+
+/// The sans-IO relay core. See the module documentation of `crate::cdc::progress`.
+#[derive(Debug)]
+pub struct Core {
+    pub(super) cfg: CoreConfig,
+    /// The watermark: every transaction committed before it is resolved.
+    pub(super) confirmed: Lsn,
+    /// Highest WAL position received (status `write`).
+    pub(super) written: Lsn,
+    /// `flush` of the last status built; statuses never go below it.
+    pub(super) reported_flush: Lsn,
+    pub(super) last_status_at: Instant,
+    pub(super) status_due: bool,
+    /// Events resolved since the last status was built: a status is due at once when
+    /// a window's worth piled up, which bounds what a crash can make the server
+    /// re-send to the window plus this count.
+    pub(super) resolved_since_status: usize,
+    pub(super) open: Option<OpenTx>,
+    pub(super) last_commit_end: Option<Lsn>,
+    /// Transactions in commit order, keyed by a sequence number.
+    pub(super) txs: BTreeMap<u64, TxEntry>,
+    pub(super) next_tx_seq: u64,
+    pub(super) events: BTreeMap<EventId, Event>,
+    pub(super) next_event_id: u64,
+    pub(super) in_flight_bytes: usize,
+    pub(super) retries: BTreeSet<(Instant, EventId)>,
+    pub(super) actions: VecDeque<Pending>,
+    /// Keys with events that failed and are not resolved yet, and how many.
+    pub(super) blocked_keys: HashMap<u64, u32>,
+    /// Events of a blocked key admitted after the block, in admission order.
+    pub(super) held: HashMap<u64, VecDeque<EventId>>,
+}
+
+impl Core {
+    /// A core for a replication stream started from `confirmed`, the slot's
+    /// `confirmed_flush_lsn` (what the server will resume from).
+    #[must_use]
+    pub fn new(cfg: CoreConfig, confirmed: Lsn, now: Instant) -> Self {
+        Self {
+            cfg: cfg.normalized(),
+            confirmed,
+            written: confirmed,
+            reported_flush: confirmed,
+            last_status_at: now,
+            status_due: false,
+            resolved_since_status: 0,
+            open: None,
+            last_commit_end: None,
+            txs: BTreeMap::new(),
+            next_tx_seq: 0,
+            events: BTreeMap::new(),
+            next_event_id: 1,
+            in_flight_bytes: 0,
+            retries: BTreeSet::new(),
+            actions: VecDeque::new(),
+            blocked_keys: HashMap::new(),
+            held: HashMap::new(),
+        }
+    }
+
+    /// A fresh core for a new replication connection in the same process (after the
+    /// previous connection was lost). In-flight events are forgotten — the server re-sends
+    /// their transactions — but event ids continue, so late delivery reports for the old
+    /// core's events are recognised as unknown and ignored instead of resolving a new event
+    /// that happened to get the same id. The watermark is the higher of `slot_confirmed`
+    /// and what this core had already confirmed (both are durable facts).
+    #[must_use]
+    pub fn restart(self, slot_confirmed: Lsn, now: Instant) -> Self {
+        let mut next = Self::new(self.cfg, slot_confirmed.max(self.confirmed), now);
+        next.reported_flush = next.reported_flush.max(self.reported_flush);
+        next.written = next.written.max(self.written);
+        next.next_event_id = self.next_event_id;
+        next
+    }
+
+    /// The normalised configuration in use.
+    #[must_use]
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    /// The next thing to do, status updates first. Requests made stale by later reports
+    /// are skipped.
+    pub fn next_action(&mut self) -> Option<Action> {
+        if self.status_due {
+            self.status_due = false;
+            return Some(Action::SendStatus(self.build_status()));
+        }
+        while let Some(pending) = self.actions.pop_front() {
+            match pending {
+                Pending::Produce { id, attempt } => {
+                    if let Some(event) = self.events.get(&id)
+                        && event.state == (EventState::Producing { attempt })
+                    {
+                        return Some(Action::Produce { id, attempt });
+                    }
+                }
+                Pending::InsertPoison { id } => {
+                    if let Some(event) = self.events.get(&id)
+                        && event.state == EventState::Poisoning
+                    {
+                        return Some(Action::InsertPoison {
+                            id,
+                            attempts: event.attempts,
+                        });
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The earliest instant at which [`Core::tick`] has work. `None` only if a status is
+    /// already due (drain [`Core::next_action`]) and no retry is waiting.
+    #[must_use]
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let status = if self.status_due {
+            None
+        } else {
+            self.status_deadline()
+        };
+        let retry = self.retries.first().map(|&(at, _)| at);
+        match (status, retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether the shell may read the next replication message: false while the in-flight
+    /// window is full (events or bytes). Status updates do not depend on it.
+    #[must_use]
+    pub fn can_read(&self) -> bool {
+        self.events.len() < self.cfg.max_in_flight_events
+            && self.in_flight_bytes < self.cfg.max_in_flight_bytes
+    }
+
+    /// The watermark: every transaction committed before it is acked or poisoned.
+    #[must_use]
+    pub fn confirmed(&self) -> Lsn {
+        self.confirmed
+    }
+
+    /// Highest WAL position received.
+    #[must_use]
+    pub fn written(&self) -> Lsn {
+        self.written.max(self.confirmed)
+    }
+
+    /// Events admitted and not yet resolved.
+    #[must_use]
+    pub fn in_flight_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Bytes of the events admitted and not yet resolved.
+    #[must_use]
+    pub fn in_flight_bytes(&self) -> usize {
+        self.in_flight_bytes
+    }
+
+    /// Transactions held by the ack tracker (at most `max_in_flight_events + 1`).
+    #[must_use]
+    pub fn pending_transactions(&self) -> usize {
+        self.txs.len()
+    }
+
+    /// Whether a transaction is open (`Begin` read, `Commit` not yet).
+    #[must_use]
+    pub fn in_transaction(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// Nothing open, nothing in flight: everything received is resolved.
+    #[must_use]
+    pub fn is_idle(&self) -> bool {
+        self.open.is_none() && self.txs.is_empty() && self.events.is_empty()
+    }
+}

@@ -1,0 +1,285 @@
+//! Each event's life in the window: produced, retried after a failure, poisoned, and
+//! resolved; and the per-key hold that keeps retries in order.
+//!
+//! # Why a poisoned event counts only once its insert committed
+//!
+//! "Resolved" means durable somewhere: acked by the broker with `acks=all`, or a committed
+//! row in `poison_outbox`. Emitting [`Action::InsertPoison`](super::Action::InsertPoison) is only a
+//! request; if the relay crashed after confirming past the event but before the poison transaction
+//! committed, the row would be in neither place and the slot would never send it again —
+//! a silent loss. For the same reason a produce counts when it is *acked*, not when it is
+//! sent.
+//!
+//! # Reports that match nothing are ignored
+//!
+//! A delivery report or poison commit for an id the core does not know, or for an event
+//! that is not waiting for that kind of report (a duplicate report, a report for a
+//! previous core's event after a reconnect, a late report after a retry was scheduled),
+//! is ignored. Counting it would decrement the `pending` count of a transaction whose
+//! event is still unresolved, and the watermark could pass that event. Ignoring a report
+//! can only *delay* a confirmation: the event stays pending until the report it is
+//! actually waiting for arrives.
+//!
+//! # Per-key order and application-level retries
+//!
+//! First produces are issued in commit order, and the idempotent producer keeps them in
+//! order per partition through its own retries. A delivery the producer gives up on (a
+//! per-record error such as `MessageSizeTooLarge`) is retried here, and a retry could
+//! overtake nothing only if no later event of the key were produced meanwhile. So from
+//! the moment an event fails, later events of its key ([`Core::admit_keyed`]) are
+//! *held* — admitted, counted in the window, not produced — until it is delivered or
+//! poisoned; then they are produced in order. What this cannot undo: events of the key
+//! produced *before* the failure was reported (at most the producer's in-flight
+//! requests for that partition) may land before the retried event. A poisoned event is
+//! out of order by nature when replayed.
+
+use std::time::{Duration, Instant};
+
+use super::core::{Core, Event, EventState, Pending, Then, TxEntry};
+use super::error::ProtocolError;
+use crate::delivery::{EventId, Failure};
+
+impl Core {
+    /// One outbox event of the open transaction, `bytes` long (key + value + headers).
+    /// Queues [`Action::Produce`](super::Action::Produce) with attempt 1.
+    ///
+    /// Errors: [`ProtocolError::ChangeOutsideTransaction`] without a `Begin`;
+    /// [`ProtocolError::WindowFull`] if called while [`Core::can_read`] is false.
+    pub fn admit(&mut self, bytes: usize, now: Instant) -> Result<EventId, ProtocolError> {
+        self.admit_keyed(bytes, None, now)
+    }
+
+    /// [`Core::admit`] for a record whose key hashes to `key`: while an earlier event
+    /// of that key is being retried, this one is held (no produce) until the earlier
+    /// one is delivered or poisoned, so it cannot overtake it.
+    pub fn admit_keyed(
+        &mut self,
+        bytes: usize,
+        key: Option<u64>,
+        now: Instant,
+    ) -> Result<EventId, ProtocolError> {
+        let blocked = key.is_some_and(|k| self.blocked_keys.contains_key(&k));
+        let state = if blocked {
+            EventState::Held
+        } else {
+            EventState::Producing { attempt: 1 }
+        };
+        let id = self.admit_event(bytes, state)?;
+        if let Some(event) = self.events.get_mut(&id) {
+            event.key = key;
+        }
+        match key {
+            Some(k) if blocked => self.held.entry(k).or_default().push_back(id),
+            _ => self.actions.push_back(Pending::Produce { id, attempt: 1 }),
+        }
+        self.poll_status(now);
+        Ok(id)
+    }
+
+    /// A row of the open transaction that cannot be mapped to a record (null key, bad
+    /// column type): queues [`Action::InsertPoison`](super::Action::InsertPoison) straight away, with `attempts` 1.
+    /// It occupies the window until [`Core::poison_committed`]. Errors as for
+    /// [`Core::admit`].
+    pub fn admit_unmappable(&mut self, bytes: usize) -> Result<EventId, ProtocolError> {
+        let id = self.admit_event(bytes, EventState::Poisoning)?;
+        self.actions.push_back(Pending::InsertPoison { id });
+        Ok(id)
+    }
+
+    fn admit_event(&mut self, bytes: usize, state: EventState) -> Result<EventId, ProtocolError> {
+        let Some(open) = self.open else {
+            return Err(ProtocolError::ChangeOutsideTransaction);
+        };
+        if !self.can_read() {
+            return Err(ProtocolError::WindowFull {
+                events: self.events.len(),
+                bytes: self.in_flight_bytes,
+            });
+        }
+        let id = EventId::from_raw(self.next_event_id);
+        self.next_event_id = self.next_event_id.wrapping_add(1);
+        self.txs
+            .entry(open.seq)
+            .or_insert(TxEntry {
+                end_lsn: None,
+                pending: 0,
+            })
+            .pending += 1;
+        self.events.insert(
+            id,
+            Event {
+                tx: open.seq,
+                bytes,
+                attempts: 1,
+                permanent_failures: 0,
+                transient_failures: 0,
+                state,
+                key: None,
+                failed: false,
+            },
+        );
+        self.in_flight_bytes = self.in_flight_bytes.saturating_add(bytes);
+        Ok(id)
+    }
+
+    /// The broker acked the record of `id`. Ignored unless a produce of `id` is outstanding.
+    pub fn delivered(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get(&id)
+            && matches!(event.state, EventState::Producing { .. })
+        {
+            self.resolve(id);
+        }
+        self.poll_status(now);
+    }
+
+    /// The broker gave up on the record of `id`. Ignored unless a produce of `id` is
+    /// outstanding.
+    ///
+    /// Permanent: produced again at once, until `max_attempts` permanent failures, then
+    /// poisoned. Transient: produced again after an exponential backoff, never poisoned.
+    pub fn delivery_failed(&mut self, id: EventId, failure: Failure, now: Instant) {
+        let max_attempts = self.cfg.max_attempts;
+        let delay_base = (self.cfg.retry_backoff_initial, self.cfg.retry_backoff_max);
+        if let Some(event) = self.events.get_mut(&id)
+            && matches!(event.state, EventState::Producing { .. })
+        {
+            if !event.failed {
+                event.failed = true;
+                if let Some(k) = event.key {
+                    *self.blocked_keys.entry(k).or_default() += 1;
+                }
+            }
+            match failure {
+                Failure::Permanent => {
+                    event.permanent_failures = event.permanent_failures.saturating_add(1);
+                    if event.permanent_failures >= max_attempts {
+                        event.state = EventState::Poisoning;
+                        self.actions.push_back(Pending::InsertPoison { id });
+                    } else {
+                        event.attempts = event.attempts.saturating_add(1);
+                        let attempt = event.attempts;
+                        event.state = EventState::Producing { attempt };
+                        self.actions.push_back(Pending::Produce { id, attempt });
+                    }
+                }
+                Failure::Transient => {
+                    event.transient_failures = event.transient_failures.saturating_add(1);
+                    let until = deadline(now, backoff(delay_base, event.transient_failures));
+                    event.state = EventState::Backoff {
+                        until,
+                        then: Then::Produce,
+                    };
+                    self.retries.insert((until, id));
+                }
+            }
+        }
+        self.poll_status(now);
+    }
+
+    /// The `poison_outbox` insert for `id` committed: the event is resolved. Ignored
+    /// unless a poison insert of `id` is outstanding.
+    pub fn poison_committed(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get(&id)
+            && event.state == EventState::Poisoning
+        {
+            self.resolve(id);
+        }
+        self.poll_status(now);
+    }
+
+    /// The `poison_outbox` insert for `id` failed (database unreachable…): requested
+    /// again after a backoff. Ignored unless a poison insert of `id` is outstanding.
+    pub fn poison_insert_failed(&mut self, id: EventId, now: Instant) {
+        let delay_base = (self.cfg.retry_backoff_initial, self.cfg.retry_backoff_max);
+        if let Some(event) = self.events.get_mut(&id)
+            && event.state == EventState::Poisoning
+        {
+            event.transient_failures = event.transient_failures.saturating_add(1);
+            let until = deadline(now, backoff(delay_base, event.transient_failures));
+            event.state = EventState::Backoff {
+                until,
+                then: Then::InsertPoison,
+            };
+            self.retries.insert((until, id));
+        }
+        self.poll_status(now);
+    }
+
+    /// Runs the timers due at `now`: retry backoffs and the status interval.
+    pub fn tick(&mut self, now: Instant) {
+        while let Some(&(at, id)) = self.retries.first() {
+            if at > now {
+                break;
+            }
+            self.retries.pop_first();
+            if let Some(event) = self.events.get_mut(&id)
+                && let EventState::Backoff { until, then } = event.state
+                && until == at
+            {
+                match then {
+                    Then::Produce => {
+                        event.attempts = event.attempts.saturating_add(1);
+                        let attempt = event.attempts;
+                        event.state = EventState::Producing { attempt };
+                        self.actions.push_back(Pending::Produce { id, attempt });
+                    }
+                    Then::InsertPoison => {
+                        event.state = EventState::Poisoning;
+                        self.actions.push_back(Pending::InsertPoison { id });
+                    }
+                }
+            }
+        }
+        self.poll_status(now);
+    }
+
+    /// Removes a resolved event and settles its transaction.
+    fn resolve(&mut self, id: EventId) {
+        let Some(event) = self.events.remove(&id) else {
+            return;
+        };
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(event.bytes);
+        self.resolved_since_status = self.resolved_since_status.saturating_add(1);
+        if event.failed
+            && let Some(k) = event.key
+        {
+            self.unblock(k);
+        }
+        if let Some(entry) = self.txs.get_mut(&event.tx) {
+            entry.pending = entry.pending.saturating_sub(1);
+        }
+        self.settle(event.tx);
+    }
+
+    /// One failed event of key `k` resolved; when it was the last, the held events of
+    /// `k` are produced, in admission order.
+    fn unblock(&mut self, k: u64) {
+        let Some(count) = self.blocked_keys.get_mut(&k) else {
+            return;
+        };
+        *count = count.saturating_sub(1);
+        if *count > 0 {
+            return;
+        }
+        self.blocked_keys.remove(&k);
+        for id in self.held.remove(&k).unwrap_or_default() {
+            if let Some(event) = self.events.get_mut(&id)
+                && event.state == EventState::Held
+            {
+                event.state = EventState::Producing { attempt: 1 };
+                self.actions.push_back(Pending::Produce { id, attempt: 1 });
+            }
+        }
+    }
+}
+
+/// `initial * 2^(failures-1)`, capped at `max`.
+fn backoff((initial, max): (Duration, Duration), failures: u32) -> Duration {
+    let shift = failures.saturating_sub(1).min(31);
+    initial.saturating_mul(1_u32 << shift).min(max)
+}
+
+/// `now + delay`; if that is not representable, `now` (retry at once rather than never).
+fn deadline(now: Instant, delay: Duration) -> Instant {
+    now.checked_add(delay).unwrap_or(now)
+}
