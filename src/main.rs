@@ -36,13 +36,12 @@ impl Failure {
     /// The exit code (`docs/architecture.md#exit-codes`): the relay error's own,
     /// also inside a tool's error; 1 for anything else.
     fn exit_code(&self) -> ExitCode {
-        let relay = match self {
-            Failure::Relay(e) => Some(e),
-            Failure::Bench(e) => e.relay_error(),
-            Failure::Demo(e) => e.relay_error(),
-            Failure::Json(_) => None,
-        };
-        relay.map_or(ExitCode::from(1), Error::exit_code)
+        match self {
+            Failure::Relay(e) => e.exit_code(),
+            Failure::Bench(e) => e.exit_code(),
+            Failure::Demo(e) => e.relay_error().map_or(ExitCode::from(1), Error::exit_code),
+            Failure::Json(_) => ExitCode::from(1),
+        }
     }
 }
 

@@ -75,13 +75,15 @@ pub enum BenchError {
 }
 
 impl BenchError {
-    /// The relay error inside, which decides the exit code; `None` for the
-    /// benchmark's own errors (exit code 1).
+    /// The exit code (`docs/architecture.md#exit-codes`): a wrapped relay error's
+    /// own, 4 when the broker never showed the run's topic (broker unavailable),
+    /// 1 for the benchmark's other errors.
     #[must_use]
-    pub fn relay_error(&self) -> Option<&crate::Error> {
+    pub fn exit_code(&self) -> std::process::ExitCode {
         match self {
-            BenchError::Relay(e) => Some(e),
-            _ => None,
+            BenchError::Relay(e) => e.exit_code(),
+            BenchError::TopicNotVisible { .. } => std::process::ExitCode::from(4),
+            _ => std::process::ExitCode::from(1),
         }
     }
 }
