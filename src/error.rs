@@ -11,6 +11,8 @@ use std::process::ExitCode;
 
 use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
+// --- kafka ---
+use crate::kafka::BrokerError;
 use crate::postgres::prerequisite::Prerequisite;
 
 /// Top-level error of a CLI command; decides the exit code.
@@ -38,6 +40,11 @@ pub enum Error {
     Transient(String),
     #[error("{0}")]
     Other(String),
+    // --- kafka ---
+    /// Producer set-up, the broker check, topic creation: exit code and class come
+    /// from the [`BrokerError`] (2 refused setting, 4 broker unavailable, else 1).
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
 }
 
 impl Error {
@@ -54,6 +61,8 @@ impl Error {
             | Error::Bench(_)
             | Error::Transient(_)
             | Error::Other(_) => 1,
+            // --- kafka ---
+            Error::Broker(e) => e.exit_code(),
         })
     }
 
@@ -64,6 +73,8 @@ impl Error {
             Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            // --- kafka ---
+            Error::Broker(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }
