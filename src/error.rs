@@ -45,6 +45,26 @@ pub enum Error {
     /// from the [`BrokerError`] (2 refused setting, 4 broker unavailable, else 1).
     #[error(transparent)]
     Broker(#[from] BrokerError),
+    // --- poller ---
+    /// A statement of the polling relay (or of a cutover, which shares its
+    /// statements) failed; `transient` when retrying can help (connection lost,
+    /// server restarting, serialization failure, resources exhausted).
+    #[error("PostgreSQL: {message}")]
+    Statement {
+        message: String,
+        transient: bool,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The producer's delivery-report channel closed while reports were awaited.
+    #[error("the producer's delivery channel closed")]
+    DeliveryChannelClosed,
+    /// A poller worker task panicked or was cancelled.
+    #[error("poller worker failed: {0}")]
+    PollerWorker(#[source] tokio::task::JoinError),
+    /// The outbox returned a row whose id (its primary key) is NULL: a broken table.
+    #[error("outbox row with a NULL id")]
+    NullOutboxId,
 }
 
 impl Error {
@@ -63,6 +83,11 @@ impl Error {
             | Error::Other(_) => 1,
             // --- kafka ---
             Error::Broker(e) => e.exit_code(),
+            // --- poller ---
+            Error::Statement { .. }
+            | Error::DeliveryChannelClosed
+            | Error::PollerWorker(_)
+            | Error::NullOutboxId => 1,
         })
     }
 
@@ -75,6 +100,10 @@ impl Error {
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
             // --- kafka ---
             Error::Broker(e) => e.class(),
+            // --- poller ---
+            Error::Statement {
+                transient: true, ..
+            } => ErrorClass::Transient,
             _ => ErrorClass::Fatal,
         }
     }

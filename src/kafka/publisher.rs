@@ -68,7 +68,7 @@ impl DeliveryReport {
     /// Whether the failure means the producer itself is unusable (see
     /// [`Publisher::fatal_error`]); the event is then *not* to be poisoned.
     #[must_use]
-    pub fn is_fatal(&self) -> bool {
+    pub(crate) fn is_fatal(&self) -> bool {
         matches!(&self.result, Err((code, _)) if error_class(*code) == ErrorClass::Fatal)
     }
 }
@@ -251,7 +251,7 @@ fn id_of_opaque(opaque: usize) -> EventId {
 
 impl Publisher {
     /// Creates the producer and its delivery thread. `report_capacity` sizes the
-    /// bounded report channel; use [`report_capacity`] (the window plus a margin).
+    /// bounded report channel; use [`report_capacity`](super::report_capacity) (the window plus a margin).
     ///
     /// Fails with [`BrokerError::ProducerCreation`] (exit code 2) when librdkafka
     /// refuses the configuration.
@@ -331,7 +331,7 @@ impl Publisher {
 
     /// Queues the record of an outbox event (the record contract of `docs/architecture.md#the-kafka-record`,
     /// shared by the relay, the poller and `replay`); see [`Publisher::send`].
-    pub fn send_event(
+    pub(crate) fn send_event(
         &self,
         id: EventId,
         event: &crate::outbox::OutboxEvent,
@@ -426,7 +426,7 @@ impl Publisher {
 
     /// Transient errors seen so far (client errors and transient delivery failures).
     #[must_use]
-    pub fn transient_errors(&self) -> u64 {
+    pub(crate) fn transient_errors(&self) -> u64 {
         self.producer
             .context()
             .transient_errors
@@ -448,7 +448,7 @@ impl Publisher {
     /// and report fails with [`RDKafkaErrorCode::Fatal`]: the shell should exit and
     /// let a restart resume from the slot.
     #[must_use]
-    pub fn fatal_error(&self) -> Option<(RDKafkaErrorCode, String)> {
+    pub(crate) fn fatal_error(&self) -> Option<(RDKafkaErrorCode, String)> {
         self.producer.client().fatal_error()
     }
 }
