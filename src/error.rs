@@ -11,6 +11,8 @@ use std::process::ExitCode;
 
 use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
+// --- kafka ---
+use crate::kafka::BrokerError;
 use crate::postgres::prerequisite::Prerequisite;
 
 /// Top-level error of a CLI command; decides the exit code.
@@ -139,6 +141,31 @@ pub enum Error {
     /// Metrics: the bound listener has no local address.
     #[error("metrics listener: {0}")]
     MetricsListener(#[source] std::io::Error),
+    // --- kafka ---
+    /// Producer set-up, the broker check, topic creation: exit code and class come
+    /// from the [`BrokerError`] (2 refused setting, 4 broker unavailable, else 1).
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    // --- poller ---
+    /// A statement of the polling relay (or of a cutover, which shares its
+    /// statements) failed; `transient` when retrying can help (connection lost,
+    /// server restarting, serialization failure, resources exhausted).
+    #[error("PostgreSQL: {message}")]
+    Statement {
+        message: String,
+        transient: bool,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The producer's delivery-report channel closed while reports were awaited.
+    #[error("the producer's delivery channel closed")]
+    DeliveryChannelClosed,
+    /// A poller worker task panicked or was cancelled.
+    #[error("poller worker failed: {0}")]
+    PollerWorker(#[source] tokio::task::JoinError),
+    /// The outbox returned a row whose id (its primary key) is NULL: a broken table.
+    #[error("outbox row with a NULL id")]
+    NullOutboxId,
 }
 
 impl Error {
@@ -179,6 +206,13 @@ impl Error {
             | Error::MetricsRecorder(_)
             | Error::MetricsBind { .. }
             | Error::MetricsListener(_) => 1,
+            // --- kafka ---
+            Error::Broker(e) => e.exit_code(),
+            // --- poller ---
+            Error::Statement { .. }
+            | Error::DeliveryChannelClosed
+            | Error::PollerWorker(_)
+            | Error::NullOutboxId => 1,
         })
     }
 
@@ -193,6 +227,12 @@ impl Error {
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
             // --- outbox ---
             Error::Checkpoint(e) => e.class(),
+            // --- kafka ---
+            Error::Broker(e) => e.class(),
+            // --- poller ---
+            Error::Statement {
+                transient: true, ..
+            } => ErrorClass::Transient,
             _ => ErrorClass::Fatal,
         }
     }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use outbox_relay::Error;
 use outbox_relay::config::{KafkaConfig, RelayConfig};
 use outbox_relay::delivery::{EventId, Failure};
-use outbox_relay::kafka::{DeliveryReport, Publisher, RecordRef, producer_config, report_capacity};
+use outbox_relay::kafka::{
+    BrokerError, DeliveryReport, Publisher, RecordRef, producer_config, report_capacity,
+};
 use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 
@@ -44,7 +46,9 @@ async fn next_report(rx: &mut mpsc::Receiver<DeliveryReport>, timeout: Duration)
 /// Kafka's `Utils.murmur2`, as the Java client's default partitioner uses it.
 fn java_murmur2(data: &[u8]) -> u32 {
     const M: u32 = 0x5bd1_e995;
-    let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
+    // Java hashes an `int` length; keys here are far shorter than 4 GiB.
+    let length = u32::try_from(data.len()).expect("key shorter than 4 GiB");
+    let mut h: u32 = 0x9747_b28c ^ length;
     let mut chunks = data.chunks_exact(4);
     for c in &mut chunks {
         let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -88,7 +92,12 @@ fn java_murmur2_matches_kafka_test_vectors() {
             -58_897_971,
         ),
     ] {
-        assert_eq!(java_murmur2(input.as_bytes()) as i32, expected, "{input}");
+        // Kafka's vectors are Java `int`s: the same 32 bits, read as signed.
+        assert_eq!(
+            java_murmur2(input.as_bytes()).cast_signed(),
+            expected,
+            "{input}"
+        );
     }
 }
 
@@ -100,7 +109,7 @@ async fn thousand_sends_are_reported_once_and_round_trip_in_key_order() {
     const N: u64 = 1_000;
     const PARTITIONS: u32 = 3;
     let topic = unique("kafka_pub");
-    create_topic(&topic, PARTITIONS as i32).await;
+    create_topic(&topic, i32::try_from(PARTITIONS).expect("few partitions")).await;
     let (publisher, mut rx) = publisher(&[]);
     publisher
         .check_broker(Duration::from_secs(10))
@@ -127,7 +136,7 @@ async fn thousand_sends_are_reported_once_and_round_trip_in_key_order() {
                     key: key.as_bytes(),
                     payload: payload.as_bytes(),
                     headers: &headers,
-                    timestamp_ms: Some(base_ts + i as i64),
+                    timestamp_ms: Some(base_ts + i64::try_from(i).expect("i < N")),
                 },
             )
             .expect("send accepted");
@@ -166,7 +175,8 @@ async fn thousand_sends_are_reported_once_and_round_trip_in_key_order() {
         "sends must not wait for the broker: {send_time:?}"
     );
 
-    let records: Vec<Record> = consume(&topic, N as usize, Duration::from_secs(60)).await;
+    let n = usize::try_from(N).expect("N fits in usize");
+    let records: Vec<Record> = consume(&topic, n, Duration::from_secs(60)).await;
     assert_eq!(records.len() as u64, N, "consumed everything back");
     let mut last_seq_per_key: BTreeMap<Vec<u8>, (i32, u64)> = BTreeMap::new();
     let mut ordered = records.clone();
@@ -191,7 +201,7 @@ async fn thousand_sends_are_reported_once_and_round_trip_in_key_order() {
         assert_eq!(names, ["event_type", "idempotency_key", "seq"]);
         assert_eq!(
             r.timestamp_ms,
-            Some(base_ts + seq as i64),
+            Some(base_ts + i64::try_from(seq).expect("seq < N")),
             "CreateTime of {seq}"
         );
         assert_eq!(
@@ -294,7 +304,7 @@ async fn missing_topic_is_a_permanent_failure() {
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
-/// Nothing listens on port 1: the start-up check fails with `BrokerUnavailable`
+/// Nothing listens on port 1: the start-up check fails with `BrokerError::Unavailable`
 /// (exit code 4) within its timeout.
 #[tokio::test]
 async fn unreachable_broker_is_reported_at_start_up() {
@@ -311,7 +321,8 @@ async fn unreachable_broker_is_reported_at_start_up() {
         "{:?}",
         started.elapsed()
     );
-    assert!(matches!(err, Error::BrokerUnavailable(_)), "{err:?}");
+    assert!(matches!(err, BrokerError::Unavailable(_)), "{err:?}");
+    let err = Error::from(err);
     assert_eq!(err.exit_code(), std::process::ExitCode::from(4));
     assert!(err.to_string().contains("127.0.0.1:1"), "{err}");
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use outbox_relay::Error;
 use outbox_relay::config::Config;
+use outbox_relay::kafka::BrokerError;
 use outbox_relay::ops::audit::{self, AuditArgs, AuditReport};
 use outbox_relay::ops::replay::{self, Outcome, ReplayArgs};
 
@@ -357,7 +358,10 @@ async fn dry_run_changes_nothing_and_needs_no_broker() {
     // For real, the unreachable broker is a start-up error (exit code 4), and
     // nothing is marked.
     let err = replay::run(&config, &all()).await.unwrap_err();
-    assert!(matches!(err, Error::BrokerUnavailable(_)), "{err}");
+    assert!(
+        matches!(err, Error::Broker(BrokerError::Unavailable(_))),
+        "{err}"
+    );
     assert_eq!(err.exit_code(), ExitCode::from(4));
     assert!(!poison_state(&db, good).await.0);
 }

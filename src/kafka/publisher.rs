@@ -1,0 +1,672 @@
+//! The relay's producer: [`Publisher`] turns librdkafka's delivery callbacks into one
+//! [`DeliveryReport`] per accepted send, on a bounded channel the relay's select loop
+//! drains.
+//!
+//! # Why no `await` per send
+//!
+//! [`Publisher::send`] hands the record to librdkafka's queue and returns at once; the
+//! outcome arrives later on the report channel. Awaiting each send (a `FutureProducer`
+//! future per event, one at a time) caps throughput at one round trip per event and
+//! allocates a oneshot per message. Here the opaque carried through librdkafka is the
+//! [`EventId`] itself (a `usize`), nothing is allocated per successful message, and the
+//! relay's select loop drains reports whenever they arrive, so thousands of events are in
+//! flight while the WAL keeps being read.
+//!
+//! # Reports: exactly one per accepted send
+//!
+//! Every `send` either returns [`SendRejected`] (librdkafka did not take the record; no
+//! report will follow) or is followed by exactly one [`DeliveryReport`] carrying its id.
+//! Reports travel through a *bounded* channel whose capacity is at least the relay's
+//! event window ([`report_capacity`](super::report_capacity)): at most window-many events are unresolved, each
+//! has at most one outstanding send, so there are never more pending reports than slots
+//! and librdkafka's delivery thread does not wait in practice. If a caller overruns the
+//! window anyway, the delivery thread waits (`blocking_send`) — back-pressure, not loss.
+//! At shutdown, records still queued are purged and reported as `PurgeQueue` /
+//! `PurgeInflight` (transient), delivered to the channel if it has room.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::types::RDKafkaErrorCode;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tracing::{debug, error, info, warn};
+
+use crate::delivery::{ErrorClass, EventId, Failure};
+use crate::lifecycle::Backoff;
+
+use super::classify::{classify, error_class};
+use super::error::{BrokerError, BrokerUnavailable};
+
+// The delivery opaque is the EventId as a usize: lossless only where usize is 64 bits.
+const _: () = assert!(usize::BITS >= u64::BITS, "EventId must fit in a usize");
+
+/// One event's outcome, sent once per accepted [`Publisher::send`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryReport {
+    pub id: EventId,
+    /// `Ok((partition, offset))` once acked by all in-sync replicas, else the broker
+    /// error code and librdkafka's message.
+    pub result: Result<(i32, i64), (RDKafkaErrorCode, String)>,
+}
+
+impl DeliveryReport {
+    /// `None` when delivered, else how the core should treat the failure.
+    #[must_use]
+    pub fn failure(&self) -> Option<Failure> {
+        self.result.as_ref().err().map(|(code, _)| classify(*code))
+    }
+
+    /// Whether the failure means the producer itself is unusable (see
+    /// [`Publisher::fatal_error`]); the event is then *not* to be poisoned.
+    #[must_use]
+    pub(crate) fn is_fatal(&self) -> bool {
+        matches!(&self.result, Err((code, _)) if error_class(*code) == ErrorClass::Fatal)
+    }
+}
+
+/// A borrowed view of one Kafka record, so the caller keeps its own event struct.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordRef<'a> {
+    pub topic: &'a str,
+    /// The entity id; sent as given (an empty slice is an empty key, not a null key).
+    pub key: &'a [u8],
+    pub payload: &'a [u8],
+    /// In order; `idempotency_key` first by convention (`docs/architecture.md#the-kafka-record`).
+    pub headers: &'a [(&'a str, &'a [u8])],
+    /// CreateTime in milliseconds since the epoch; `None` lets librdkafka use now.
+    pub timestamp_ms: Option<i64>,
+}
+
+/// librdkafka refused a record at `send` time; no delivery report will follow. Feed it
+/// to the core as a delivery failure of that event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("producer rejected the record: {message}")]
+pub struct SendRejected {
+    pub code: RDKafkaErrorCode,
+    pub failure: Failure,
+    pub message: String,
+}
+
+/// State shared between the relay and librdkafka's delivery thread.
+#[derive(Debug)]
+struct RelayContext {
+    reports: mpsc::Sender<DeliveryReport>,
+    /// Set when the publisher is dropped: from then on the delivery callback never waits.
+    closing: AtomicBool,
+    /// Set on `AllBrokersDown`, cleared by the next successful delivery.
+    broker_down: AtomicBool,
+    /// A fatal or authentication error was logged (once).
+    fatal_logged: AtomicBool,
+    transient_errors: AtomicU64,
+    dropped_reports: AtomicU64,
+}
+
+impl RelayContext {
+    fn forward(&self, report: DeliveryReport) {
+        let report = match self.reports.try_send(report) {
+            Ok(()) => return,
+            Err(TrySendError::Closed(report)) => {
+                // The relay dropped its receiver: it is shutting down and will re-read
+                // everything unconfirmed from the slot on the next start.
+                debug!(id = %report.id, "delivery report after the receiver was dropped");
+                return;
+            }
+            Err(TrySendError::Full(report)) => report,
+        };
+        // More unread reports than the channel holds: the caller sent more than the
+        // window it sized the channel for. Wait for room (back-pressure, not loss) —
+        // but only on librdkafka's own thread: blocking a runtime thread panics, and
+        // during drop nobody may drain the channel any more.
+        let may_block =
+            !self.closing.load(Ordering::Acquire) && tokio::runtime::Handle::try_current().is_err();
+        if may_block {
+            warn!("delivery report channel full: the relay sent more than its window");
+            // Fails only when the receiver is dropped meanwhile (see above).
+            let _ = self.reports.blocking_send(report);
+        } else {
+            error!(
+                id = %report.id,
+                "delivery report dropped: report channel full and this thread may not wait"
+            );
+            self.dropped_reports.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl ClientContext for RelayContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        // Lifecycle events are logged by `error` below; librdkafka's own lines go one
+        // level down so a broker outage is not an error storm.
+        match level {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical => {
+                error!(target: "librdkafka", facility = fac, "{message}");
+            }
+            RDKafkaLogLevel::Error | RDKafkaLogLevel::Warning => {
+                warn!(target: "librdkafka", facility = fac, "{message}");
+            }
+            RDKafkaLogLevel::Notice => info!(target: "librdkafka", facility = fac, "{message}"),
+            RDKafkaLogLevel::Info | RDKafkaLogLevel::Debug => {
+                debug!(target: "librdkafka", facility = fac, "{message}");
+            }
+        }
+    }
+
+    fn error(&self, err: KafkaError, reason: &str) {
+        self.transient_errors.fetch_add(1, Ordering::Relaxed);
+        let code = err.rdkafka_error_code();
+        match code {
+            Some(RDKafkaErrorCode::AllBrokersDown) => {
+                if !self.broker_down.swap(true, Ordering::AcqRel) {
+                    warn!(
+                        reason,
+                        "broker unavailable: all broker connections are down; \
+                         deliveries wait (nothing is failed) until it is back"
+                    );
+                }
+            }
+            Some(c) if error_class(c) == ErrorClass::Fatal => {
+                if !self.fatal_logged.swap(true, Ordering::AcqRel) {
+                    error!(code = ?c, reason, "Kafka producer cannot continue");
+                }
+            }
+            _ => debug!(code = ?code, reason, "Kafka client error (retried by librdkafka)"),
+        }
+    }
+}
+
+impl ProducerContext for RelayContext {
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, opaque: usize) {
+        let id = id_of_opaque(opaque);
+        let result = match result {
+            Ok(message) => {
+                if self.broker_down.load(Ordering::Relaxed)
+                    && self.broker_down.swap(false, Ordering::AcqRel)
+                {
+                    info!("broker recovered: deliveries resumed");
+                }
+                Ok((message.partition(), message.offset()))
+            }
+            Err((err, _message)) => {
+                let code = err.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail);
+                if classify(code) == Failure::Transient {
+                    self.transient_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                Err((code, err.to_string()))
+            }
+        };
+        self.forward(DeliveryReport { id, result });
+    }
+}
+
+/// The relay's producer: non-blocking [`send`](Publisher::send), outcomes on the
+/// report channel returned by [`Publisher::new`].
+pub struct Publisher {
+    producer: Arc<BaseProducer<RelayContext>>,
+    stop: Arc<AtomicBool>,
+    poller: Option<JoinHandle<()>>,
+    brokers: String,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("brokers", &self.brokers)
+            .field("in_flight", &self.in_flight())
+            .field("transient_errors", &self.transient_errors())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often the delivery thread wakes up to check for shutdown when idle (reports
+/// are handled as soon as they arrive, not on this tick).
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often [`Publisher::flush`] looks at the queue: soon at first, then every 50 ms.
+const FLUSH_CHECK_INITIAL: Duration = Duration::from_millis(1);
+const FLUSH_CHECK_MAX: Duration = Duration::from_millis(50);
+
+/// The delivery opaque of an event: its id as a `usize`.
+// Lossless: the assertion at the top of this file rejects targets where usize is
+// narrower than the u64 an EventId holds.
+#[allow(clippy::cast_possible_truncation)]
+fn opaque_of(id: EventId) -> usize {
+    id.get() as usize
+}
+
+/// The event id a delivery opaque carries (see [`opaque_of`]).
+fn id_of_opaque(opaque: usize) -> EventId {
+    EventId::from_raw(opaque as u64)
+}
+
+impl Publisher {
+    /// Creates the producer and its delivery thread. `report_capacity` sizes the
+    /// bounded report channel; use [`report_capacity`](super::report_capacity) (the window plus a margin).
+    ///
+    /// Fails with [`BrokerError::ProducerCreation`] (exit code 2) when librdkafka
+    /// refuses the configuration.
+    pub fn new(
+        cfg: ClientConfig,
+        report_capacity: usize,
+    ) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>), BrokerError> {
+        let (tx, rx) = mpsc::channel(report_capacity.max(1));
+        let context = RelayContext {
+            reports: tx,
+            closing: AtomicBool::new(false),
+            broker_down: AtomicBool::new(false),
+            fatal_logged: AtomicBool::new(false),
+            transient_errors: AtomicU64::new(0),
+            dropped_reports: AtomicU64::new(0),
+        };
+        let producer: BaseProducer<RelayContext> =
+            cfg.create_with_context(context).map_err(|e| match e {
+                KafkaError::ClientCreation(message) => BrokerError::ProducerCreation(message),
+                other => BrokerError::Client(other),
+            })?;
+        let producer = Arc::new(producer);
+        let stop = Arc::new(AtomicBool::new(false));
+        let poller = {
+            let producer = Arc::clone(&producer);
+            let stop = Arc::clone(&stop);
+            std::thread::Builder::new()
+                .name("kafka-delivery".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        producer.poll(POLL_INTERVAL);
+                    }
+                })
+                .map_err(BrokerError::DeliveryThread)?
+        };
+        let brokers = cfg.get("bootstrap.servers").unwrap_or_default().to_owned();
+        Ok((
+            Publisher {
+                producer,
+                stop,
+                poller: Some(poller),
+                brokers,
+            },
+            rx,
+        ))
+    }
+
+    /// Checks that the brokers answer a metadata request within `timeout` (at start-up,
+    /// before reading the WAL). Runs on a blocking thread.
+    ///
+    /// Fails with [`BrokerError::Unavailable`] (exit code 4) when no broker answers, when
+    /// authentication fails, or when the producer hit a fatal error (e.g. missing
+    /// `IDEMPOTENT_WRITE` permission).
+    pub async fn check_broker(&self, timeout: Duration) -> Result<(), BrokerError> {
+        let producer = Arc::clone(&self.producer);
+        let brokers = self.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(None, timeout)
+                .map_err(|source| BrokerUnavailable::NoMetadata {
+                    brokers: brokers.clone(),
+                    timeout,
+                    source,
+                })?;
+            if metadata.brokers().is_empty() {
+                return Err(BrokerUnavailable::NoBrokers { brokers }.into());
+            }
+            if let Some((code, message)) = producer.client().fatal_error() {
+                return Err(BrokerUnavailable::ProducerFailed { code, message }.into());
+            }
+            Ok(())
+        })
+        .await
+        .map_err(BrokerError::CheckTask)?
+    }
+
+    /// Queues the record of an outbox event (the record contract of `docs/architecture.md#the-kafka-record`,
+    /// shared by the relay, the poller and `replay`); see [`Publisher::send`].
+    pub(crate) fn send_event(
+        &self,
+        id: EventId,
+        event: &crate::outbox::OutboxEvent,
+    ) -> Result<(), SendRejected> {
+        let headers: Vec<(&str, &[u8])> = event
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_ref(), value.as_ref()))
+            .collect();
+        self.send(
+            id,
+            RecordRef {
+                topic: &event.topic,
+                key: &event.key,
+                payload: &event.payload,
+                headers: &headers,
+                timestamp_ms: event.timestamp_ms,
+            },
+        )
+    }
+
+    /// Queues one record for `id`; never waits for the broker. `Ok` means exactly one
+    /// [`DeliveryReport`] for `id` will follow; `Err` means none will.
+    pub fn send(&self, id: EventId, rec: RecordRef<'_>) -> Result<(), SendRejected> {
+        let mut headers = OwnedHeaders::new_with_capacity(rec.headers.len());
+        for &(key, value) in rec.headers {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        let mut record: BaseRecord<'_, [u8], [u8], usize> =
+            BaseRecord::with_opaque_to(rec.topic, opaque_of(id))
+                .key(rec.key)
+                .payload(rec.payload)
+                .headers(headers);
+        if let Some(ts) = rec.timestamp_ms {
+            record = record.timestamp(ts);
+        }
+        self.producer.send(record).map_err(|(err, _record)| {
+            let code = match &err {
+                // A NUL byte in the topic name never reaches librdkafka.
+                KafkaError::Nul(_) => RDKafkaErrorCode::InvalidTopic,
+                other => other.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail),
+            };
+            let failure = classify(code);
+            if failure == Failure::Transient {
+                self.producer
+                    .context()
+                    .transient_errors
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            SendRejected {
+                code,
+                failure,
+                message: format!("{err} (topic {:?})", rec.topic),
+            }
+        })
+    }
+
+    /// Waits until every queued record has been reported, for a graceful shutdown.
+    /// Never polls librdkafka on the calling task; the reports land on the channel
+    /// (which has room for all of them when the window was respected).
+    ///
+    /// Fails with a `Flush` error ([`BrokerError::Client`]) when records are still in
+    /// flight after `timeout`.
+    pub async fn flush(&self, timeout: Duration) -> Result<(), BrokerError> {
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(FLUSH_CHECK_INITIAL, FLUSH_CHECK_MAX);
+        loop {
+            // A zero timeout makes librdkafka send lingering batches now and return.
+            match self.producer.flush(Duration::ZERO) {
+                Ok(()) => return Ok(()),
+                Err(KafkaError::Flush(RDKafkaErrorCode::OperationTimedOut)) => {}
+                Err(other) => return Err(BrokerError::Client(other)),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(BrokerError::Client(KafkaError::Flush(
+                    RDKafkaErrorCode::OperationTimedOut,
+                )));
+            }
+            tokio::time::sleep(backoff.next_pause().min(deadline - now)).await;
+        }
+    }
+
+    /// Records handed to librdkafka and not yet reported (its queue length).
+    #[must_use]
+    pub fn in_flight(&self) -> i32 {
+        self.producer.in_flight_count()
+    }
+
+    /// Transient errors seen so far (client errors and transient delivery failures).
+    #[must_use]
+    pub(crate) fn transient_errors(&self) -> u64 {
+        self.producer
+            .context()
+            .transient_errors
+            .load(Ordering::Relaxed)
+    }
+
+    /// Reports dropped because the channel was full where waiting was not allowed
+    /// (at shutdown, or on a runtime thread): zero unless the window was overrun.
+    #[must_use]
+    pub fn dropped_reports(&self) -> u64 {
+        self.producer
+            .context()
+            .dropped_reports
+            .load(Ordering::Relaxed)
+    }
+
+    /// The producer's fatal error, if it hit one (e.g. an idempotence sequence that
+    /// cannot be recovered, or `ClusterAuthorizationFailed`). After that every send
+    /// and report fails with [`RDKafkaErrorCode::Fatal`]: the shell should exit and
+    /// let a restart resume from the slot.
+    #[must_use]
+    pub(crate) fn fatal_error(&self) -> Option<(RDKafkaErrorCode, String)> {
+        self.producer.client().fatal_error()
+    }
+}
+
+impl Drop for Publisher {
+    /// Purges what is still queued (reported as `PurgeQueue` / `PurgeInflight` if the
+    /// channel has room) and stops the delivery thread. Call [`Publisher::flush`] first
+    /// for a graceful shutdown.
+    fn drop(&mut self) {
+        let context = self.producer.context();
+        context.closing.store(true, Ordering::Release);
+        self.stop.store(true, Ordering::Release);
+        if let Some(poller) = self.poller.take() {
+            // A delivery thread waiting in `blocking_send` has a full channel; it ends
+            // when the receiver is drained or dropped, so do not wait for it then.
+            if context.reports.capacity() > 0 || context.reports.is_closed() {
+                let _ = poller.join();
+            }
+        }
+        // The producer itself is dropped with the last `Arc` (here, or on the delivery
+        // thread if it was still waiting): librdkafka's drop purges queued and in-flight
+        // records and serves their reports; with `closing` set, the callback never waits.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RelayConfig;
+    use crate::kafka::config::tests::kafka;
+    use crate::kafka::producer_config;
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+    #[test]
+    fn report_helpers() {
+        let ok = DeliveryReport {
+            id: EventId::from_raw(1),
+            result: Ok((0, 7)),
+        };
+        assert_eq!(ok.failure(), None);
+        assert!(!ok.is_fatal());
+        let big = DeliveryReport {
+            id: EventId::from_raw(2),
+            result: Err((RDKafkaErrorCode::MessageSizeTooLarge, "too large".into())),
+        };
+        assert_eq!(big.failure(), Some(Failure::Permanent));
+        let fatal = DeliveryReport {
+            id: EventId::from_raw(3),
+            result: Err((RDKafkaErrorCode::Fatal, "fatal".into())),
+        };
+        assert_eq!(fatal.failure(), Some(Failure::Transient));
+        assert!(fatal.is_fatal());
+    }
+
+    // --- against librdkafka's in-process mock cluster --------------------------------
+
+    fn mock_publisher(
+        cluster: &MockCluster<'_, rdkafka::producer::DefaultProducerContext>,
+        extra: &[(&str, &str)],
+    ) -> (Publisher, mpsc::Receiver<DeliveryReport>) {
+        let mut k = kafka(extra);
+        k.brokers = cluster.bootstrap_servers();
+        let cfg = producer_config(&k, &RelayConfig::default()).unwrap();
+        Publisher::new(cfg, 64).unwrap()
+    }
+
+    fn record<'a>(topic: &'a str, key: &'a [u8], payload: &'a [u8]) -> RecordRef<'a> {
+        RecordRef {
+            topic,
+            key,
+            payload,
+            headers: &[("idempotency_key", b"k-1"), ("event_type", b"Created")],
+            timestamp_ms: Some(1_700_000_000_000),
+        }
+    }
+
+    async fn next(rx: &mut mpsc::Receiver<DeliveryReport>) -> DeliveryReport {
+        tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .expect("a delivery report in time")
+            .expect("channel open")
+    }
+
+    #[tokio::test]
+    async fn mock_sends_report_each_id_once() {
+        let cluster = MockCluster::new(3).unwrap();
+        cluster.create_topic("orders", 3, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(&cluster, &[]);
+        publisher
+            .check_broker(Duration::from_secs(10))
+            .await
+            .unwrap();
+        // Ids near the top of the range survive the trip through the opaque pointer.
+        let first = u64::MAX - 199;
+        for i in 0..200u64 {
+            let key = format!("order-{}", i % 7);
+            publisher
+                .send(
+                    EventId::from_raw(first + i),
+                    record("orders", key.as_bytes(), b"{}"),
+                )
+                .unwrap();
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        let mut offsets = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let report = next(&mut rx).await;
+            let (partition, offset) = report.result.clone().unwrap();
+            assert!(report.id.get() >= first, "{report:?}");
+            assert!(seen.insert(report.id), "{report:?} twice");
+            assert!(offsets.insert((partition, offset)), "{report:?}");
+        }
+        publisher.flush(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(publisher.in_flight(), 0);
+        assert!(rx.try_recv().is_err(), "no extra reports");
+    }
+
+    #[tokio::test]
+    async fn mock_broker_rejection_is_permanent() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("big", 1, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(&cluster, &[]);
+        cluster.request_errors(
+            RDKafkaApiKey::Produce,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+        );
+        publisher
+            .send(EventId::from_raw(42), record("big", b"k", b"payload"))
+            .unwrap();
+        let report = next(&mut rx).await;
+        assert_eq!(report.id, EventId::from_raw(42));
+        let (code, _) = report.result.clone().unwrap_err();
+        assert_eq!(code, RDKafkaErrorCode::MessageSizeTooLarge);
+        assert_eq!(report.failure(), Some(Failure::Permanent));
+    }
+
+    #[tokio::test]
+    async fn mock_oversized_record_is_rejected_at_send() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("big", 1, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(&cluster, &[]);
+        let payload = vec![b'x'; 2 * 1024 * 1024];
+        let err = publisher
+            .send(EventId::from_raw(1), record("big", b"k", &payload))
+            .unwrap_err();
+        assert_eq!(err.code, RDKafkaErrorCode::MessageSizeTooLarge);
+        assert_eq!(err.failure, Failure::Permanent);
+        publisher.flush(Duration::from_secs(1)).await.unwrap();
+        assert!(rx.try_recv().is_err(), "a rejected send has no report");
+    }
+
+    #[tokio::test]
+    async fn mock_outage_delays_but_does_not_fail() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("orders", 1, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(&cluster, &[]);
+        publisher
+            .send(EventId::from_raw(1), record("orders", b"a", b"1"))
+            .unwrap();
+        assert!(next(&mut rx).await.result.is_ok());
+        cluster.broker_down(1).unwrap();
+        publisher
+            .send(EventId::from_raw(2), record("orders", b"a", b"2"))
+            .unwrap();
+        let waited = tokio::time::timeout(Duration::from_secs(2), rx.recv()).await;
+        assert!(
+            waited.is_err(),
+            "no report while the broker is down: {waited:?}"
+        );
+        cluster.broker_up(1).unwrap();
+        let report = next(&mut rx).await;
+        assert_eq!(report.id, EventId::from_raw(2));
+        assert!(report.result.is_ok(), "{report:?}");
+        assert!(publisher.transient_errors() > 0, "the outage was counted");
+    }
+
+    #[tokio::test]
+    async fn mock_missing_topic_is_permanent() {
+        let cluster = MockCluster::new(1).unwrap();
+        let (publisher, mut rx) =
+            mock_publisher(&cluster, &[("topic.metadata.propagation.max.ms", "500")]);
+        publisher
+            .send(EventId::from_raw(5), record("no_such_topic", b"k", b"{}"))
+            .unwrap();
+        let report = next(&mut rx).await;
+        assert_eq!(report.id, EventId::from_raw(5));
+        let (code, _) = report.result.clone().unwrap_err();
+        assert!(
+            matches!(
+                code,
+                RDKafkaErrorCode::UnknownTopic | RDKafkaErrorCode::UnknownTopicOrPartition
+            ),
+            "{code:?}"
+        );
+        assert_eq!(report.failure(), Some(Failure::Permanent));
+    }
+
+    #[tokio::test]
+    async fn mock_drop_purges_with_transient_reports() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("orders", 1, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(&cluster, &[]);
+        cluster.broker_down(1).unwrap();
+        publisher
+            .send(EventId::from_raw(9), record("orders", b"a", b"1"))
+            .unwrap();
+        drop(publisher);
+        let report = next(&mut rx).await;
+        assert_eq!(report.id, EventId::from_raw(9));
+        let (code, _) = report.result.clone().unwrap_err();
+        assert!(
+            matches!(
+                code,
+                RDKafkaErrorCode::PurgeQueue | RDKafkaErrorCode::PurgeInflight
+            ),
+            "{code:?}"
+        );
+        assert_eq!(report.failure(), Some(Failure::Transient));
+    }
+}

@@ -1,0 +1,204 @@
+//! The poller's statements, built once from the config and the table layout, and the
+//! session they run on.
+//!
+//! # SKIP LOCKED and ordering
+//!
+//! `FOR UPDATE` locks the batch so that a second worker (or a second poller process)
+//! cannot send the same rows; `SKIP LOCKED` lets it take the *next* rows instead of
+//! queueing behind the lock. That is what makes several workers scale — and what
+//! breaks per-key order: worker B may publish and commit rows `1001..2000` while worker
+//! A still waits for the acks of `1..1000`, so a later event of an entity can reach
+//! Kafka before an earlier one. Hence **one worker by default**: with one worker,
+//! batches go out one after the other in `(created_at, id)` order, and within a batch
+//! the idempotent producer keeps the order of every partition. Two caveats remain even
+//! then, and the CDC relay does not share the first:
+//!
+//! * `created_at` is the *insert* time, not the commit time. A long transaction that
+//!   inserted its row early and commits late becomes visible after younger rows were
+//!   already sent. Writers that lock the entity's row *before* inserting the outbox
+//!   row (the usual pattern: update the aggregate, then record its event) are not
+//!   affected, because the second writer waits for the first to commit; unlocked
+//!   writers of one entity are. The CDC relay reads in commit order.
+//! * A row that failed and is retried later is published after rows of its key that
+//!   succeeded meanwhile. The CDC relay has the same property for poisoned events.
+
+use tokio_postgres::{Client, Statement};
+
+use crate::config::{OutboxConfig, quote_ident, quote_qualified};
+use crate::error::Result;
+use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::replication::SESSION_OPTIONS;
+
+use super::layout::{CREATED_AT, FIELDS, ID, IDEMPOTENCY_KEY, Layout};
+use super::pg_error::pg_error;
+
+/// A connection with the replication session's text-output settings.
+pub(crate) async fn session(conninfo: &ConnInfo) -> Result<Client> {
+    let client = crate::postgres::connect_info(conninfo).await?;
+    client
+        .batch_execute(&session_settings_sql(SESSION_OPTIONS))
+        .await
+        .map_err(pg_error)?;
+    Ok(client)
+}
+
+/// `-c name=value …` startup options as `SET` statements, so a metadata session
+/// formats values exactly like the replication session.
+fn session_settings_sql(options: &str) -> String {
+    options
+        .split_whitespace()
+        .filter_map(|token| token.split_once('='))
+        .map(|(name, value)| format!("SET {name} = '{}';", value.replace('\'', "''")))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The poller's statements, built once from the config and the table layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Sql {
+    pub(super) select_batch: String,
+    /// Every row the poller would still send, in its order, unlocked and unlimited,
+    /// leaving out rows that have a poison row (poisoned by the CDC relay, or
+    /// replayed): the backlog a cutover publishes (`$1` is `max_attempts`).
+    pub(crate) backlog: String,
+    pub(super) sweep: String,
+    pub(super) mark_sent: String,
+    pub(super) record_failures: String,
+    pub(super) insert_poison: String,
+}
+
+impl Sql {
+    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout) -> Sql {
+        let table = quote_qualified(&outbox.table);
+        let poison = quote_qualified(&outbox.poison_table);
+        let col = |field: usize| match &layout.fields[field] {
+            Some(name) => format!("o.{}::text", quote_ident(name)),
+            None => "NULL::text".to_owned(),
+        };
+        // Layout guarantees the required columns; the fallback only keeps this total.
+        let name = |field: usize| quote_ident(layout.fields[field].as_deref().unwrap_or("id"));
+        let (id, created_at) = (name(ID), name(CREATED_AT));
+        let id_type = &layout.id_type;
+        let list = (0..FIELDS).map(col).collect::<Vec<_>>().join(", ");
+        // `sent_at IS NULL` is the partial index's predicate and (created_at, id) its
+        // key, so the scan walks the index in order and stops after the batch.
+        let order = format!("ORDER BY o.{created_at}, o.{id} LIMIT $2 FOR UPDATE SKIP LOCKED");
+        let select = format!("SELECT {list}, o.attempts::int4, o.last_error::text FROM {table} o");
+        Sql {
+            select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
+            backlog: format!(
+                "{select} WHERE o.sent_at IS NULL AND o.attempts < $1 AND NOT EXISTS (
+                     SELECT 1 FROM {poison} p
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                 ORDER BY o.{created_at}, o.{id}",
+                col(IDEMPOTENCY_KEY)
+            ),
+            sweep: format!(
+                "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (
+                     SELECT 1 FROM {poison} p
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)) {order}",
+                col(IDEMPOTENCY_KEY)
+            ),
+            // statement_timestamp(): when the marks were written, after the acks
+            // (now() would be the poll's start).
+            mark_sent: format!(
+                "UPDATE {table} SET sent_at = statement_timestamp()
+                 WHERE {id} = ANY($1::text[]::{id_type}[])"
+            ),
+            record_failures: format!(
+                "UPDATE {table} AS o SET attempts = f.attempts, last_error = f.error
+                 FROM unnest($1::text[], $2::int4[], $3::text[]) AS f(id, attempts, error)
+                 WHERE o.{id} = f.id::{id_type}"
+            ),
+            insert_poison: crate::poison::insert_statement(&outbox.poison_table),
+        }
+    }
+}
+
+/// [`Sql`] prepared on one connection.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(super) select_batch: Statement,
+    pub(super) sweep: Statement,
+    pub(super) mark_sent: Statement,
+    pub(super) record_failures: Statement,
+    pub(super) insert_poison: Statement,
+}
+
+impl Prepared {
+    pub(crate) async fn new(client: &Client, sql: &Sql) -> Result<Prepared> {
+        let prepare = |text: &str| {
+            let text = text.to_owned();
+            async move { client.prepare(&text).await.map_err(pg_error) }
+        };
+        Ok(Prepared {
+            select_batch: prepare(&sql.select_batch).await?,
+            sweep: prepare(&sql.sweep).await?,
+            mark_sent: prepare(&sql.mark_sent).await?,
+            record_failures: prepare(&sql.record_failures).await?,
+            insert_poison: prepare(&sql.insert_poison).await?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::poller::layout::resolve_layout;
+    use crate::poller::layout::tests::{column, migrated_columns, set};
+
+    #[test]
+    fn session_matches_the_replication_options() {
+        assert_eq!(
+            session_settings_sql(SESSION_OPTIONS),
+            "SET DateStyle = 'ISO'; SET TimeZone = 'UTC'; SET extra_float_digits = '3';"
+        );
+        assert_eq!(session_settings_sql("-c a=it's"), "SET a = 'it''s';");
+    }
+
+    #[test]
+    fn statements_use_the_partial_index_and_configured_names() {
+        let mut outbox = OutboxConfig {
+            table: "app.Events".into(),
+            poison_table: "app.dead".into(),
+            ..OutboxConfig::default()
+        };
+        outbox.columns.created_at = "ts".into();
+        let mut columns = migrated_columns();
+        columns.retain(|c| c.name != "topic");
+        set(
+            &mut columns,
+            "created_at",
+            column("ts", "timestamp with time zone", "timestamptz"),
+        );
+        set(&mut columns, "id", column("id", "bigint", "int8"));
+        let layout = resolve_layout("app.Events", &outbox, &columns).unwrap();
+        let sql = Sql::new(&outbox, &layout);
+        let select = &sql.select_batch;
+        assert!(select.contains("FROM \"app\".\"Events\" o"), "{select}");
+        assert!(
+            select.contains("WHERE o.sent_at IS NULL AND o.attempts < $1"),
+            "{select}"
+        );
+        assert!(
+            select.contains("ORDER BY o.\"ts\", o.\"id\" LIMIT $2 FOR UPDATE SKIP LOCKED"),
+            "{select}"
+        );
+        assert!(
+            select.contains("NULL::text, o.\"headers\"::text"),
+            "{select}"
+        );
+        assert!(
+            sql.mark_sent.contains("= ANY($1::text[]::bigint[])"),
+            "{}",
+            sql.mark_sent
+        );
+        assert!(sql.record_failures.contains("f.id::bigint"));
+        assert!(
+            sql.insert_poison
+                .starts_with("INSERT INTO \"app\".\"dead\"")
+        );
+        assert!(sql.sweep.contains("o.attempts >= $1 AND NOT EXISTS"));
+        assert!(sql.sweep.contains("FROM \"app\".\"dead\" p"));
+    }
+}
