@@ -62,7 +62,8 @@ fn random_delay(max_ms: u64) -> Duration {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| {
-            let random = uuid::Uuid::now_v7().as_u128() as u64;
+            // The low 64 bits of a v7 UUID are random.
+            let random = uuid::Uuid::now_v7().as_u64_pair().1;
             random % max_ms
         });
     println!("switching {ms} ms after the poller's first marks (CUTOVER_TEST_DELAY_MS={ms})");
