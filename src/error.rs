@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
+use crate::postgres::PgError;
 use crate::postgres::prerequisite::Prerequisite;
 
 /// Top-level error of a CLI command; decides the exit code.
@@ -38,6 +39,23 @@ pub enum Error {
     Transient(String),
     #[error("{0}")]
     Other(String),
+    // --- postgres ---
+    /// A failure of the PostgreSQL layer (connection, start-up checks, `postgres.url`);
+    /// its exit code and class come from [`PgError`]. A [`PgError::Prerequisite`]
+    /// becomes [`Error::Prerequisite`] instead (see the `From` impl), so that every
+    /// exit-3 error is matched the same way.
+    #[error(transparent)]
+    Pg(PgError),
+}
+
+// --- postgres ---
+impl From<PgError> for Error {
+    fn from(e: PgError) -> Self {
+        match e {
+            PgError::Prerequisite(p) => Error::Prerequisite(p),
+            other => Error::Pg(other),
+        }
+    }
 }
 
 impl Error {
@@ -54,6 +72,8 @@ impl Error {
             | Error::Bench(_)
             | Error::Transient(_)
             | Error::Other(_) => 1,
+            // --- postgres ---
+            Error::Pg(e) => e.exit_code(),
         })
     }
 
@@ -64,6 +84,8 @@ impl Error {
             Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
+            // --- postgres ---
+            Error::Pg(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }

@@ -200,7 +200,7 @@ async fn connect_when_reachable(
                     logged = true;
                 }
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         tokio::select! {
             biased;
@@ -834,5 +834,5 @@ fn order_key(event: &OutboxEvent) -> u64 {
 }
 
 fn replication_error(e: ReplicationError) -> Error {
-    crate::postgres::process_error(e, "")
+    crate::postgres::process_error(e, "").into()
 }

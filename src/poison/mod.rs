@@ -13,7 +13,8 @@
 use serde_json::{Map, Value};
 
 use crate::outbox::PoisonFields;
-use crate::postgres::conninfo::{ConnInfo, connect_metadata};
+use crate::postgres::connect_metadata;
+use crate::postgres::conninfo::ConnInfo;
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
 

@@ -1317,7 +1317,7 @@ pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Poll
 /// (the batch is rolled back and retried); missing privileges are a prerequisite error;
 /// anything else stops the poller.
 pub(crate) fn pg_error(e: tokio_postgres::Error) -> Error {
-    crate::postgres::process_error(e.into(), "PostgreSQL: ")
+    crate::postgres::process_error(e.into(), "PostgreSQL: ").into()
 }
 
 #[cfg(test)]

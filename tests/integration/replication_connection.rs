@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime};
 
 use outbox_relay::delivery::ErrorClass;
 use outbox_relay::lsn::Lsn;
-use outbox_relay::postgres::conninfo::{ConnInfo, Host, connect_metadata};
+use outbox_relay::postgres::connect_metadata;
+use outbox_relay::postgres::conninfo::{ConnInfo, Host};
 use outbox_relay::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
 use outbox_relay::postgres::replication::{
     ReplicationConnection, ReplicationError, ReplicationStream, SnapshotAction,

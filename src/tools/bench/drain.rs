@@ -473,7 +473,7 @@ async fn send_status(stream: &mut ReplicationStream, status: StatusUpdate) -> Re
 }
 
 fn replication_error(e: crate::postgres::replication::ReplicationError) -> Error {
-    crate::postgres::process_error(e, "")
+    crate::postgres::process_error(e, "").into()
 }
 
 /// This process's CPU since `before`, and its peak RSS since the last reset.
