@@ -57,7 +57,7 @@ pub async fn connect_info(info: &ConnInfo) -> Result<Client, PgError> {
 ///
 /// # Errors
 ///
-/// [`ReplicationError::Config`] when the TLS roots cannot be loaded, otherwise the
+/// [`ReplicationError::TlsConfig`] when the TLS roots cannot be loaded, otherwise the
 /// connection error converted to [`ReplicationError`] (a server error keeps its
 /// SQLSTATE), so both connections classify failures the same way.
 pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client, ReplicationError> {

@@ -318,7 +318,10 @@ async fn tls_verify_full_checks_chain_and_host_name() {
     .await
     .expect_err("unknown issuer");
     assert!(
-        matches!(err, ReplicationError::Tls(_) | ReplicationError::Config(_)),
+        matches!(
+            err,
+            ReplicationError::Tls(_) | ReplicationError::TlsConfig(_)
+        ),
         "{err:?}"
     );
 }

@@ -79,7 +79,8 @@ impl ReplicationConnection {
     /// elapses, [`ReplicationError::Tls`], [`ReplicationError::Auth`] (wrong password:
     /// code `28P01`; no `pg_hba.conf` entry: `28000`; unsupported method or missing
     /// password: no code), [`ReplicationError::Server`] (e.g. the database does not
-    /// exist), [`ReplicationError::Config`].
+    /// exist), [`ReplicationError::TlsConfig`] (TLS roots cannot be loaded),
+    /// [`ReplicationError::Config`].
     pub async fn connect(info: &ConnInfo) -> Result<ReplicationConnection, ReplicationError> {
         let attempt = Self::connect_without_timeout(info);
         match info.connect_timeout() {

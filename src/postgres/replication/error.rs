@@ -89,9 +89,15 @@ pub enum ReplicationError {
     /// The server closed the connection (EOF).
     #[error("the server closed the connection")]
     ConnectionClosed,
-    /// The request cannot be made as configured (bad URL, bad name, TLS roots).
+    /// The request cannot be made as configured (bad name, bad option).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The connection URL was rejected.
+    #[error("invalid configuration: {0}")]
+    ConnInfo(#[from] ConnInfoError),
+    /// The TLS settings cannot be used (e.g. `sslrootcert` names a missing file).
+    #[error("invalid configuration: {0}")]
+    TlsConfig(#[from] TlsConfigError),
 }
 
 fn sqlstate_suffix(code: Option<&str>) -> String {
@@ -157,7 +163,9 @@ impl ReplicationError {
             ReplicationError::Tls(_)
             | ReplicationError::Auth { .. }
             | ReplicationError::Protocol(_)
-            | ReplicationError::Config(_) => ErrorClass::Fatal,
+            | ReplicationError::Config(_)
+            | ReplicationError::ConnInfo(_)
+            | ReplicationError::TlsConfig(_) => ErrorClass::Fatal,
         }
     }
 
@@ -177,18 +185,6 @@ pub fn classify_sqlstate(code: &str) -> ErrorClass {
     match code.get(..2) {
         Some("08" | "40" | "53" | "57" | "58" | "XX") => ErrorClass::Transient,
         _ => ErrorClass::Fatal,
-    }
-}
-
-impl From<ConnInfoError> for ReplicationError {
-    fn from(e: ConnInfoError) -> Self {
-        ReplicationError::Config(e.to_string())
-    }
-}
-
-impl From<TlsConfigError> for ReplicationError {
-    fn from(e: TlsConfigError) -> Self {
-        ReplicationError::Config(e.to_string())
     }
 }
 
@@ -218,7 +214,7 @@ impl From<tokio_postgres::Error> for ReplicationError {
         let text = e.to_string();
         let source = std::error::Error::source(&e);
         if let Some(cfg) = source.and_then(|s| s.downcast_ref::<TlsConfigError>()) {
-            return ReplicationError::Config(cfg.to_string());
+            return ReplicationError::TlsConfig(cfg.clone());
         }
         let io_source = source.and_then(|s| s.downcast_ref::<io::Error>());
         let described = match source {
