@@ -41,8 +41,8 @@ pub enum PgError {
     Unavailable {
         /// What was being done, e.g. "cannot connect to PostgreSQL at …: ".
         context: String,
-        /// The connection's error.
-        source: ReplicationError,
+        /// The connection's error (boxed: it is large, and rare).
+        source: Box<ReplicationError>,
     },
     /// The connection or a command failed for good, for a reason that is no missing
     /// prerequisite (a protocol violation, an unexpected server error): fatal.
@@ -50,8 +50,8 @@ pub enum PgError {
     Failed {
         /// What was being done.
         context: String,
-        /// The connection's error.
-        source: ReplicationError,
+        /// The connection's error (boxed: it is large, and rare).
+        source: Box<ReplicationError>,
     },
     /// A query the start-up checks depend on failed: fatal.
     #[error("{context}{}", describe_error(.source))]
@@ -115,7 +115,7 @@ pub fn process_error(e: ReplicationError, context: &str) -> PgError {
     if e.is_transient() {
         return PgError::Unavailable {
             context: context.to_owned(),
-            source: e,
+            source: Box::new(e),
         };
     }
     let refused = |sqlstate: Option<&str>| {
@@ -135,7 +135,7 @@ pub fn process_error(e: ReplicationError, context: &str) -> PgError {
         }
         _ => PgError::Failed {
             context: context.to_owned(),
-            source: e,
+            source: Box::new(e),
         },
     }
 }
@@ -189,6 +189,16 @@ mod tests {
         assert_eq!(e.class(), ErrorClass::Fatal);
         assert_eq!(e.exit_code(), 1);
         assert_eq!(e.to_string(), "boom (SQLSTATE 22P02)");
+    }
+
+    #[test]
+    fn stays_small_enough_to_return_by_value() {
+        // clippy::result_large_err: crate::Error wraps this, and is returned everywhere.
+        assert!(
+            std::mem::size_of::<PgError>() <= 96,
+            "{}",
+            std::mem::size_of::<PgError>()
+        );
     }
 
     #[test]

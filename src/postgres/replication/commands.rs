@@ -24,7 +24,7 @@ use crate::lsn::Lsn;
 use super::error::ReplicationError;
 
 /// The output plugin the relay decodes.
-pub const OUTPUT_PLUGIN: &str = "pgoutput";
+pub(crate) const OUTPUT_PLUGIN: &str = "pgoutput";
 
 /// The answer to `IDENTIFY_SYSTEM`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,14 +71,14 @@ pub type TextRows = Vec<Vec<Option<String>>>;
 /// `'value'` with embedded quotes doubled. Backslashes are not special in the
 /// replication grammar (nor in SQL with `standard_conforming_strings`).
 #[must_use]
-pub fn quote_literal(value: &str) -> String {
+pub(crate) fn quote_literal(value: &str) -> String {
     format!("'{}'", value.replace('\'', "''"))
 }
 
 /// `publication_names` value: each name as a quoted identifier, comma-separated
 /// (pgoutput splits it with `SplitIdentifierString`).
 #[must_use]
-pub fn publication_names_option(names: &[&str]) -> String {
+pub(crate) fn publication_names_option(names: &[&str]) -> String {
     names
         .iter()
         .map(|n| quote_ident(n))
@@ -119,7 +119,11 @@ pub fn create_slot_command(
 
 /// The `START_REPLICATION SLOT … LOGICAL` command.
 #[must_use]
-pub fn start_replication_command(slot: &str, start: Lsn, options: &[(&str, &str)]) -> String {
+pub(crate) fn start_replication_command(
+    slot: &str,
+    start: Lsn,
+    options: &[(&str, &str)],
+) -> String {
     let mut command = format!(
         "START_REPLICATION SLOT {} LOGICAL {start}",
         quote_ident(slot)
@@ -140,7 +144,7 @@ pub fn start_replication_command(slot: &str, start: Lsn, options: &[(&str, &str)
 /// The major version from `server_version` ("15.4 (Debian …)" → 15, "9.6.3" → 9,
 /// "17devel" → 17).
 #[must_use]
-pub fn parse_major_version(server_version: &str) -> Option<u32> {
+pub(crate) fn parse_major_version(server_version: &str) -> Option<u32> {
     let digits: String = server_version
         .trim_start()
         .chars()

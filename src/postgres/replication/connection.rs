@@ -44,7 +44,7 @@ use super::stream::ReplicationStream;
 use super::transport::{Conn, open_transport};
 
 /// Session settings sent at startup so `pgoutput`'s text output is stable.
-pub const SESSION_OPTIONS: &str = "-c DateStyle=ISO -c TimeZone=UTC -c extra_float_digits=3";
+pub(crate) const SESSION_OPTIONS: &str = "-c DateStyle=ISO -c TimeZone=UTC -c extra_float_digits=3";
 
 /// A walsender connection in command mode (before `START_REPLICATION`).
 pub struct ReplicationConnection {

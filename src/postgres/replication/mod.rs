@@ -35,10 +35,9 @@ mod transport;
 #[cfg(test)]
 mod tests;
 
-pub use commands::{
-    CreatedSlot, OUTPUT_PLUGIN, SnapshotAction, SystemIdentity, TextRows, create_slot_command,
-    parse_major_version, publication_names_option, quote_literal, start_replication_command,
-};
-pub use connection::{ReplicationConnection, SESSION_OPTIONS};
+pub use commands::{CreatedSlot, SnapshotAction, SystemIdentity, TextRows, create_slot_command};
+pub(crate) use commands::{publication_names_option, quote_literal};
+pub use connection::ReplicationConnection;
+pub(crate) use connection::SESSION_OPTIONS;
 pub use error::{ReplicationError, classify_sqlstate, sqlstate};
 pub use stream::ReplicationStream;

@@ -9,6 +9,10 @@ use bytes::{BufMut, Bytes, BytesMut};
 use postgres_protocol::authentication::md5_hash;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
+use super::commands::{
+    create_slot_command, parse_major_version, publication_names_option, quote_literal,
+    start_replication_command,
+};
 use super::frames::{PRIMARY_KEEPALIVE, ServerFrame, StandbyStatus, XLOG_DATA};
 use super::messages::{
     AUTHENTICATION, BACKEND_KEY_DATA, COMMAND_COMPLETE, COPY_DATA, COPY_DONE, DATA_ROW,
