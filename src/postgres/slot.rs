@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
 use crate::config::{Config, qualified_name};
+use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
 use crate::postgres::error::PgError;
 use crate::postgres::prerequisite::Prerequisite;
@@ -183,7 +184,7 @@ pub async fn wait_for_slot(
     busy_timeout: Duration,
 ) -> Result<SlotState, PgError> {
     let started = Instant::now();
-    let mut delay = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut logged = false;
     loop {
         let Some(info) = slot_info(client, slot).await? else {
@@ -219,8 +220,7 @@ pub async fn wait_for_slot(
                     );
                     logged = true;
                 }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
+                tokio::time::sleep(backoff.next_pause()).await;
             }
             Some(pid) => {
                 return Err(Prerequisite::SlotBusy {
