@@ -103,7 +103,8 @@ pub enum DecodeError {
         /// Bytes left over.
         extra: usize,
     },
-    /// Stream Start inside a stream block, or Stream Stop outside one ([`Decoder`](super::Decoder)).
+    /// Stream Start inside a stream block, or Stream Stop outside one
+    /// ([`Decoder`](super::Decoder)).
     #[error("pgoutput {} message {} a stream block", message_name(*tag), if *in_stream { "inside" } else { "outside" })]
     StreamBoundary {
         /// The tag byte received.

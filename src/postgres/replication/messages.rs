@@ -1,7 +1,8 @@
 //! Backend messages: framing the byte stream into messages and parsing their bodies.
 //!
 //! Every backend message is a tag byte and a big-endian `Int32` length that counts
-//! itself but not the tag (<https://www.postgresql.org/docs/current/protocol-message-formats.html>).
+//! itself but not the tag
+//! (<https://www.postgresql.org/docs/current/protocol-message-formats.html>).
 //! [`take_message`] cuts one complete message off the front of the read buffer, or
 //! reports that more bytes are needed; it never trusts a length (less than 4 or more
 //! than PostgreSQL's 1 GiB allocation limit is a broken stream) and never panics.

@@ -10,9 +10,10 @@
 //! change is decoded); [`ReplicationStream::finish`] ends it from our side.
 //!
 //! Errors before `CopyBothResponse` (slot in use, slot missing, `wal_level` too low)
-//! come back from
-//! [`ReplicationConnection::start_logical_replication`](super::ReplicationConnection::start_logical_replication): PostgreSQL
+//! come back from [`ReplicationConnection::start_logical_replication`]: PostgreSQL
 //! sends `CopyBothResponse` only once the walsender is fully set up.
+//!
+//! [`ReplicationConnection::start_logical_replication`]: super::ReplicationConnection::start_logical_replication
 //!
 //! # Keepalives and status updates
 //!
