@@ -13,6 +13,7 @@ use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
 // --- kafka ---
 use crate::kafka::BrokerError;
+use crate::postgres::PgError;
 use crate::postgres::prerequisite::Prerequisite;
 
 /// Top-level error of a CLI command; decides the exit code.
@@ -166,6 +167,23 @@ pub enum Error {
     /// The outbox returned a row whose id (its primary key) is NULL: a broken table.
     #[error("outbox row with a NULL id")]
     NullOutboxId,
+    // --- postgres ---
+    /// A failure of the PostgreSQL layer (connection, start-up checks, `postgres.url`);
+    /// its exit code and class come from [`PgError`]. A [`PgError::Prerequisite`]
+    /// becomes [`Error::Prerequisite`] instead (see the `From` impl), so that every
+    /// exit-3 error is matched the same way.
+    #[error(transparent)]
+    Pg(PgError),
+}
+
+// --- postgres ---
+impl From<PgError> for Error {
+    fn from(e: PgError) -> Self {
+        match e {
+            PgError::Prerequisite(p) => Error::Prerequisite(p),
+            other => Error::Pg(other),
+        }
+    }
 }
 
 impl Error {
@@ -213,6 +231,8 @@ impl Error {
             | Error::DeliveryChannelClosed
             | Error::PollerWorker(_)
             | Error::NullOutboxId => 1,
+            // --- postgres ---
+            Error::Pg(e) => e.exit_code(),
         })
     }
 
@@ -233,6 +253,8 @@ impl Error {
             Error::Statement {
                 transient: true, ..
             } => ErrorClass::Transient,
+            // --- postgres ---
+            Error::Pg(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }

@@ -32,6 +32,12 @@ impl From<outbox_relay::config::ConfigError> for Failure {
     }
 }
 
+impl From<outbox_relay::postgres::PgError> for Failure {
+    fn from(e: outbox_relay::postgres::PgError) -> Failure {
+        Failure::Relay(e.into())
+    }
+}
+
 impl Failure {
     /// The exit code (`docs/architecture.md#exit-codes`): the relay error's own,
     /// also inside a tool's error; 1 for anything else.

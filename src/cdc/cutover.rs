@@ -304,7 +304,7 @@ async fn drop_unfinished_slot(
     );
     conn.drop_slot(slot_name, false)
         .await
-        .map_err(|e| crate::postgres::process_error(e, "cannot drop the unfinished slot: "))
+        .map_err(|e| crate::postgres::process_error(e, "cannot drop the unfinished slot: ").into())
 }
 
 /// Steps 1–6 of the module docs.

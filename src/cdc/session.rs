@@ -214,7 +214,7 @@ async fn connect_when_reachable(
                     logged = true;
                 }
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         if sleep_or_shutdown(shutdown, backoff.next_pause()).await {
             return Ok(None);
@@ -700,5 +700,5 @@ fn millis(pause: Duration) -> u64 {
 }
 
 fn replication_error(e: ReplicationError) -> Error {
-    crate::postgres::process_error(e, "")
+    crate::postgres::process_error(e, "").into()
 }

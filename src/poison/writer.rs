@@ -14,7 +14,8 @@ use tokio_postgres::Client;
 
 use crate::delivery::EventId;
 use crate::lsn::Lsn;
-use crate::postgres::conninfo::{ConnInfo, connect_metadata};
+use crate::postgres::connect_metadata;
+use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::describe_error;
 use crate::postgres::replication::ReplicationError;
 

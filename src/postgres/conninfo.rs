@@ -8,7 +8,8 @@
 //! ```
 //!
 //! [`ConnInfo::parse`] turns it into a typed value that both connections use, so the
-//! metadata connection ([`ConnInfo::tokio_postgres_config`], [`connect_metadata`]) and
+//! metadata connection ([`ConnInfo::tokio_postgres_config`],
+//! [`connect_metadata`](super::connect_metadata)) and
 //! the hand-written replication connection
 //! ([`ReplicationConnection::connect`](super::replication::ReplicationConnection::connect))
 //! can never disagree about where to connect or how to secure it.
@@ -39,9 +40,6 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
-
-use super::replication::ReplicationError;
-use super::tls::MakeRustlsConnect;
 
 /// Default `application_name`, visible in `pg_stat_activity` and `pg_stat_replication`.
 pub const DEFAULT_APPLICATION_NAME: &str = "outbox-relay";
@@ -494,7 +492,7 @@ impl ConnInfo {
 
     /// `tokio-postgres` configuration for an ordinary (metadata) connection with the
     /// same target, credentials, TLS mode and `application_name`. Use it with
-    /// [`MakeRustlsConnect`], which applies the `verify-ca`/`verify-full` checks
+    /// [`MakeRustlsConnect`](super::tls::MakeRustlsConnect), which applies the `verify-ca`/`verify-full` checks
     /// (tokio-postgres itself only knows disable/prefer/require).
     #[must_use]
     pub fn tokio_postgres_config(&self) -> tokio_postgres::Config {
@@ -581,28 +579,6 @@ impl fmt::Display for ConnInfo {
         }
         write!(f, " (sslmode={})", self.sslmode)
     }
-}
-
-/// Opens an ordinary `tokio-postgres` connection (for metadata queries and poison
-/// inserts) with the same TLS semantics as the replication connection, and spawns
-/// its connection task, which ends when the returned client is dropped.
-///
-/// # Errors
-///
-/// [`ReplicationError::Config`] when the TLS roots cannot be loaded, otherwise the
-/// connection error converted to [`ReplicationError`] (a server error keeps its
-/// SQLSTATE), so both connections classify failures the same way.
-pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client, ReplicationError> {
-    let config = info.tokio_postgres_config();
-    let tls = MakeRustlsConnect::from_conninfo(info)?;
-    let (client, connection) = config.connect(tls).await.map_err(ReplicationError::from)?;
-    let target = info.to_string();
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(target_db = %target, error = %e, "metadata connection closed");
-        }
-    });
-    Ok(client)
 }
 
 /// libpq's default user: `PGUSER`, else the operating-system user, else `postgres`.

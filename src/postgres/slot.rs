@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 
 use crate::config::{Config, qualified_name};
-use crate::error::{Error, Result};
+use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
-use crate::postgres::describe_error;
+use crate::postgres::error::PgError;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{CreatedSlot, ReplicationConnection, SnapshotAction};
 
@@ -48,7 +48,10 @@ impl Prerequisites {
 }
 
 /// Checks wal_level, the publication and the tables.
-pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Prerequisites> {
+pub async fn check_prerequisites(
+    client: &Client,
+    config: &Config,
+) -> Result<Prerequisites, PgError> {
     let row = client
         .query_one(
             "SELECT current_setting('wal_level'), current_setting('server_version'),
@@ -57,11 +60,9 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
             &[],
         )
         .await
-        .map_err(|e| {
-            Error::Other(format!(
-                "cannot read server settings: {}",
-                describe_error(&e)
-            ))
+        .map_err(|source| PgError::Query {
+            context: "cannot read server settings: ",
+            source,
         })?;
     let wal_level: String = row.get(0);
     let server_version: String = row.get(1);
@@ -71,7 +72,8 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
         return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
     let publication = &config.postgres.publication;
-    let (schema, table) = qualified_name(&config.outbox.table).map_err(Error::Other)?;
+    let (schema, table) =
+        qualified_name(&config.outbox.table).map_err(|e| PgError::TableName(e.to_string()))?;
     let row = client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
@@ -88,11 +90,9 @@ pub async fn check_prerequisites(client: &Client, config: &Config) -> Result<Pre
             ],
         )
         .await
-        .map_err(|e| {
-            Error::Other(format!(
-                "cannot check the publication: {}",
-                describe_error(&e)
-            ))
+        .map_err(|source| PgError::Query {
+            context: "cannot check the publication: ",
+            source,
         })?;
     let (has_publication, covers_outbox, has_outbox, has_poison): (bool, bool, bool, bool) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
@@ -151,7 +151,7 @@ pub struct SlotInfo {
 }
 
 /// Reads the slot's row, `None` when it does not exist.
-pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>> {
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, PgError> {
     let row = client
         .query_opt(
             "SELECT plugin::text, database::text, active_pid, confirmed_flush_lsn::text, wal_status
@@ -159,11 +159,9 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>> 
             &[&slot],
         )
         .await
-        .map_err(|e| {
-            Error::Transient(format!(
-                "cannot read pg_replication_slots: {}",
-                describe_error(&e)
-            ))
+        .map_err(|source| PgError::SlotQuery {
+            context: "cannot read pg_replication_slots: ",
+            source,
         })?;
     let Some(row) = row else { return Ok(None) };
     let confirmed: Option<String> = row.get(3);
@@ -184,9 +182,9 @@ pub async fn wait_for_slot(
     client: &Client,
     slot: &str,
     busy_timeout: Duration,
-) -> Result<SlotState> {
+) -> Result<SlotState, PgError> {
     let started = Instant::now();
-    let mut delay = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut logged = false;
     loop {
         let Some(info) = slot_info(client, slot).await? else {
@@ -222,8 +220,7 @@ pub async fn wait_for_slot(
                     );
                     logged = true;
                 }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
+                tokio::time::sleep(backoff.next_pause()).await;
             }
             Some(pid) => {
                 return Err(Prerequisite::SlotBusy {
@@ -237,7 +234,7 @@ pub async fn wait_for_slot(
     }
 }
 
-async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<()> {
+async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<(), PgError> {
     if info.plugin.as_deref() != Some("pgoutput") {
         return Err(Prerequisite::SlotPlugin {
             slot: slot.to_owned(),
@@ -248,7 +245,10 @@ async fn check_slot(slot: &str, info: &SlotInfo, client: &Client) -> Result<()> 
     let current: String = client
         .query_one("SELECT current_database()::text", &[])
         .await
-        .map_err(|e| Error::Transient(describe_error(&e)))?
+        .map_err(|source| PgError::SlotQuery {
+            context: "",
+            source,
+        })?
         .get(0);
     if info.database.as_deref() != Some(current.as_str()) {
         return Err(Prerequisite::SlotDatabase {

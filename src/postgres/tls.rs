@@ -57,7 +57,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use super::conninfo::{ConnInfo, RootCerts, SslMode};
 
 /// ALPN protocol name PostgreSQL 17+ expects (ignored by older servers).
-pub const ALPN_POSTGRESQL: &[u8] = b"postgresql";
+pub(crate) const ALPN_POSTGRESQL: &[u8] = b"postgresql";
 
 /// The TLS settings could not be turned into a client configuration (for example
 /// `sslrootcert` names a missing file). A configuration problem: retrying won't help.
@@ -193,7 +193,7 @@ impl TlsConnector {
 /// The rustls error inside a handshake `io::Error`, if that is what failed (as
 /// opposed to the socket).
 #[must_use]
-pub fn rustls_error(e: &io::Error) -> Option<&rustls::Error> {
+pub(crate) fn rustls_error(e: &io::Error) -> Option<&rustls::Error> {
     e.get_ref()
         .and_then(|inner| inner.downcast_ref::<rustls::Error>())
 }
@@ -202,7 +202,7 @@ pub fn rustls_error(e: &io::Error) -> Option<&rustls::Error> {
 /// when the server sent no certificate or its signature algorithm has no defined
 /// binding hash.
 #[must_use]
-pub fn session_channel_binding(conn: &rustls::ClientConnection) -> Option<Vec<u8>> {
+pub(crate) fn session_channel_binding(conn: &rustls::ClientConnection) -> Option<Vec<u8>> {
     conn.peer_certificates()
         .and_then(|certs| certs.first())
         .and_then(|leaf| tls_server_end_point(leaf.as_ref()))
@@ -213,7 +213,7 @@ pub fn session_channel_binding(conn: &rustls::ClientConnection) -> Option<Vec<u8
 /// algorithms without a single hash (RSASSA-PSS, EdDSA), which PostgreSQL cannot bind
 /// to either, and for malformed input.
 #[must_use]
-pub fn tls_server_end_point(cert_der: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn tls_server_end_point(cert_der: &[u8]) -> Option<Vec<u8>> {
     let algorithm = signature_hash(cert_der)?;
     Some(ring::digest::digest(algorithm, cert_der).as_ref().to_vec())
 }

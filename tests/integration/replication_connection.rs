@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime};
 
 use outbox_relay::delivery::ErrorClass;
 use outbox_relay::lsn::Lsn;
-use outbox_relay::postgres::conninfo::{ConnInfo, Host, connect_metadata};
+use outbox_relay::postgres::connect_metadata;
+use outbox_relay::postgres::conninfo::{ConnInfo, Host};
 use outbox_relay::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
 use outbox_relay::postgres::replication::{
     ReplicationConnection, ReplicationError, ReplicationStream, SnapshotAction,
@@ -317,7 +318,10 @@ async fn tls_verify_full_checks_chain_and_host_name() {
     .await
     .expect_err("unknown issuer");
     assert!(
-        matches!(err, ReplicationError::Tls(_) | ReplicationError::Config(_)),
+        matches!(
+            err,
+            ReplicationError::Tls(_) | ReplicationError::TlsConfig(_)
+        ),
         "{err:?}"
     );
 }

@@ -1,0 +1,74 @@
+//! The metadata connection: an ordinary `tokio-postgres` client for the prerequisite
+//! checks, slot state and poison inserts.
+//!
+//! It is opened from the same [`ConnInfo`] as the replication connection and secured
+//! by the same [`TlsConnector`](super::tls::TlsConnector) (through
+//! [`MakeRustlsConnect`]), because `tokio-postgres` alone knows only
+//! `disable`/`prefer`/`require` and would silently skip the `verify-ca`/`verify-full`
+//! checks. Its errors are converted to [`ReplicationError`] so that both connections
+//! classify a failure the same way (see [`process_error`]).
+
+use tokio_postgres::Client;
+
+use crate::config::redact_url;
+use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::error::{PgError, process_error};
+use crate::postgres::replication::ReplicationError;
+use crate::postgres::tls::MakeRustlsConnect;
+
+/// Parses `postgres.url` (libpq URL semantics, see [`crate::postgres::conninfo`]); a
+/// bad URL is a configuration error ([`PgError::InvalidUrl`], exit code 2).
+///
+/// # Errors
+///
+/// [`PgError::InvalidUrl`], naming the URL without its password.
+pub fn parse_url(url: &str) -> Result<ConnInfo, PgError> {
+    ConnInfo::parse(url).map_err(|source| PgError::InvalidUrl {
+        url: redact_url(url),
+        source,
+    })
+}
+
+/// Opens a metadata connection from a URL (TLS per its `sslmode`).
+///
+/// # Errors
+///
+/// As [`parse_url`] and [`connect_info`].
+pub async fn connect(url: &str) -> Result<Client, PgError> {
+    connect_info(&parse_url(url)?).await
+}
+
+/// Opens a metadata connection from parsed connection info (TLS per `sslmode`).
+///
+/// # Errors
+///
+/// The connection error mapped by [`process_error`]: [`PgError::Unavailable`]
+/// (transient), [`PgError::Prerequisite`] (refused: authentication, TLS, missing
+/// database, …) or [`PgError::Failed`].
+pub async fn connect_info(info: &ConnInfo) -> Result<Client, PgError> {
+    connect_metadata(info)
+        .await
+        .map_err(|e| process_error(e, &format!("cannot connect to PostgreSQL at {info}: ")))
+}
+
+/// Opens an ordinary `tokio-postgres` connection (for metadata queries and poison
+/// inserts) with the same TLS semantics as the replication connection, and spawns
+/// its connection task, which ends when the returned client is dropped.
+///
+/// # Errors
+///
+/// [`ReplicationError::TlsConfig`] when the TLS roots cannot be loaded, otherwise the
+/// connection error converted to [`ReplicationError`] (a server error keeps its
+/// SQLSTATE), so both connections classify failures the same way.
+pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client, ReplicationError> {
+    let config = info.tokio_postgres_config();
+    let tls = MakeRustlsConnect::from_conninfo(info)?;
+    let (client, connection) = config.connect(tls).await.map_err(ReplicationError::from)?;
+    let target = info.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(target_db = %target, error = %e, "metadata connection closed");
+        }
+    });
+    Ok(client)
+}

@@ -1,0 +1,561 @@
+//! Unit tests of the replication connection: command texts, message framing and
+//! parsing, error classification, and the startup and streaming phases against a
+//! scripted in-memory server (`tokio::io::duplex`).
+
+use std::collections::BTreeMap;
+use std::io;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use postgres_protocol::authentication::md5_hash;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+use super::commands::{
+    create_slot_command, parse_major_version, publication_names_option, quote_literal,
+    start_replication_command,
+};
+use super::frames::{PRIMARY_KEEPALIVE, ServerFrame, StandbyStatus, XLOG_DATA};
+use super::messages::{
+    AUTHENTICATION, BACKEND_KEY_DATA, COMMAND_COMPLETE, COPY_DATA, COPY_DONE, DATA_ROW,
+    ERROR_RESPONSE, NOTICE_RESPONSE, PARAMETER_STATUS, READY_FOR_QUERY, parse_data_row,
+    parse_error_fields, server_error, startup_error, take_message,
+};
+use super::transport::{Conn, Transport};
+use super::*;
+use crate::config::quote_ident;
+use crate::delivery::ErrorClass;
+use crate::lsn::Lsn;
+use crate::postgres::conninfo::ConnInfo;
+
+fn message(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut m = vec![tag];
+    m.extend_from_slice(&u32::try_from(body.len() + 4).unwrap().to_be_bytes());
+    m.extend_from_slice(body);
+    m
+}
+
+fn error_body(fields: &[(u8, &str)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (k, v) in fields {
+        b.push(*k);
+        b.extend_from_slice(v.as_bytes());
+        b.push(0);
+    }
+    b.push(0);
+    b
+}
+
+fn xlog(lsn: u64, data: &[u8]) -> Vec<u8> {
+    let mut body = vec![XLOG_DATA];
+    body.extend_from_slice(&lsn.to_be_bytes());
+    body.extend_from_slice(&lsn.to_be_bytes());
+    body.extend_from_slice(&7i64.to_be_bytes());
+    body.extend_from_slice(data);
+    message(COPY_DATA, &body)
+}
+
+fn keepalive(lsn: u64, reply: bool) -> Vec<u8> {
+    let mut body = vec![PRIMARY_KEEPALIVE];
+    body.extend_from_slice(&lsn.to_be_bytes());
+    body.extend_from_slice(&9i64.to_be_bytes());
+    body.push(u8::from(reply));
+    message(COPY_DATA, &body)
+}
+
+fn mock_stream() -> (ReplicationStream, DuplexStream) {
+    let (client, server) = tokio::io::duplex(1 << 20);
+    let stream = ReplicationStream {
+        conn: Conn::new(Transport::Mock(client), "mock".to_owned()),
+        done: false,
+    };
+    (stream, server)
+}
+
+#[test]
+fn quotes_identifiers_and_literals() {
+    assert_eq!(quote_ident("slot"), "\"slot\"");
+    assert_eq!(quote_ident("we\"ird"), "\"we\"\"ird\"");
+    assert_eq!(quote_literal("it's"), "'it''s'");
+    assert_eq!(quote_literal(r"back\slash"), r"'back\slash'");
+    assert_eq!(
+        publication_names_option(&["outbox_relay_pub", "Other \"one\""]),
+        "\"outbox_relay_pub\",\"Other \"\"one\"\"\""
+    );
+}
+
+#[test]
+fn builds_start_replication() {
+    let pubs = publication_names_option(&["outbox_relay_pub", "o'brien"]);
+    let cmd = start_replication_command(
+        "relay_slot",
+        Lsn(0x16_B374_D848),
+        &[("proto_version", "1"), ("publication_names", &pubs)],
+    );
+    assert_eq!(
+        cmd,
+        "START_REPLICATION SLOT \"relay_slot\" LOGICAL 16/B374D848 \
+         (\"proto_version\" '1', \"publication_names\" '\"outbox_relay_pub\",\"o''brien\"')"
+    );
+    assert_eq!(
+        start_replication_command("s", Lsn::ZERO, &[]),
+        "START_REPLICATION SLOT \"s\" LOGICAL 0/0"
+    );
+}
+
+#[test]
+fn builds_create_slot_for_each_server_generation() {
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(15)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
+    );
+    assert_eq!(
+        create_slot_command("s", true, SnapshotAction::Export, Some(17)),
+        "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
+    );
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::Use, None),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'use')"
+    );
+    assert_eq!(
+        create_slot_command("s", true, SnapshotAction::NoExport, Some(14)),
+        "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput NOEXPORT_SNAPSHOT"
+    );
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::Use, Some(13)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput USE_SNAPSHOT"
+    );
+}
+
+#[test]
+fn parses_major_versions() {
+    assert_eq!(
+        parse_major_version("15.18 (Debian 15.18-0+deb12u1)"),
+        Some(15)
+    );
+    assert_eq!(parse_major_version("9.6.24"), Some(9));
+    assert_eq!(parse_major_version("17devel"), Some(17));
+    assert_eq!(parse_major_version("beta"), None);
+}
+
+#[test]
+fn frames_messages_across_reads() {
+    let mut wire = message(PARAMETER_STATUS, b"a\0b\0");
+    wire.extend(message(READY_FOR_QUERY, b"I"));
+    let mut buf = BytesMut::new();
+    for (i, byte) in wire.iter().enumerate() {
+        buf.put_u8(*byte);
+        let got = take_message(&mut buf).unwrap();
+        match i {
+            8 => assert_eq!(
+                got.map(|m| (m.tag, m.body)),
+                Some((b'S', Bytes::from_static(b"a\0b\0")))
+            ),
+            14 => assert_eq!(
+                got.map(|m| (m.tag, m.body)),
+                Some((b'Z', Bytes::from_static(b"I")))
+            ),
+            _ => assert!(got.is_none(), "byte {i}"),
+        }
+    }
+    assert!(buf.is_empty());
+}
+
+#[test]
+fn rejects_impossible_lengths() {
+    let mut buf = BytesMut::from(&[b'd', 0, 0, 0, 3][..]);
+    assert!(matches!(
+        take_message(&mut buf),
+        Err(ReplicationError::Protocol(_))
+    ));
+    let mut buf = BytesMut::from(&[b'd', 0x7f, 0xff, 0xff, 0xff][..]);
+    assert!(matches!(
+        take_message(&mut buf),
+        Err(ReplicationError::Protocol(_))
+    ));
+}
+
+#[test]
+fn parses_error_responses() {
+    let body = error_body(&[
+        (b'S', "FEHLER"),
+        (b'V', "ERROR"),
+        (b'C', "55006"),
+        (b'M', "replication slot \"s\" is active for PID 42"),
+        (b'D', "some detail"),
+    ]);
+    let err = server_error(&body);
+    assert!(err.is_slot_in_use());
+    assert!(!err.is_undefined_object());
+    assert_eq!(err.classify(), ErrorClass::Fatal);
+    assert_eq!(
+        err.to_string(),
+        "replication slot \"s\" is active for PID 42 (SQLSTATE 55006); detail: some detail"
+    );
+    // Truncated or garbage bodies never panic.
+    for cut in 0..body.len() {
+        let _ = parse_error_fields(&body[..cut]);
+    }
+    assert_eq!(parse_error_fields(b"").code, "XX000");
+}
+
+#[test]
+fn startup_errors_of_class_28_are_authentication_failures() {
+    let body = error_body(&[
+        (b'V', "FATAL"),
+        (b'C', "28P01"),
+        (b'M', "password authentication failed for user \"u\""),
+    ]);
+    let err = startup_error(&body, "scram-sha-256");
+    assert!(
+        matches!(&err, ReplicationError::Auth { method, code: Some(c), .. }
+        if method == "scram-sha-256" && c == "28P01")
+    );
+    assert_eq!(err.code(), Some("28P01"));
+    assert_eq!(err.classify(), ErrorClass::Fatal);
+    let other = startup_error(&error_body(&[(b'C', "3D000"), (b'M', "no db")]), "trust");
+    assert!(matches!(other, ReplicationError::Server { .. }));
+}
+
+#[test]
+fn classifies_errors() {
+    let server = |code: &str| ReplicationError::Server {
+        code: code.to_owned(),
+        message: String::new(),
+        detail: None,
+        hint: None,
+    };
+    for code in [
+        "57P01", "57P02", "57P03", "08006", "53300", "58030", "XX000", "40001",
+    ] {
+        assert_eq!(server(code).classify(), ErrorClass::Transient, "{code}");
+    }
+    for code in [
+        "28P01", "28000", "55000", "55006", "42704", "42501", "3D000", "57P04",
+    ] {
+        assert_eq!(server(code).classify(), ErrorClass::Fatal, "{code}");
+    }
+    assert!(ReplicationError::ConnectionClosed.is_transient());
+    assert!(ReplicationError::Io(io::Error::from(io::ErrorKind::ConnectionReset)).is_transient());
+    assert!(!ReplicationError::Config(String::new()).is_transient());
+    assert!(!ReplicationError::Tls(String::new()).is_transient());
+    assert!(!ReplicationError::Protocol(String::new()).is_transient());
+    assert!(server("42704").is_undefined_object());
+    assert!(server("42710").is_duplicate_object());
+}
+
+#[test]
+fn parses_data_rows() {
+    let mut body = 3i16.to_be_bytes().to_vec();
+    body.extend_from_slice(&2i32.to_be_bytes());
+    body.extend_from_slice(b"ab");
+    body.extend_from_slice(&(-1i32).to_be_bytes());
+    body.extend_from_slice(&0i32.to_be_bytes());
+    assert_eq!(
+        parse_data_row(&body).unwrap(),
+        vec![Some("ab".to_owned()), None, Some(String::new())]
+    );
+    for cut in 0..body.len() {
+        assert!(parse_data_row(&body[..cut]).is_err());
+    }
+    let mut huge = 1i16.to_be_bytes().to_vec();
+    huge.extend_from_slice(&i32::MAX.to_be_bytes());
+    assert!(parse_data_row(&huge).is_err());
+}
+
+#[tokio::test]
+async fn a_walsender_exiting_at_shutdown_ends_the_stream() {
+    // pg_ctl stop -m fast: "COPY 0" CommandComplete, no CopyDone, then EOF.
+    let (mut stream, mut server) = mock_stream();
+    let mut wire = keepalive(0x20, false);
+    wire.extend(message(COMMAND_COMPLETE, b"COPY 0\0"));
+    server.write_all(&wire).await.unwrap();
+    assert!(matches!(
+        stream.next_frame().await.unwrap(),
+        Some(ServerFrame::Keepalive { .. })
+    ));
+    assert_eq!(stream.next_frame().await.unwrap(), None);
+    assert_eq!(stream.next_frame().await.unwrap(), None, "stays ended");
+}
+
+#[tokio::test]
+async fn streams_frames_and_ends_on_copy_done() {
+    let (mut stream, mut server) = mock_stream();
+    let mut wire = xlog(0x10, b"Bbegin");
+    wire.extend(message(
+        NOTICE_RESPONSE,
+        &error_body(&[(b'V', "NOTICE"), (b'C', "00000"), (b'M', "hi")]),
+    ));
+    wire.extend(message(PARAMETER_STATUS, b"TimeZone\0UTC\0"));
+    wire.extend(keepalive(0x20, true));
+    wire.extend(message(COPY_DONE, b""));
+    server.write_all(&wire).await.unwrap();
+
+    match stream.next_frame().await.unwrap() {
+        Some(ServerFrame::XLogData {
+            wal_start, data, ..
+        }) => {
+            assert_eq!(wal_start, Lsn(0x10));
+            assert_eq!(&data[..], b"Bbegin");
+        }
+        other => panic!("expected XLogData, got {other:?}"),
+    }
+    assert_eq!(
+        stream.next_frame().await.unwrap(),
+        Some(ServerFrame::Keepalive {
+            wal_end: Lsn(0x20),
+            send_time: 9,
+            reply_requested: true
+        })
+    );
+    assert_eq!(stream.server_parameter("TimeZone"), Some("UTC"));
+    assert_eq!(stream.next_frame().await.unwrap(), None);
+    assert_eq!(stream.next_frame().await.unwrap(), None, "stays ended");
+}
+
+#[tokio::test]
+async fn reports_server_errors_and_eof() {
+    let (mut stream, mut server) = mock_stream();
+    let err = error_body(&[
+        (b'V', "ERROR"),
+        (b'C', "42704"),
+        (b'M', "publication \"p\" does not exist"),
+    ]);
+    server
+        .write_all(&message(ERROR_RESPONSE, &err))
+        .await
+        .unwrap();
+    let e = stream.next_frame().await.unwrap_err();
+    assert!(e.is_undefined_object(), "{e}");
+
+    let (mut stream, server) = mock_stream();
+    drop(server);
+    assert!(matches!(
+        stream.next_frame().await,
+        Err(ReplicationError::ConnectionClosed)
+    ));
+
+    let (mut stream, mut server) = mock_stream();
+    server.write_all(&message(DATA_ROW, b"\0\0")).await.unwrap();
+    assert!(matches!(
+        stream.next_frame().await,
+        Err(ReplicationError::Protocol(_))
+    ));
+}
+
+/// Dropping `next_frame` at every possible point never loses or splits a frame.
+#[tokio::test]
+async fn next_frame_is_cancel_safe() {
+    let (mut stream, mut server) = mock_stream();
+    let frames: Vec<Vec<u8>> = (0..200u64)
+        .map(|i| {
+            xlog(
+                i + 1,
+                &vec![u8::try_from(i % 251).unwrap(); usize::try_from(i * 37 % 3000).unwrap()],
+            )
+        })
+        .collect();
+    let wire: Vec<u8> = frames.concat();
+    let writer = tokio::spawn(async move {
+        // Dribble the bytes in odd-sized pieces with yields between them.
+        for chunk in wire.chunks(777) {
+            server.write_all(chunk).await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        server
+    });
+    let mut seen = 0u64;
+    let mut cancelled = 0u32;
+    while seen < 200 {
+        tokio::select! {
+            biased;
+            () = tokio::task::yield_now() => { cancelled += 1; }
+            frame = stream.next_frame() => match frame.unwrap() {
+                Some(ServerFrame::XLogData { wal_start, data, .. }) => {
+                    seen += 1;
+                    assert_eq!(wal_start, Lsn(seen));
+                    let i = seen - 1;
+                    assert_eq!(data.len(), usize::try_from(i * 37 % 3000).unwrap());
+                    assert!(data.iter().all(|&b| u64::from(b) == i % 251));
+                }
+                other => panic!("unexpected {other:?}"),
+            },
+        }
+    }
+    assert!(cancelled > 0, "the test must actually cancel reads");
+    let _server = writer.await.unwrap();
+}
+
+#[tokio::test]
+async fn sends_status_updates_as_copy_data() {
+    let (mut stream, mut server) = mock_stream();
+    let status = StandbyStatus {
+        write: Lsn(3),
+        flush: Lsn(2),
+        apply: Lsn(1),
+        client_time_micros: 5,
+        reply_requested: false,
+    };
+    stream.send_status(&status).await.unwrap();
+    let mut got = vec![0u8; 1 + 4 + StandbyStatus::ENCODED_LEN];
+    server.read_exact(&mut got).await.unwrap();
+    assert_eq!(got[0], COPY_DATA);
+    assert_eq!(
+        u32::from_be_bytes([got[1], got[2], got[3], got[4]]),
+        u32::try_from(4 + StandbyStatus::ENCODED_LEN).unwrap()
+    );
+    assert_eq!(StandbyStatus::parse(&got[5..]).unwrap(), status);
+
+    // The server reads CopyDone + Terminate, then closes (as a walsender does).
+    let server_task = tokio::spawn(async move {
+        let mut tail = [0u8; 10];
+        server.read_exact(&mut tail).await.unwrap();
+        tail
+    });
+    stream.finish().await.unwrap();
+    assert_eq!(
+        server_task.await.unwrap(),
+        [b'c', 0, 0, 0, 4, b'X', 0, 0, 0, 4]
+    );
+}
+
+/// What a scripted startup exchange produced.
+struct Startup {
+    result: Result<(), ReplicationError>,
+    params: BTreeMap<String, String>,
+    backend_pid: Option<i32>,
+    /// Everything the client sent.
+    received: Vec<u8>,
+}
+
+/// Runs the client's startup against a scripted server.
+async fn run_startup(url: &str, script: Vec<Vec<u8>>) -> Startup {
+    let info = ConnInfo::parse(url).unwrap();
+    let (client, mut server) = tokio::io::duplex(1 << 16);
+    let server_task = tokio::spawn(async move {
+        for m in script {
+            server.write_all(&m).await.unwrap();
+        }
+        server.shutdown().await.unwrap();
+        let mut received = Vec::new();
+        let _ = server.read_to_end(&mut received).await;
+        received
+    });
+    let mut conn = Conn::new(Transport::Mock(client), info.to_string());
+    let result = conn.startup(&info, None).await;
+    let Conn {
+        io,
+        params,
+        backend_pid,
+        ..
+    } = conn;
+    drop(io);
+    let received = server_task.await.unwrap();
+    Startup {
+        result,
+        params,
+        backend_pid,
+        received,
+    }
+}
+
+#[tokio::test]
+async fn startup_sends_replication_parameters_and_collects_server_parameters() {
+    let script = vec![
+        message(AUTHENTICATION, &0i32.to_be_bytes()),
+        message(PARAMETER_STATUS, b"server_version\x0015.4\0"),
+        message(BACKEND_KEY_DATA, &[0, 0, 0, 42, 0, 0, 0, 1]),
+        message(READY_FOR_QUERY, b"I"),
+    ];
+    let run = run_startup("postgresql://relay@h/app?options=-c%20x%3Dy", script).await;
+    run.result.unwrap();
+    assert_eq!(
+        run.params.get("server_version").map(String::as_str),
+        Some("15.4")
+    );
+    assert_eq!(run.backend_pid, Some(42));
+    let text = String::from_utf8_lossy(&run.received);
+    for needle in [
+        "user\0relay\0",
+        "database\0app\0",
+        "replication\0database\0",
+        "application_name\0outbox-relay\0",
+        "client_encoding\0UTF8\0",
+        "options\0-c DateStyle=ISO -c TimeZone=UTC -c extra_float_digits=3 -c x=y\0",
+    ] {
+        assert!(
+            text.contains(needle),
+            "startup packet lacks {needle:?}: {text:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn startup_answers_md5_and_cleartext() {
+    let mut md5 = 5i32.to_be_bytes().to_vec();
+    md5.extend_from_slice(&[1, 2, 3, 4]);
+    let script = vec![
+        message(AUTHENTICATION, &md5),
+        message(AUTHENTICATION, &0i32.to_be_bytes()),
+        message(READY_FOR_QUERY, b"I"),
+    ];
+    let run = run_startup("postgresql://u:pw@h/db", script).await;
+    run.result.unwrap();
+    let expected = md5_hash(b"u", b"pw", [1, 2, 3, 4]);
+    assert!(String::from_utf8_lossy(&run.received).contains(&expected));
+
+    let script = vec![message(AUTHENTICATION, &3i32.to_be_bytes())];
+    match run_startup("postgresql://u@h/db", script).await.result {
+        Err(ReplicationError::Auth {
+            method,
+            code: None,
+            message,
+        }) => {
+            assert_eq!(method, "password");
+            assert!(message.contains("requires a password"), "{message}");
+        }
+        other => panic!("expected a missing-password error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn startup_rejects_unsupported_methods_and_surprises() {
+    let result = run_startup(
+        "postgresql://u:p@h/db",
+        vec![message(AUTHENTICATION, &7i32.to_be_bytes())],
+    )
+    .await
+    .result;
+    assert!(matches!(result, Err(ReplicationError::Auth { ref method, .. }) if method == "gss"));
+
+    let mut sasl = 10i32.to_be_bytes().to_vec();
+    sasl.extend_from_slice(b"SCRAM-SHA-1\0\0");
+    let result = run_startup(
+        "postgresql://u:p@h/db",
+        vec![message(AUTHENTICATION, &sasl)],
+    )
+    .await
+    .result;
+    assert!(
+        matches!(result, Err(ReplicationError::Auth { .. })),
+        "{result:?}"
+    );
+
+    let result = run_startup("postgresql://u:p@h/db", vec![message(DATA_ROW, b"")])
+        .await
+        .result;
+    assert!(matches!(result, Err(ReplicationError::Protocol(_))));
+
+    let result = run_startup("postgresql://u:p@h/db", vec![]).await.result;
+    assert!(matches!(result, Err(ReplicationError::ConnectionClosed)));
+
+    // channel_binding=require refuses trust.
+    let result = run_startup(
+        "postgresql://u:p@h/db?channel_binding=require",
+        vec![message(AUTHENTICATION, &0i32.to_be_bytes())],
+    )
+    .await
+    .result;
+    assert!(
+        matches!(result, Err(ReplicationError::Auth { .. })),
+        "{result:?}"
+    );
+}

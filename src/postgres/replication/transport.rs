@@ -1,0 +1,281 @@
+//! The byte stream under a replication connection, and its buffered reads and writes.
+//!
+//! # TLS
+//!
+//! `sslmode` follows libpq (see [`crate::postgres::tls`]): an `SSLRequest` first, then a rustls
+//! handshake on `S`, plain on `N` only under `prefer`
+//! (<https://www.postgresql.org/docs/current/protocol-flow.html#PROTOCOL-FLOW-SSL>).
+//! The one-byte answer is read straight from the socket, so nothing the server (or a
+//! man in the middle) sends after it can be taken as plaintext (CVE-2021-23222). The
+//! TLS session's `tls-server-end-point` data is handed to SCRAM for channel binding.
+//!
+//! # Buffers and cancel safety
+//!
+//! [`Conn`] owns the read and write buffers, so a future dropped by `tokio::select!`
+//! loses nothing: bytes are read into the connection's buffer (`read_buf` is
+//! cancel-safe) and a message is taken out of it only when it is complete; unsent
+//! bytes of a cancelled write stay buffered and go out before the next message.
+//!
+//! Reading is batched: one `read` fills up to 64 KiB (more for a larger message) and
+//! every complete message in it is handed out without another system call; XLogData
+//! payloads are zero-copy slices of that buffer.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::BytesMut;
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+use crate::postgres::conninfo::{ConnInfo, Host, SslMode};
+use crate::postgres::tls::{TlsConnector, rustls_error, session_channel_binding};
+
+use super::error::ReplicationError;
+use super::messages::{Cursor, RawMessage, tag_name, take_message};
+
+/// Bytes asked of the socket per read (more when a message is larger).
+const READ_CHUNK: usize = 64 * 1024;
+
+/// The byte stream under a connection.
+pub(super) enum Transport {
+    Tcp(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    #[cfg(unix)]
+    Unix(tokio::net::UnixStream),
+    #[cfg(test)]
+    Mock(tokio::io::DuplexStream),
+}
+
+impl Transport {
+    pub(super) fn is_tls(&self) -> bool {
+        matches!(self, Transport::Tls(_))
+    }
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Transport::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+            #[cfg(unix)]
+            Transport::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            #[cfg(test)]
+            Transport::Mock(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Transport::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+            #[cfg(unix)]
+            Transport::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            #[cfg(test)]
+            Transport::Mock(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Transport::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+            #[cfg(unix)]
+            Transport::Unix(s) => Pin::new(s).poll_flush(cx),
+            #[cfg(test)]
+            Transport::Mock(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Transport::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+            #[cfg(unix)]
+            Transport::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            #[cfg(test)]
+            Transport::Mock(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Opens the socket and, per `sslmode`, TLS. Returns the transport and the
+/// channel-binding data of the TLS session, if any.
+pub(super) async fn open_transport(
+    info: &ConnInfo,
+) -> Result<(Transport, Option<Vec<u8>>), ReplicationError> {
+    let host = match info.host() {
+        Host::Tcp(h) => h,
+        #[cfg(unix)]
+        Host::Unix(dir) => {
+            let path = dir.join(format!(".s.PGSQL.{}", info.port()));
+            let stream = tokio::net::UnixStream::connect(&path).await.map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot connect to {}: {e}", path.display()),
+                )
+            })?;
+            return Ok((Transport::Unix(stream), None));
+        }
+        #[cfg(not(unix))]
+        Host::Unix(_) => {
+            return Err(ReplicationError::Config(
+                "Unix-domain sockets are not supported on this platform".to_owned(),
+            ));
+        }
+    };
+    let connected = match info.hostaddr() {
+        Some(addr) => TcpStream::connect((addr, info.port())).await,
+        None => TcpStream::connect((host.as_str(), info.port())).await,
+    };
+    let mut tcp = connected
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {info}: {e}")))?;
+    // Status updates are tiny and must leave at once.
+    tcp.set_nodelay(true)?;
+    let Some(connector) = TlsConnector::from_conninfo(info)? else {
+        return Ok((Transport::Tcp(tcp), None));
+    };
+    let server_name = connector.server_name(host)?;
+
+    let mut request = BytesMut::with_capacity(8);
+    frontend::ssl_request(&mut request);
+    tcp.write_all(&request).await?;
+    tcp.flush().await?;
+    // Exactly one byte, read straight from the socket: nothing the server (or a man
+    // in the middle) sends after it may be taken as plaintext (CVE-2021-23222).
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer).await.map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            ReplicationError::ConnectionClosed
+        } else {
+            ReplicationError::Io(e)
+        }
+    })?;
+    match answer[0] {
+        b'S' => {
+            let tls =
+                connector.handshake(server_name, tcp).await.map_err(|e| {
+                    match rustls_error(&e) {
+                        Some(tls_err) => ReplicationError::Tls(format!(
+                            "handshake with {info} failed: {tls_err}"
+                        )),
+                        None => ReplicationError::Io(io::Error::new(
+                            e.kind(),
+                            format!("TLS handshake with {info} failed: {e}"),
+                        )),
+                    }
+                })?;
+            let binding = session_channel_binding(tls.get_ref().1);
+            Ok((Transport::Tls(Box::new(tls)), binding))
+        }
+        b'N' if info.sslmode() == SslMode::Prefer => Ok((Transport::Tcp(tcp), None)),
+        b'N' => Err(ReplicationError::Tls(format!(
+            "the server at {info} does not support TLS, but sslmode={} requires it",
+            info.sslmode()
+        ))),
+        b'E' => Err(ReplicationError::Protocol(
+            "the server answered the SSLRequest with an error (PostgreSQL too old?)".to_owned(),
+        )),
+        other => Err(ReplicationError::Protocol(format!(
+            "unexpected answer {} to SSLRequest",
+            tag_name(other)
+        ))),
+    }
+}
+
+/// Socket plus read/write buffers, shared by both phases.
+pub(super) struct Conn {
+    pub(super) io: Transport,
+    pub(super) rbuf: BytesMut,
+    pub(super) wbuf: BytesMut,
+    pub(super) params: BTreeMap<String, String>,
+    pub(super) backend_pid: Option<i32>,
+    pub(super) target: String,
+    pub(super) auth_method: &'static str,
+}
+
+impl Conn {
+    pub(super) fn new(io: Transport, target: String) -> Self {
+        Conn {
+            io,
+            rbuf: BytesMut::with_capacity(READ_CHUNK),
+            wbuf: BytesMut::with_capacity(256),
+            params: BTreeMap::new(),
+            backend_pid: None,
+            target,
+            auth_method: "none",
+        }
+    }
+
+    pub(super) fn server_parameter(&self, name: &str) -> Option<&str> {
+        self.params.get(name).map(String::as_str)
+    }
+
+    pub(super) fn take_message(&mut self) -> Result<Option<RawMessage>, ReplicationError> {
+        take_message(&mut self.rbuf)
+    }
+
+    /// Reads more bytes into the buffer (cancel-safe). EOF is `ConnectionClosed`.
+    pub(super) async fn fill(&mut self) -> Result<(), ReplicationError> {
+        if self.rbuf.capacity() - self.rbuf.len() < READ_CHUNK / 4 {
+            self.rbuf.reserve(READ_CHUNK);
+        }
+        let n = self.io.read_buf(&mut self.rbuf).await?;
+        if n == 0 {
+            return Err(ReplicationError::ConnectionClosed);
+        }
+        Ok(())
+    }
+
+    /// The next complete message (cancel-safe).
+    pub(super) async fn read_message(&mut self) -> Result<RawMessage, ReplicationError> {
+        loop {
+            if let Some(msg) = self.take_message()? {
+                return Ok(msg);
+            }
+            self.fill().await?;
+        }
+    }
+
+    /// Writes everything buffered and flushes; on cancellation the rest stays
+    /// buffered for the next call.
+    pub(super) async fn flush_writes(&mut self) -> Result<(), ReplicationError> {
+        while !self.wbuf.is_empty() {
+            let n = self.io.write_buf(&mut self.wbuf).await?;
+            if n == 0 {
+                return Err(ReplicationError::Io(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "the connection accepts no more data",
+                )));
+            }
+        }
+        self.io.flush().await?;
+        Ok(())
+    }
+
+    pub(super) fn record_parameter(&mut self, body: &[u8]) -> Result<(), ReplicationError> {
+        let mut cursor = Cursor::new(body, "ParameterStatus");
+        let name = String::from_utf8_lossy(cursor.cstr()?).into_owned();
+        let value = String::from_utf8_lossy(cursor.cstr()?).into_owned();
+        self.params.insert(name, value);
+        Ok(())
+    }
+
+    pub(super) async fn send_query(&mut self, sql: &str) -> Result<(), ReplicationError> {
+        frontend::query(sql, &mut self.wbuf)
+            .map_err(|e| ReplicationError::Config(format!("cannot send query: {e}")))?;
+        self.flush_writes().await
+    }
+}
