@@ -1,44 +1,133 @@
-//! Error types and their classification.
+//! The error of a library command, and what it means for the process.
 //!
-//! Every error is classified where it appears (`docs/architecture.md#error-classes`): *transient* errors are
-//! retried forever with backoff and never poison an event, *poison* errors concern one
-//! event and end in `poison_outbox` after `max_attempts`, *fatal* errors stop the
-//! process with one clear message and a distinct exit code. The exit codes are part of
-//! the CLI contract: 0 ok, 2 usage/config, 3 PostgreSQL prerequisite, 4 broker
-//! unreachable at start-up, 1 anything else.
+//! Every error is classified where it appears (`docs/architecture.md#error-classes`):
+//! *transient* errors are retried forever with backoff and never poison an event,
+//! *poison* errors concern one event and end in `poison_outbox` after `max_attempts`,
+//! *fatal* errors stop the process with one clear message and a distinct exit code.
+//! The exit codes are part of the CLI contract: 0 ok, 2 usage/config, 3 PostgreSQL
+//! prerequisite, 4 broker unreachable at start-up, 1 anything else.
+//!
+//! # Where this type sits
+//!
+//! Above the layers it wraps (config, postgres, outbox, kafka), below the commands
+//! that return it (poller, cdc, ops). The lower layers have their own error enums
+//! and know nothing of this one; each is one variant here, and its exit code and
+//! class come from it. The commands' own failures are named variants carrying data
+//! (never a type of the command's module, which would point the dependency upwards).
+//! Tests match variants, never message text.
 
 use std::process::ExitCode;
 
 use crate::config::ConfigError;
 use crate::delivery::ErrorClass;
-// --- kafka ---
 use crate::kafka::BrokerError;
+use crate::outbox::checkpoint::CheckpointError;
 use crate::postgres::PgError;
 use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::replication::ReplicationError;
 
-/// Top-level error of a CLI command; decides the exit code.
+/// Top-level error of a library command; decides the exit code.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    // --- the layers below ---
+    /// Configuration could not be read or is invalid (exit code 2).
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// A PostgreSQL prerequisite is missing: wal_level, publication, slot (exit code 3).
     #[error("PostgreSQL prerequisite not met: {0}")]
     Prerequisite(#[from] Prerequisite),
-    /// The broker cannot be reached or refuses us at start-up (exit code 4).
-    #[error("Kafka broker unavailable: {0}")]
-    BrokerUnavailable(String),
+    /// A failure of the PostgreSQL layer (connection, start-up checks, `postgres.url`);
+    /// its exit code and class come from [`PgError`]. A [`PgError::Prerequisite`]
+    /// becomes [`Error::Prerequisite`] instead (see the `From` impl), so that every
+    /// exit-3 error is matched the same way.
+    #[error(transparent)]
+    Pg(PgError),
+    /// A statement on a metadata connection failed (no server error attached: the
+    /// connection itself failed, which is transient).
     #[error("PostgreSQL error: {0}")]
     Postgres(#[from] tokio_postgres::Error),
+    /// Taking, reading or pruning a checkpoint failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// Producer set-up, the broker check, topic creation: exit code and class come
+    /// from the [`BrokerError`] (2 refused setting, 4 broker unavailable, else 1).
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// A Kafka client call outside the producer (consumers reading topics back).
     #[error("Kafka error: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
-    /// A transient failure (connection lost, server restarting): retried.
-    #[error("{0}")]
-    Transient(String),
-    #[error("{0}")]
-    Other(String),
+
+    // --- cdc ---
+    /// `run`: `START_REPLICATION` lost a race for the slot, typically with the
+    /// walsender of a relay that just died; the session is started again.
+    #[error(transparent)]
+    RelaySlotTaken(ReplicationError),
+    /// `run`: the producer's delivery-report channel closed under the relay.
+    #[error("the producer's delivery channel closed")]
+    RelayReportsClosed,
+    /// `run`: the task writing `poison_outbox` rows stopped.
+    #[error("the poison writer stopped")]
+    RelayPoisonWriterStopped,
+    /// `run`: the producer itself is unusable (librdkafka's fatal error); the event is
+    /// not poisoned (exit code 4, the broker is unavailable).
+    #[error("Kafka broker unavailable: the producer hit a fatal error: {message}")]
+    RelayProducerFatal {
+        code: rdkafka::types::RDKafkaErrorCode,
+        message: String,
+    },
+    /// Cutover: the slot of an interrupted cutover is streamed by some process. Right
+    /// after a crash the old walsender may hold it until it notices, so `run` retries.
+    #[error(
+        "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
+         stop the process streaming from it (it may miss the backlog), then start again"
+    )]
+    CutoverSlotActive { slot: String, pid: i32 },
+    /// `cutover`: a termination signal arrived before the cutover completed.
+    #[error(
+        "cutover interrupted before it completed: run it again (or `run`); it starts \
+         over from a new slot and re-sends at most the rows that were in flight"
+    )]
+    CutoverInterrupted,
+    /// Metrics: the histogram buckets were refused.
+    #[error("metrics: {0}")]
+    MetricsBuckets(#[source] metrics_exporter_prometheus::BuildError),
+    /// Metrics: a `metrics` recorder is already installed in this process.
+    #[error("cannot install the metrics recorder: {0}")]
+    MetricsRecorder(#[source] metrics_exporter_prometheus::BuildError),
+    /// Metrics: `metrics.listen` cannot be bound.
+    #[error("metrics.listen = {listen:?}: cannot bind: {source}")]
+    MetricsBind {
+        listen: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Metrics: the bound listener has no local address.
+    #[error("metrics listener: {0}")]
+    MetricsListener(#[source] std::io::Error),
+
+    // --- poller ---
+    /// A statement of the polling relay (or of a cutover, which shares its
+    /// statements) failed; `transient` when retrying can help (connection lost,
+    /// server restarting, serialization failure, resources exhausted).
+    #[error("PostgreSQL: {message}")]
+    Statement {
+        message: String,
+        transient: bool,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The producer's delivery-report channel closed while reports were awaited.
+    #[error("the producer's delivery channel closed")]
+    DeliveryChannelClosed,
+    /// A poller worker task panicked or was cancelled.
+    #[error("poller worker failed: {0}")]
+    PollerWorker(#[source] tokio::task::JoinError),
+    /// The outbox returned a row whose id (its primary key) is NULL: a broken table.
+    #[error("outbox row with a NULL id")]
+    NullOutboxId,
 
     // --- ops ---
     /// `audit`: the range has more rows than a `u32` rank can number.
@@ -51,7 +140,7 @@ pub enum Error {
     #[error("audit consumer task failed: {0}")]
     AuditConsumerTask(#[source] tokio::task::JoinError),
     /// `audit`: the broker did not answer a metadata, watermark, assignment or fetch
-    /// request (exit code 4, like [`Error::BrokerUnavailable`]).
+    /// request (exit code 4, the broker is unavailable).
     #[error("Kafka broker unavailable: {what}: {source}")]
     AuditBroker {
         what: String,
@@ -91,92 +180,8 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
-    // --- outbox ---
-    /// Taking, reading or pruning a checkpoint failed.
-    #[error(transparent)]
-    Checkpoint(#[from] crate::outbox::checkpoint::CheckpointError),
-    // --- cdc ---
-    /// `run`: `START_REPLICATION` lost a race for the slot, typically with the
-    /// walsender of a relay that just died; the session is started again.
-    #[error(transparent)]
-    RelaySlotTaken(crate::postgres::replication::ReplicationError),
-    /// `run`: the producer's delivery-report channel closed under the relay.
-    #[error("the producer's delivery channel closed")]
-    RelayReportsClosed,
-    /// `run`: the task writing `poison_outbox` rows stopped.
-    #[error("the poison writer stopped")]
-    RelayPoisonWriterStopped,
-    /// `run`: the producer itself is unusable (librdkafka's fatal error); the event is
-    /// not poisoned (exit code 4, like [`Error::BrokerUnavailable`]).
-    #[error("Kafka broker unavailable: the producer hit a fatal error: {message}")]
-    RelayProducerFatal {
-        code: rdkafka::types::RDKafkaErrorCode,
-        message: String,
-    },
-    /// Cutover: the slot of an interrupted cutover is streamed by some process. Right
-    /// after a crash the old walsender may hold it until it notices, so `run` retries.
-    #[error(
-        "replication slot {slot} is active (pid {pid}) although its cutover never finished: \
-         stop the process streaming from it (it may miss the backlog), then start again"
-    )]
-    CutoverSlotActive { slot: String, pid: i32 },
-    /// `cutover`: a termination signal arrived before the cutover completed.
-    #[error(
-        "cutover interrupted before it completed: run it again (or `run`); it starts \
-         over from a new slot and re-sends at most the rows that were in flight"
-    )]
-    CutoverInterrupted,
-    /// Metrics: the histogram buckets were refused.
-    #[error("metrics: {0}")]
-    MetricsBuckets(#[source] metrics_exporter_prometheus::BuildError),
-    /// Metrics: a `metrics` recorder is already installed in this process.
-    #[error("cannot install the metrics recorder: {0}")]
-    MetricsRecorder(#[source] metrics_exporter_prometheus::BuildError),
-    /// Metrics: `metrics.listen` cannot be bound.
-    #[error("metrics.listen = {listen:?}: cannot bind: {source}")]
-    MetricsBind {
-        listen: String,
-        #[source]
-        source: std::io::Error,
-    },
-    /// Metrics: the bound listener has no local address.
-    #[error("metrics listener: {0}")]
-    MetricsListener(#[source] std::io::Error),
-    // --- kafka ---
-    /// Producer set-up, the broker check, topic creation: exit code and class come
-    /// from the [`BrokerError`] (2 refused setting, 4 broker unavailable, else 1).
-    #[error(transparent)]
-    Broker(#[from] BrokerError),
-    // --- poller ---
-    /// A statement of the polling relay (or of a cutover, which shares its
-    /// statements) failed; `transient` when retrying can help (connection lost,
-    /// server restarting, serialization failure, resources exhausted).
-    #[error("PostgreSQL: {message}")]
-    Statement {
-        message: String,
-        transient: bool,
-        #[source]
-        source: tokio_postgres::Error,
-    },
-    /// The producer's delivery-report channel closed while reports were awaited.
-    #[error("the producer's delivery channel closed")]
-    DeliveryChannelClosed,
-    /// A poller worker task panicked or was cancelled.
-    #[error("poller worker failed: {0}")]
-    PollerWorker(#[source] tokio::task::JoinError),
-    /// The outbox returned a row whose id (its primary key) is NULL: a broken table.
-    #[error("outbox row with a NULL id")]
-    NullOutboxId,
-    // --- postgres ---
-    /// A failure of the PostgreSQL layer (connection, start-up checks, `postgres.url`);
-    /// its exit code and class come from [`PgError`]. A [`PgError::Prerequisite`]
-    /// becomes [`Error::Prerequisite`] instead (see the `From` impl), so that every
-    /// exit-3 error is matched the same way.
-    #[error(transparent)]
-    Pg(PgError),
 }
 
-// --- postgres ---
 impl From<PgError> for Error {
     fn from(e: PgError) -> Self {
         match e {
@@ -187,21 +192,36 @@ impl From<PgError> for Error {
 }
 
 impl Error {
-    /// The process exit code for this error (the CLI contract in `docs/architecture.md#exit-codes`).
+    /// The process exit code for this error (`docs/architecture.md#exit-codes`).
     #[must_use]
     pub fn exit_code(&self) -> ExitCode {
         ExitCode::from(match self {
             Error::Config(_) => 2,
             Error::Prerequisite(_) => 3,
-            Error::BrokerUnavailable(_) => 4,
+            Error::Pg(e) => e.exit_code(),
+            Error::Checkpoint(e) => e.exit_code(),
+            Error::Broker(e) => e.exit_code(),
+            Error::RelayProducerFatal { .. } | Error::AuditBroker { .. } => 4,
             Error::Postgres(_)
             | Error::Kafka(_)
             | Error::Io(_)
-            | Error::Transient(_)
-            | Error::Other(_) => 1,
-            // --- ops ---
-            Error::AuditBroker { .. } => 4,
-            Error::AuditRangeTooLarge
+            // cdc
+            | Error::RelaySlotTaken(_)
+            | Error::RelayReportsClosed
+            | Error::RelayPoisonWriterStopped
+            | Error::CutoverSlotActive { .. }
+            | Error::CutoverInterrupted
+            | Error::MetricsBuckets(_)
+            | Error::MetricsRecorder(_)
+            | Error::MetricsBind { .. }
+            | Error::MetricsListener(_)
+            // poller
+            | Error::Statement { .. }
+            | Error::DeliveryChannelClosed
+            | Error::PollerWorker(_)
+            | Error::NullOutboxId
+            // ops
+            | Error::AuditRangeTooLarge
             | Error::AuditRowsDoNotFit { .. }
             | Error::AuditConsumerTask(_)
             | Error::OpsTableName(_)
@@ -211,28 +231,6 @@ impl Error {
             | Error::ReplayReportsClosed
             | Error::RetentionReportJson(_)
             | Error::StatusQuery { .. } => 1,
-            // --- outbox ---
-            Error::Checkpoint(e) => e.exit_code(),
-            // --- cdc ---
-            Error::RelayProducerFatal { .. } => 4,
-            Error::RelaySlotTaken(_)
-            | Error::RelayReportsClosed
-            | Error::RelayPoisonWriterStopped
-            | Error::CutoverSlotActive { .. }
-            | Error::CutoverInterrupted
-            | Error::MetricsBuckets(_)
-            | Error::MetricsRecorder(_)
-            | Error::MetricsBind { .. }
-            | Error::MetricsListener(_) => 1,
-            // --- kafka ---
-            Error::Broker(e) => e.exit_code(),
-            // --- poller ---
-            Error::Statement { .. }
-            | Error::DeliveryChannelClosed
-            | Error::PollerWorker(_)
-            | Error::NullOutboxId => 1,
-            // --- postgres ---
-            Error::Pg(e) => e.exit_code(),
         })
     }
 
@@ -240,25 +238,66 @@ impl Error {
     #[must_use]
     pub fn class(&self) -> ErrorClass {
         match self {
-            Error::Transient(_) | Error::Io(_) => ErrorClass::Transient,
-            // --- cdc ---
-            Error::RelaySlotTaken(_) | Error::CutoverSlotActive { .. } => ErrorClass::Transient,
+            Error::Io(_) | Error::RelaySlotTaken(_) | Error::CutoverSlotActive { .. } => {
+                ErrorClass::Transient
+            }
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
-            // --- outbox ---
-            Error::Checkpoint(e) => e.class(),
-            // --- kafka ---
-            Error::Broker(e) => e.class(),
-            // --- poller ---
             Error::Statement {
                 transient: true, ..
             } => ErrorClass::Transient,
-            // --- postgres ---
             Error::Pg(e) => e.class(),
+            Error::Checkpoint(e) => e.class(),
+            Error::Broker(e) => e.class(),
             _ => ErrorClass::Fatal,
         }
     }
 }
 
-/// Result alias for CLI-level operations.
+/// Result alias for library commands.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_contract() {
+        let code = |e: Error| e.exit_code();
+        assert_eq!(
+            code(ConfigError::Invalid("x".into()).into()),
+            ExitCode::from(2)
+        );
+        assert_eq!(
+            code(Prerequisite::SlotInvalidated { slot: "s".into() }.into()),
+            ExitCode::from(3)
+        );
+        // A prerequisite found by the PostgreSQL layer is matched as one, too.
+        let from_pg = Error::from(PgError::Prerequisite(Prerequisite::WalLevel {
+            actual: "replica".into(),
+        }));
+        assert!(matches!(
+            from_pg,
+            Error::Prerequisite(Prerequisite::WalLevel { .. })
+        ));
+        assert_eq!(code(from_pg), ExitCode::from(3));
+        assert_eq!(code(Error::CutoverInterrupted), ExitCode::from(1));
+    }
+
+    #[test]
+    fn lost_connections_are_transient_refusals_are_not() {
+        let io = Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(io.class(), ErrorClass::Transient);
+        let busy = Error::CutoverSlotActive {
+            slot: "s".into(),
+            pid: 1,
+        };
+        assert_eq!(busy.class(), ErrorClass::Transient);
+        let refused = Error::from(Prerequisite::SlotBusy {
+            slot: "s".into(),
+            pid: 1,
+            waited_secs: 30,
+        });
+        assert_eq!(refused.class(), ErrorClass::Fatal);
+    }
+}

@@ -58,7 +58,7 @@ pub(crate) const PROGRESS_MIN_ROWS: u64 = 1000;
 ///
 /// [`Error::Config`] (exit 2) without `--id`/`--all` or for an unknown id;
 /// [`Error::Prerequisite`] (exit 3) when the poison table is missing;
-/// [`Error::BrokerUnavailable`] (exit 4) when the broker does not answer;
+/// [`Error::Broker`] (exit 4) when the broker does not answer;
 /// [`Error::ReplayLocked`] (exit 1) while another replay runs;
 /// PostgreSQL errors (exit 1). Row failures are not errors: they are in the report.
 pub async fn run(config: &Config, args: &ReplayArgs) -> Result<ReplayReport, Error> {
