@@ -147,9 +147,6 @@ pub enum Error {
         #[source]
         source: rdkafka::error::KafkaError,
     },
-    /// `migrate`, `retention`: a configured table name is not `schema.table`.
-    #[error("{0}")]
-    OpsTableName(String),
     /// `migrate`: a `{{placeholder}}` in a migration that the config does not fill.
     #[error("migration has an unknown placeholder {placeholder}")]
     MigrationPlaceholder { placeholder: String },
@@ -180,6 +177,13 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+}
+
+/// A table name that is not `schema.table` is a configuration error (exit code 2).
+impl From<crate::config::TableNameError> for Error {
+    fn from(e: crate::config::TableNameError) -> Self {
+        Error::Config(e.into())
+    }
 }
 
 impl From<PgError> for Error {
@@ -224,7 +228,6 @@ impl Error {
             | Error::AuditRangeTooLarge
             | Error::AuditRowsDoNotFit { .. }
             | Error::AuditConsumerTask(_)
-            | Error::OpsTableName(_)
             | Error::MigrationPlaceholder { .. }
             | Error::MigrationFailed { .. }
             | Error::ReplayLocked { .. }

@@ -16,4 +16,7 @@ pub enum ConfigError {
     Env { name: String, message: String },
     #[error("invalid configuration: {0}")]
     Invalid(String),
+    /// A table name that is not `schema.table`.
+    #[error("invalid configuration: {0}")]
+    TableName(#[from] super::TableNameError),
 }

@@ -523,14 +523,22 @@ pub fn is_plain_identifier(s: &str) -> bool {
         && !s.as_bytes()[0].is_ascii_digit()
 }
 
+/// A configured table name that is not `schema.table` (or `table`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name:?} is not a table name like schema.table")]
+pub struct TableNameError {
+    /// The name as configured.
+    pub name: String,
+}
+
 /// Splits `schema.table` (or `table`, meaning `public`) into its parts.
-pub fn qualified_name(s: &str) -> Result<(String, String), String> {
+pub fn qualified_name(s: &str) -> Result<(String, String), TableNameError> {
     let (schema, table) = match s.split_once('.') {
         Some((schema, table)) => (schema, table),
         None => ("public", s),
     };
     if schema.is_empty() || table.is_empty() || table.contains('.') || s.contains('"') {
-        return Err(format!("{s:?} is not a table name like schema.table"));
+        return Err(TableNameError { name: s.to_owned() });
     }
     Ok((schema.to_owned(), table.to_owned()))
 }

@@ -100,10 +100,8 @@ pub struct Applied {
 /// [`Error::MigrationPlaceholder`] for a placeholder the config does not fill.
 pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
     // Config validation already checked both names; a hand-built Config may not be.
-    let (schema, table) = config::qualified_name(&cfg.outbox.table)
-        .map_err(|e| Error::OpsTableName(e.to_string()))?;
-    let (_, poison_table) = config::qualified_name(&cfg.outbox.poison_table)
-        .map_err(|e| Error::OpsTableName(e.to_string()))?;
+    let (schema, table) = config::qualified_name(&cfg.outbox.table)?;
+    let (_, poison_table) = config::qualified_name(&cfg.outbox.poison_table)?;
     let c = &cfg.outbox.columns;
     let publication = &cfg.postgres.publication;
     let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));

@@ -158,8 +158,7 @@ impl RetentionSql {
         let t = quote_qualified(&cfg.outbox.table);
         let created_at = quote_ident(&cfg.outbox.columns.created_at);
         // Config validation already checked the name; a hand-built Config may not be.
-        let (schema, _) = crate::config::qualified_name(&cfg.outbox.table)
-            .map_err(|e| crate::Error::OpsTableName(e.to_string()))?;
+        let (schema, _) = crate::config::qualified_name(&cfg.outbox.table)?;
         let eligible = format!(
             "o.{created_at} < now() - make_interval(secs => $1::float8)
                AND (o.sent_at IS NOT NULL OR {})",

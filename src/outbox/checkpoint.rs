@@ -82,8 +82,8 @@ use crate::lsn::{Lsn, ParseLsnError};
 pub enum CheckpointError {
     /// `outbox.table` is not a table name like `schema.table` (the configuration
     /// check refuses it first; the message is the configuration's).
-    #[error("{0}")]
-    TableName(String),
+    #[error(transparent)]
+    TableName(#[from] crate::config::TableNameError),
     /// A statement on the checkpoint table or `pg_replication_slots` failed.
     #[error("PostgreSQL error: {0}")]
     Postgres(#[from] tokio_postgres::Error),
@@ -160,8 +160,7 @@ pub struct SlotProgress {
 
 /// `"schema".outbox_relay_checkpoint` for the configured outbox.
 fn table(cfg: &Config) -> Result<String> {
-    let (schema, _) =
-        config::qualified_name(&cfg.outbox.table).map_err(CheckpointError::TableName)?;
+    let (schema, _) = config::qualified_name(&cfg.outbox.table)?;
     Ok(format!(
         "{}.{}",
         quote_ident(&schema),

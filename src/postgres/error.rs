@@ -71,8 +71,8 @@ pub enum PgError {
         source: tokio_postgres::Error,
     },
     /// `outbox.table` is not a table name the checks can look up.
-    #[error("{0}")]
-    TableName(String),
+    #[error(transparent)]
+    TableName(#[from] crate::config::TableNameError),
 }
 
 impl PgError {

@@ -72,8 +72,7 @@ pub async fn check_prerequisites(
         return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
     let publication = &config.postgres.publication;
-    let (schema, table) =
-        qualified_name(&config.outbox.table).map_err(|e| PgError::TableName(e.to_string()))?;
+    let (schema, table) = qualified_name(&config.outbox.table)?;
     let row = client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),

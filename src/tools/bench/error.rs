@@ -29,9 +29,6 @@ pub enum BenchError {
     NoLatencySamples,
     #[error("benchmark setup: the relay was not ready within 30 s")]
     RelayNotReady,
-    /// The outbox table name of the config cannot be split into schema and table.
-    #[error("benchmark setup: {0}")]
-    TableName(String),
     #[error("benchmark setup: {0}")]
     RunConfig(#[source] toml::ser::Error),
     /// The run's config has no valid outbox mapping (for the null-sink reader).

@@ -242,8 +242,7 @@ impl Fixture {
 
     /// Size, dead tuples and updates of the outbox table.
     pub(crate) async fn table_stats(&self) -> Result<TableStats> {
-        let (schema, table) = crate::config::qualified_name(&self.config.outbox.table)
-            .map_err(|e| BenchError::TableName(e.to_string()))?;
+        let (schema, table) = crate::config::qualified_name(&self.config.outbox.table)?;
         let row = self
             .client
             .query_one(
@@ -328,8 +327,7 @@ fn parse_lsn(text: &str) -> Result<Lsn> {
 /// names.
 fn relay_toml(base: &Config, name: &str) -> Result<String> {
     use toml::{Table, Value};
-    let (schema, _) = crate::config::qualified_name(&base.outbox.table)
-        .map_err(|e| BenchError::TableName(e.to_string()))?;
+    let (schema, _) = crate::config::qualified_name(&base.outbox.table)?;
     let mut postgres = Table::new();
     postgres.insert("url".into(), Value::String(base.postgres.url.clone()));
     postgres.insert("slot".into(), Value::String(format!("{name}_slot")));

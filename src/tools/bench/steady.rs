@@ -198,8 +198,7 @@ fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
 async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Child) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let table = fixture.config.outbox.table.clone();
-    let (_, table_name) =
-        crate::config::qualified_name(&table).map_err(|e| BenchError::TableName(e.to_string()))?;
+    let (_, table_name) = crate::config::qualified_name(&table)?;
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         tick.tick().await;
