@@ -63,6 +63,7 @@ pub enum Command {
         #[command(flatten)]
         args: crate::ops::audit::AuditArgs,
     },
+    #[cfg(feature = "tools")]
     /// Try it in one command: throwaway PostgreSQL, embedded broker, sample events
     /// relayed and audited, summary printed, everything cleaned up.
     Demo(crate::tools::demo::DemoArgs),
@@ -81,6 +82,7 @@ pub enum Command {
         #[command(flatten)]
         args: crate::ops::retention::RetentionArgs,
     },
+    #[cfg(feature = "tools")]
     /// Side-by-side throughput and latency: the PostgreSQL and broker ceilings, the
     /// CDC relay and the poller, on the same workload (creates and drops its own
     /// tables, slot and topic).

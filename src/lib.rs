@@ -39,6 +39,7 @@ pub mod outbox;
 pub mod poison;
 pub mod poller;
 pub mod postgres;
+#[cfg(feature = "tools")]
 pub mod tools;
 
 pub use error::{Error, Result};

@@ -8,7 +8,9 @@ use outbox_relay::cdc::{self, cutover};
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
 use outbox_relay::ops::{audit, migrate, replay};
+#[cfg(feature = "tools")]
 use outbox_relay::tools::bench::BenchError;
+#[cfg(feature = "tools")]
 use outbox_relay::tools::demo::{self, DemoError};
 use outbox_relay::{Error, postgres};
 
@@ -18,8 +20,10 @@ use outbox_relay::{Error, postgres};
 enum Failure {
     #[error(transparent)]
     Relay(#[from] Error),
+    #[cfg(feature = "tools")]
     #[error(transparent)]
     Bench(#[from] BenchError),
+    #[cfg(feature = "tools")]
     #[error(transparent)]
     Demo(#[from] DemoError),
     #[error("{0}")]
@@ -44,7 +48,9 @@ impl Failure {
     fn exit_code(&self) -> ExitCode {
         match self {
             Failure::Relay(e) => e.exit_code(),
+            #[cfg(feature = "tools")]
             Failure::Bench(e) => e.exit_code(),
+            #[cfg(feature = "tools")]
             Failure::Demo(e) => e.relay_error().map_or(ExitCode::from(1), Error::exit_code),
             Failure::Json(_) => ExitCode::from(1),
         }
@@ -172,6 +178,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 ExitCode::from(1)
             })
         }
+        #[cfg(feature = "tools")]
         Command::Demo(args) => {
             init_tracing(&LogConfig {
                 level: "warn".into(),
@@ -192,6 +199,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 .await?;
             Ok(ExitCode::SUCCESS)
         }
+        #[cfg(feature = "tools")]
         Command::Bench { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);

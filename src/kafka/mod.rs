@@ -39,12 +39,15 @@
 //! }
 //! ```
 
+// Topic creation: only the demo and the bench create topics.
+#[cfg(feature = "tools")]
 mod admin;
 mod classify;
 mod config;
 mod error;
 mod publisher;
 
+#[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
 pub(crate) use classify::{classify, error_kind};
 pub use config::{producer_config, report_capacity};

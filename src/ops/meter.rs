@@ -65,6 +65,7 @@ impl Meter {
 
     /// Counts the rate from `started` (work that began before the meter existed).
     #[must_use]
+    #[cfg(feature = "tools")]
     pub(crate) fn started_at(mut self, started: Instant) -> Meter {
         self.started = started;
         self
