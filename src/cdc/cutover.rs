@@ -54,7 +54,7 @@
 //! # Crashes
 //!
 //! The slot exists from step 2 on, so its existence does not mean the cutover is
-//! done; the marker row does. [`decide`] reads both under an advisory lock (two
+//! done; the marker row does. `decide` reads both under an advisory lock (two
 //! relays starting together do not cut over twice):
 //!
 //! * a slot with no marker row, or with `completed_at` set: stream from it;
@@ -183,7 +183,7 @@ pub struct CutoverSummary {
     pub restarted: bool,
 }
 
-/// What [`prepare`] found or did.
+/// What `prepare` found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// No cutover needed: stream.
@@ -703,7 +703,7 @@ async fn begin_marker(client: &Client, table: &str, slot: &str) -> Result<()> {
 ///
 /// # Errors
 ///
-/// As [`prepare`]; interrupted by `shutdown`, an error saying how to resume.
+/// As `prepare`; interrupted by `shutdown`, an error saying how to resume.
 pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome> {
     let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
     let mut metadata = crate::postgres::connect_info(&conninfo).await?;

@@ -2,7 +2,7 @@
 //!
 //! [`session`] is the I/O shell: it owns the replication connection, the producer and
 //! the poison writer, and feeds what happens to the sans-IO [`progress`] core, which
-//! alone decides which LSN may be confirmed. [`heartbeat`] keeps an idle slot moving,
+//! alone decides which LSN may be confirmed. `heartbeat` keeps an idle slot moving,
 //! [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, and [`cutover`] takes over
 //! from a polling relay when the slot is created.
 

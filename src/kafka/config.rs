@@ -82,7 +82,7 @@ const PER_MESSAGE_OVERHEAD_BYTES: usize = 1024;
 const QUEUE_LIMIT_MAX: usize = i32::MAX as usize;
 
 /// Capacity of the delivery-report channel for a relay window: the window plus
-/// [`REPORT_CHANNEL_MARGIN`], so the delivery thread never waits for the relay.
+/// `REPORT_CHANNEL_MARGIN`, so the delivery thread never waits for the relay.
 #[must_use]
 pub fn report_capacity(relay: &RelayConfig) -> usize {
     relay

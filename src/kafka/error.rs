@@ -96,7 +96,7 @@ pub enum BrokerUnavailable {
         message: String,
     },
     /// A delivery report said the producer cannot continue (see
-    /// [`Publisher::fatal_error`](super::Publisher::fatal_error)).
+    /// `Publisher::fatal_error`).
     #[error("the producer hit a fatal error: {message}")]
     FatalReport {
         code: RDKafkaErrorCode,

@@ -12,7 +12,7 @@
 //! | `config.rs` | [`producer_config`]: the guarantees every producer carries, refused pass-through settings | one producer contract for `run`, `poll`, `cutover`, `replay` and the bench |
 //! | `classify.rs` | broker error code → transient / poison / fatal, and its stable name | read by the publisher, the core's caller, the poison table and metrics |
 //! | `publisher.rs` | [`Publisher`], [`DeliveryReport`], [`SendRejected`] | the librdkafka callback plumbing |
-//! | `admin.rs` | [`create_topic`] | for the tools only: the relay never creates topics |
+//! | `admin.rs` | `create_topic` | for the tools only: the relay never creates topics |
 //! | `error.rs` | [`BrokerError`]: set-up failures with their exit codes | this layer sits below [`crate::error`] |
 //!
 //! # Driving it

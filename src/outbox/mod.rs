@@ -11,15 +11,15 @@
 //!
 //! | file | what | why it is separate |
 //! |---|---|---|
-//! | [`record`] | [`OutboxEvent`], [`Mapped`], [`PoisonFields`], header names, [`error_kind`]: the record contract | what every other stage sees |
-//! | [`columns`] | the nine outbox fields, their configured names, Debezium aliases and accepted type OIDs | the table's side of the contract |
-//! | [`relation`] | the relation cache: fields bound to the columns of each `Relation` message, tuples read by position | done once per `Relation`, not per row |
-//! | [`mapper`] | [`OutboxMapper`]: `Insert` or row text → [`Mapped`] | the rules, in contract order |
-//! | [`topic`] | `kafka.topic_template` and Kafka's topic-name rules | parsed at start-up, rendered per row |
-//! | [`headers`] | the row's `headers` JSON object → Kafka headers | the only JSON parsed per event |
-//! | [`timestamp`] | `created_at` text → Unix microseconds → RFC 3339 | strict grammar, no allocation |
-//! | [`envelope`], [`json`] | the optional JSON envelope; JSON string literals | the payload is spliced, never re-encoded |
-//! | [`bytea`] | `bytea` text output → bytes | both of PostgreSQL's formats |
+//! | `record` | [`OutboxEvent`], [`Mapped`], [`PoisonFields`], header names, [`error_kind`]: the record contract | what every other stage sees |
+//! | `columns` | the nine outbox fields, their configured names, Debezium aliases and accepted type OIDs | the table's side of the contract |
+//! | `relation` | the relation cache: fields bound to the columns of each `Relation` message, tuples read by position | done once per `Relation`, not per row |
+//! | `mapper` | [`OutboxMapper`]: `Insert` or row text → [`Mapped`] | the rules, in contract order |
+//! | `topic` | `kafka.topic_template` and Kafka's topic-name rules | parsed at start-up, rendered per row |
+//! | `headers` | the row's `headers` JSON object → Kafka headers | the only JSON parsed per event |
+//! | `timestamp` | `created_at` text → Unix microseconds → RFC 3339 | strict grammar, no allocation |
+//! | `envelope`, `json` | the optional JSON envelope; JSON string literals | the payload is spliced, never re-encoded |
+//! | `bytea` | `bytea` text output → bytes | both of PostgreSQL's formats |
 //! | [`checkpoint`] | which rows the CDC relay has delivered, from `xmin` alone | retention and `poll --after-cdc` |
 //! | [`enqueue`] | writing an event inside the caller's transaction | the writer's side |
 

@@ -132,7 +132,7 @@ pub enum MapError {
     },
 }
 
-/// What [`OutboxMapper::map_insert`] made of an Insert.
+/// What [`OutboxMapper::map_insert`](crate::outbox::OutboxMapper::map_insert) made of an Insert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mapped {
     /// The relation is not the outbox table (another table in the publication).
@@ -143,7 +143,7 @@ pub enum Mapped {
     Unmappable(UnmappableRow),
 }
 
-/// How the mapper sees a relation, as returned by [`OutboxMapper::on_relation`].
+/// How the mapper sees a relation, as returned by [`OutboxMapper::on_relation`](crate::outbox::OutboxMapper::on_relation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RelationStatus<'a> {
     /// Not the configured outbox table; its inserts map to [`Mapped::NotOutbox`].
@@ -175,7 +175,7 @@ pub enum PayloadFormat {
 }
 
 /// The outbox columns of one row as text (what pgoutput sends, or what
-/// `SELECT col::text` returns), for [`OutboxMapper::map_row`]. `None` is SQL NULL
+/// `SELECT col::text` returns), for [`OutboxMapper::map_row`](crate::outbox::OutboxMapper::map_row). `None` is SQL NULL
 /// or a column the table does not have.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutboxRow {

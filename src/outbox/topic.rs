@@ -28,7 +28,7 @@ pub enum TopicNameError {
     /// The name is empty.
     #[error("is empty")]
     Empty,
-    /// More than [`MAX_TOPIC_LEN`] characters.
+    /// More than `MAX_TOPIC_LEN` characters.
     #[error("is {len} characters long, more than Kafka's {MAX_TOPIC_LEN}")]
     TooLong {
         /// The name's length in bytes.

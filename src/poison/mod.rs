@@ -2,11 +2,11 @@
 //!
 //! Two concerns, two files, because they have different users:
 //!
-//! * `table.rs`, the table's contract ([`PoisonRow`], [`insert_statement`],
-//!   [`insert_row`]): shared by every writer (the CDC relay, the poller, a cutover),
+//! * `table.rs`, the table's contract (`PoisonRow`, `insert_statement`,
+//!   `insert_row`): shared by every writer (the CDC relay, the poller, a cutover),
 //!   which must record the same fields in the same way, and idempotently per
 //!   `(idempotency_key, lsn)`;
-//! * `writer.rs`, the CDC relay's writer task ([`PoisonWriter`], [`run_writer`]): the
+//! * `writer.rs`, the CDC relay's writer task (`PoisonWriter`, `run_writer`): the
 //!   relay must not wait for an insert on its replication loop, so its inserts run on a
 //!   connection and a task of their own and report back.
 //!

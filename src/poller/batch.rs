@@ -131,7 +131,7 @@ impl Poller {
     ///
     /// # Errors
     ///
-    /// As [`Poller::poll_once`].
+    /// As `Poller::poll_once`.
     pub async fn publish_batch(&mut self) -> Result<PublishedBatch<'_>> {
         let Poller {
             client,
@@ -237,7 +237,7 @@ impl Poller {
 }
 
 /// A batch whose records were all sent and reported, inside its still-open
-/// transaction. [`mark`](PublishedBatch::mark) records the outcomes and commits;
+/// transaction. `mark` records the outcomes and commits;
 /// dropping it instead rolls back (as a crash would), so its rows are sent again.
 #[must_use = "dropping a published batch rolls it back: its rows are sent again"]
 pub struct PublishedBatch<'a> {

@@ -34,7 +34,7 @@
 //! With TLS, SCRAM can bind the authentication to the TLS session
 //! (`SCRAM-SHA-256-PLUS`, RFC 5802 / RFC 5929 `tls-server-end-point`): the client
 //! proves it saw the same server certificate as the server presented, which defeats a
-//! man in the middle even under `require`. [`tls_server_end_point`] computes the
+//! man in the middle even under `require`. `tls_server_end_point` computes the
 //! binding data: a hash of the server's certificate, with the certificate's own
 //! signature hash (SHA-256 for MD5/SHA-1 signatures), as PostgreSQL's
 //! `be_tls_get_certificate_hash` does.
@@ -177,7 +177,7 @@ impl TlsConnector {
     /// # Errors
     ///
     /// The handshake's `io::Error`; certificate and protocol failures carry a
-    /// [`rustls::Error`] inside (see [`rustls_error`]).
+    /// [`rustls::Error`] inside (see `rustls_error`).
     pub async fn handshake<S>(
         &self,
         server_name: ServerName<'static>,

@@ -3,8 +3,8 @@
 //!
 //! Nothing in this module touches a socket, a clock or a task. The async shell feeds it
 //! inputs — decoded pgoutput `Begin` / outbox rows / `Commit`, broker delivery reports,
-//! poison-insert commits, keepalives, and the current time as an [`Instant`] — and drains
-//! [`Action`]s: produce this record, insert that poison row, send this standby status
+//! poison-insert commits, keepalives, and the current time as an
+//! [`Instant`](std::time::Instant) — and drains [`Action`]s: produce this record, insert that poison row, send this standby status
 //! update. This is the shape of the protocol cores of rustls and quinn: every decision is a
 //! deterministic function of the inputs, so the seeded simulator in the tests can drive it
 //! through thousands of crash / out-of-order-ack / broker-error schedules in a second.

@@ -34,7 +34,7 @@
 //! and is dropped afterwards, so the benchmark can run against a shared database.
 //!
 //! Costs besides speed: CPU seconds per million events and peak RSS of the process
-//! doing the work (from `/proc`, see [`usage`]), WAL bytes per event written by the
+//! doing the work (from `/proc`, see `usage`), WAL bytes per event written by the
 //! application's inserts and by the drain itself (the poller's `UPDATE`s), and the
 //! poller's dead tuples and table growth.
 

@@ -43,7 +43,7 @@ pub struct ModeResult {
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
-    /// From the steady run at [`HEADLINE_FRACTION`] of the CDC maximum.
+    /// From the steady run at `HEADLINE_FRACTION` of the CDC maximum.
     pub latency: Option<LatencySpread>,
 }
 
