@@ -233,10 +233,10 @@ impl RelayChild {
                     };
                 }
                 _ = tick.tick() => {
-                    last = Usage::read(&self.pid).or(last);
+                    last = sample(&self.pid, last);
                     if done().await? {
                         let elapsed = self.started.elapsed();
-                        last = Usage::read(&self.pid).or(last);
+                        last = sample(&self.pid, last);
                         break Ok(elapsed);
                     }
                     if Instant::now() > deadline {
@@ -638,4 +638,13 @@ fn count_blocking(
         }
     }
     Ok(seen)
+}
+
+/// A new reading of a child's counters folded into the previous one (the peak is
+/// the highest seen; see [`Usage::then`]); the previous one when the child is gone.
+fn sample(pid: &str, last: Option<Usage>) -> Option<Usage> {
+    match (last, Usage::read(pid)) {
+        (Some(last), Some(now)) => Some(last.then(now)),
+        (last, now) => now.or(last),
+    }
 }

@@ -36,6 +36,18 @@ impl Usage {
         })
     }
 
+    /// A newer reading of the same process, keeping the highest peak seen. A child
+    /// that has exited but is not yet reaped (a zombie) still has its CPU times in
+    /// `/proc/<pid>/stat`, but its `status` no longer has a `VmHWM` line, so its
+    /// reading says 0 KiB: that must not replace the peak sampled while it ran.
+    #[must_use]
+    pub(crate) fn then(self, newer: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu.max(newer.cpu),
+            peak_rss_kib: self.peak_rss_kib.max(newer.peak_rss_kib),
+        }
+    }
+
     /// This process.
     #[must_use]
     pub(crate) fn of_self() -> Option<Usage> {
@@ -71,6 +83,25 @@ fn peak_from_status(status: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zombie_reading_keeps_the_peak_seen_while_running() {
+        let running = Usage {
+            cpu: Duration::from_millis(300),
+            peak_rss_kib: 12_288,
+        };
+        let zombie = Usage {
+            cpu: Duration::from_millis(320),
+            peak_rss_kib: 0,
+        };
+        assert_eq!(
+            running.then(zombie),
+            Usage {
+                cpu: Duration::from_millis(320),
+                peak_rss_kib: 12_288,
+            }
+        );
+    }
 
     #[test]
     fn parses_stat_with_a_tricky_command_name() {
