@@ -109,16 +109,6 @@ pub enum Error {
     MetricsListener(#[source] std::io::Error),
 
     // --- poller ---
-    /// A statement of the polling relay (or of a cutover, which shares its
-    /// statements) failed; `transient` when retrying can help (connection lost,
-    /// server restarting, serialization failure, resources exhausted).
-    #[error("PostgreSQL: {message}")]
-    Statement {
-        message: String,
-        transient: bool,
-        #[source]
-        source: tokio_postgres::Error,
-    },
     /// The producer's delivery-report channel closed while reports were awaited.
     #[error("the producer's delivery channel closed")]
     DeliveryChannelClosed,
@@ -220,7 +210,6 @@ impl Error {
             | Error::MetricsBind { .. }
             | Error::MetricsListener(_)
             // poller
-            | Error::Statement { .. }
             | Error::DeliveryChannelClosed
             | Error::PollerWorker(_)
             | Error::NullOutboxId
@@ -246,9 +235,6 @@ impl Error {
             }
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
-            Error::Statement {
-                transient: true, ..
-            } => ErrorClass::Transient,
             Error::Pg(e) => e.class(),
             Error::Checkpoint(e) => e.class(),
             Error::Broker(e) => e.class(),
