@@ -68,6 +68,13 @@ pub async fn sleep_or_shutdown(shutdown: &mut Shutdown, pause: Duration) -> bool
     }
 }
 
+/// A pause in whole milliseconds, for log fields such as `retry_in_ms`
+/// (saturating: the pauses logged are seconds long).
+#[must_use]
+pub(crate) fn millis(pause: Duration) -> u64 {
+    u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -86,7 +86,7 @@ use crate::config::{Config, ConfigError, CutoverMode, qualified_name, quote_iden
 use crate::delivery::Failure;
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher};
-use crate::lifecycle::{Backoff, Shutdown};
+use crate::lifecycle::{Backoff, Shutdown, millis};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
 use crate::poller::{self, BatchOutcome, BatchRow, Delivery, Polled, RowResult};
@@ -625,11 +625,6 @@ fn marker_table(config: &Config) -> Result<String> {
 /// The advisory-lock name of a slot's cutover.
 fn lock_key(slot: &str) -> String {
     format!("outbox-relay cutover {slot}")
-}
-
-/// A pause in whole milliseconds, for logs.
-fn millis(pause: Duration) -> u64 {
-    u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn count(n: u64) -> i64 {

@@ -43,7 +43,7 @@ use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher};
-use crate::lifecycle::{Backoff, Shutdown, sleep_or_shutdown};
+use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::{MapError, Mapped, OutboxMapper};
 use crate::poison::{PoisonOutcome, PoisonRequest, PoisonWriter};
@@ -692,11 +692,6 @@ async fn send_status(
         reply_requested: status.reply_requested,
     };
     stream.send_status(&frame).await
-}
-
-/// A pause in whole milliseconds, for logs.
-fn millis(pause: Duration) -> u64 {
-    u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn replication_error(e: ReplicationError) -> Error {

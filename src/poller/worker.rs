@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 use crate::config::Config;
 use crate::delivery::ErrorClass;
 use crate::error::{Error, Result};
-use crate::lifecycle::{Backoff, Shutdown};
+use crate::lifecycle::{Backoff, Shutdown, millis};
 
 use super::args::{PollArgs, Settings};
 use super::batch::Poller;
@@ -228,12 +228,6 @@ fn pause_after(
     backoff.reset();
     let full = u32::try_from(outcome.fetched).is_ok_and(|n| n >= settings.batch_size);
     (!full).then_some(settings.poll_interval)
-}
-
-/// A duration in whole milliseconds for a log field (saturating: the pauses logged
-/// are seconds long, far below `u64::MAX` milliseconds).
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
