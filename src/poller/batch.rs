@@ -117,7 +117,7 @@ impl Poller {
     ///
     /// # Errors
     ///
-    /// PostgreSQL errors ([`Error::Statement`](crate::Error::Statement), transient
+    /// PostgreSQL errors (classified by [`crate::postgres::process_error`]; transient
     /// ones retried: the batch is rolled back and re-sent later) and a fatal producer
     /// error ([`BrokerUnavailable::FatalReport`](crate::kafka::BrokerUnavailable::FatalReport),
     /// exit code 4).
