@@ -71,13 +71,6 @@ pub enum Error {
     /// `run`: the task writing `poison_outbox` rows stopped.
     #[error("the poison writer stopped")]
     RelayPoisonWriterStopped,
-    /// `run`: the producer itself is unusable (librdkafka's fatal error); the event is
-    /// not poisoned (exit code 4, the broker is unavailable).
-    #[error("Kafka broker unavailable: the producer hit a fatal error: {message}")]
-    RelayProducerFatal {
-        code: rdkafka::types::RDKafkaErrorCode,
-        message: String,
-    },
     /// Cutover: the slot of an interrupted cutover is streamed by some process. Right
     /// after a crash the old walsender may hold it until it notices, so `run` retries.
     #[error(
@@ -195,7 +188,7 @@ impl Error {
             Error::Pg(e) => e.exit_code(),
             Error::Checkpoint(e) => e.exit_code(),
             Error::Broker(e) => e.exit_code(),
-            Error::RelayProducerFatal { .. } | Error::AuditBroker { .. } => 4,
+            Error::AuditBroker { .. } => 4,
             Error::Postgres(_)
             | Error::Kafka(_)
             | Error::Io(_)

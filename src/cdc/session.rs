@@ -42,7 +42,7 @@ use crate::config::Config;
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
-use crate::kafka::{self, DeliveryReport, Publisher};
+use crate::kafka::{self, BrokerError, BrokerUnavailable, DeliveryReport, Publisher};
 use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::{MapError, Mapped, OutboxMapper};
@@ -545,7 +545,11 @@ impl Relay {
             }
             Err((code, message)) => {
                 if fatal {
-                    return Err(Error::RelayProducerFatal { code, message });
+                    return Err(BrokerError::from(BrokerUnavailable::FatalReport {
+                        code,
+                        message,
+                    })
+                    .into());
                 }
                 let failure = kafka::classify(code);
                 if failure == Failure::Transient {
