@@ -60,14 +60,15 @@ pub enum Error {
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 
-    // --- cdc ---
+    // --- cdc and poller ---
+    /// `run`, `poll`, cutover: the producer's delivery-report channel closed while
+    /// reports were awaited.
+    #[error("the producer's delivery channel closed")]
+    DeliveryChannelClosed,
     /// `run`: `START_REPLICATION` lost a race for the slot, typically with the
     /// walsender of a relay that just died; the session is started again.
     #[error(transparent)]
     RelaySlotTaken(ReplicationError),
-    /// `run`: the producer's delivery-report channel closed under the relay.
-    #[error("the producer's delivery channel closed")]
-    RelayReportsClosed,
     /// `run`: the task writing `poison_outbox` rows stopped.
     #[error("the poison writer stopped")]
     RelayPoisonWriterStopped,
@@ -102,9 +103,6 @@ pub enum Error {
     MetricsListener(#[source] std::io::Error),
 
     // --- poller ---
-    /// The producer's delivery-report channel closed while reports were awaited.
-    #[error("the producer's delivery channel closed")]
-    DeliveryChannelClosed,
     /// A poller worker task panicked or was cancelled.
     #[error("poller worker failed: {0}")]
     PollerWorker(#[source] tokio::task::JoinError),
@@ -194,7 +192,6 @@ impl Error {
             | Error::Io(_)
             // cdc
             | Error::RelaySlotTaken(_)
-            | Error::RelayReportsClosed
             | Error::RelayPoisonWriterStopped
             | Error::CutoverSlotActive { .. }
             | Error::CutoverInterrupted

@@ -400,7 +400,7 @@ impl Relay {
                 }
                 report = self.reports.recv() => {
                     let Some(report) = report else {
-                        return Err(Error::RelayReportsClosed);
+                        return Err(Error::DeliveryChannelClosed);
                     };
                     self.on_report(report)?;
                     while let Ok(report) = self.reports.try_recv() {
