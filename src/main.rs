@@ -51,7 +51,7 @@ impl Failure {
             #[cfg(feature = "tools")]
             Failure::Bench(e) => e.exit_code(),
             #[cfg(feature = "tools")]
-            Failure::Demo(e) => e.relay_error().map_or(ExitCode::from(1), Error::exit_code),
+            Failure::Demo(e) => e.exit_code(),
             Failure::Json(_) => ExitCode::from(1),
         }
     }

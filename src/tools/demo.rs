@@ -27,8 +27,8 @@ const SLOT: &str = "outbox_relay_demo";
 /// Entities each writer owns: an entity's events come from one writer, in order.
 const ENTITIES_PER_WRITER: u32 = 100;
 
-/// Why the demo failed. A relay error keeps its own exit code (the caller maps
-/// [`DemoError::relay_error`]); the demo's own failures exit with 1.
+/// Why the demo failed. A relay error keeps its own exit code
+/// ([`DemoError::exit_code`]); the demo's own failures exit with 1.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DemoError {
@@ -54,13 +54,13 @@ pub enum DemoError {
 }
 
 impl DemoError {
-    /// The relay error inside, which decides the exit code; `None` for the demo's
-    /// own errors (exit code 1).
+    /// The exit code (`docs/architecture.md#exit-codes`): a wrapped relay error's
+    /// own, 1 for the demo's own failures.
     #[must_use]
-    pub fn relay_error(&self) -> Option<&crate::Error> {
+    pub fn exit_code(&self) -> std::process::ExitCode {
         match self {
-            DemoError::Relay(e) => Some(e),
-            _ => None,
+            DemoError::Relay(e) => e.exit_code(),
+            _ => std::process::ExitCode::from(1),
         }
     }
 }
