@@ -13,12 +13,6 @@ use std::time::Duration;
 /// A shutdown signal: a future that completes when the command should stop.
 pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// A shutdown signal that never fires (tests, one-shot commands).
-#[must_use]
-pub fn never() -> Shutdown {
-    Box::pin(std::future::pending())
-}
-
 /// Exponential backoff: starts at `initial`, doubles after each failure, capped at
 /// `max`; [`Backoff::reset`] after a success.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +95,7 @@ mod tests {
     async fn shutdown_cuts_the_sleep_short() {
         let mut fired: Shutdown = Box::pin(async {});
         assert!(sleep_or_shutdown(&mut fired, Duration::from_secs(3600)).await);
-        let mut idle = never();
+        let mut idle: Shutdown = Box::pin(std::future::pending());
         assert!(!sleep_or_shutdown(&mut idle, MS).await);
     }
 }
