@@ -69,6 +69,10 @@ pub enum Error {
     /// walsender of a relay that just died; the session is started again.
     #[error(transparent)]
     RelaySlotTaken(ReplicationError),
+    /// `run`: another relay healed the lost slot while this one waited for the lock;
+    /// the session is started again from the healed slot.
+    #[error("replication slot {slot} was healed by another relay; starting again")]
+    RelaySlotHealedElsewhere { slot: String },
     /// `run`: the task writing `poison_outbox` rows stopped.
     #[error("the poison writer stopped")]
     RelayPoisonWriterStopped,
@@ -192,6 +196,7 @@ impl Error {
             | Error::Io(_)
             // cdc
             | Error::RelaySlotTaken(_)
+            | Error::RelaySlotHealedElsewhere { .. }
             | Error::RelayPoisonWriterStopped
             | Error::CutoverSlotActive { .. }
             | Error::CutoverInterrupted
@@ -220,9 +225,10 @@ impl Error {
     #[must_use]
     pub fn class(&self) -> ErrorClass {
         match self {
-            Error::Io(_) | Error::RelaySlotTaken(_) | Error::CutoverSlotActive { .. } => {
-                ErrorClass::Transient
-            }
+            Error::Io(_)
+            | Error::RelaySlotTaken(_)
+            | Error::RelaySlotHealedElsewhere { .. }
+            | Error::CutoverSlotActive { .. } => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
             Error::Pg(e) => e.class(),

@@ -62,6 +62,19 @@ pub async fn sleep_or_shutdown(shutdown: &mut Shutdown, pause: Duration) -> bool
     }
 }
 
+/// `pause` scaled by a random factor in [0.5, 1.0]: processes that lost their
+/// connection at the same moment (a database restart) do not all come back at once.
+#[must_use]
+pub fn jittered(pause: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    // Each `RandomState` is seeded afresh: a dependency-free source of noise, which
+    // is all jitter needs.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(0);
+    let per_mille = 500 + hasher.finish() % 501;
+    pause.saturating_mul(u32::try_from(per_mille).unwrap_or(1000)) / 1000
+}
+
 /// A pause in whole milliseconds, for log fields such as `retry_in_ms`
 /// (saturating: the pauses logged are seconds long).
 #[must_use]
@@ -74,6 +87,14 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn jitter_stays_between_half_and_the_whole_pause() {
+        let pause = MS * 1000;
+        let seen: std::collections::HashSet<Duration> = (0..200).map(|_| jittered(pause)).collect();
+        assert!(seen.iter().all(|p| *p >= MS * 500 && *p <= pause));
+        assert!(seen.len() > 10, "not random: {seen:?}");
+    }
 
     #[test]
     fn backoff_doubles_up_to_the_cap_and_resets() {

@@ -181,6 +181,9 @@ pub struct CutoverSummary {
     pub poisoned: u64,
     /// Whether an interrupted cutover's slot was dropped first.
     pub restarted: bool,
+    /// The exported snapshot's xmin (64-bit): every transaction below it is visible
+    /// in the snapshot, so its rows were read.
+    pub snapshot_xmin: i64,
 }
 
 /// What `prepare` found or did.
@@ -320,7 +323,7 @@ async fn cut_over(
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    let mut backlog = Backlog::open(config, metadata, marker_table).await?;
+    let mut backlog = Backlog::open(config, metadata, Some(marker_table)).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata, marker_table, slot_name).await?;
     let created = conn
@@ -357,7 +360,12 @@ async fn cut_over(
         "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
     );
     let summary = backlog
-        .publish(&mut reader, &snapshot, consistent_point)
+        .publish(
+            &mut reader,
+            &snapshot,
+            consistent_point,
+            BacklogQuery::Unsent,
+        )
         .await?;
     backlog
         .metadata
@@ -381,11 +389,23 @@ async fn cut_over(
     Ok(summary)
 }
 
+/// Which rows of the snapshot a [`Backlog`] publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BacklogQuery {
+    /// The cutover's: rows the poller would still send (`sent_at IS NULL`, fewer
+    /// than `max_attempts` attempts, not poisoned).
+    Unsent,
+    /// A resync's: unsent, unpoisoned rows not known to be delivered, i.e. not below
+    /// this checkpoint xmin (0: none known), whatever their attempts.
+    Undelivered { delivered_xmin: i64 },
+}
+
 /// The backlog publisher: mapper, producer, prepared marks.
-struct Backlog<'a> {
+pub(super) struct Backlog<'a> {
     config: &'a Config,
     metadata: &'a mut Client,
-    marker_table: &'a str,
+    /// The cutover's marker table, whose progress counters each round updates.
+    marker_table: Option<&'a str>,
     sql: poller::Sql,
     prepared: poller::Prepared,
     layout: poller::Layout,
@@ -399,10 +419,15 @@ struct Backlog<'a> {
 }
 
 impl<'a> Backlog<'a> {
-    async fn open(
+    /// The metadata connection the marks are written on.
+    pub(super) fn metadata(&self) -> &Client {
+        self.metadata
+    }
+
+    pub(super) async fn open(
         config: &'a Config,
         metadata: &'a mut Client,
-        marker_table: &'a str,
+        marker_table: Option<&'a str>,
     ) -> Result<Backlog<'a>> {
         let layout = poller::inspect_tables(metadata, &config.outbox).await?;
         let sql = poller::Sql::new(&config.outbox, &layout);
@@ -433,11 +458,12 @@ impl<'a> Backlog<'a> {
 
     /// Reads the backlog in the exported snapshot, window by window, and resolves
     /// every row (acked or poisoned) before reading the next window.
-    async fn publish(
+    pub(super) async fn publish(
         &mut self,
         reader: &mut Client,
         snapshot: &str,
         consistent_point: Lsn,
+        query: BacklogQuery,
     ) -> Result<CutoverSummary> {
         let mut summary = CutoverSummary {
             consistent_point,
@@ -457,12 +483,21 @@ impl<'a> Backlog<'a> {
         ))
         .await
         .map_err(poller::pg_error)?;
-        let statement = tx
-            .prepare(&self.sql.backlog)
+        summary.snapshot_xmin = tx
+            .query_one(
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
+                &[],
+            )
             .await
+            .and_then(|row| row.try_get(0))
             .map_err(poller::pg_error)?;
+        let (sql, param): (&str, &(dyn tokio_postgres::types::ToSql + Sync)) = match &query {
+            BacklogQuery::Unsent => (&self.sql.backlog, &self.max_attempts),
+            BacklogQuery::Undelivered { delivered_xmin } => (&self.sql.undelivered, delivered_xmin),
+        };
+        let statement = tx.prepare(sql).await.map_err(poller::pg_error)?;
         let portal = tx
-            .bind(&statement, &[&self.max_attempts])
+            .bind(&statement, &[param])
             .await
             .map_err(poller::pg_error)?;
         let window = i32::try_from(self.window).unwrap_or(i32::MAX);
@@ -524,19 +559,20 @@ impl<'a> Backlog<'a> {
                 poller::write_marks(&tx, &self.prepared, self.max_attempts, &rows).await?;
             let published = before.published + (total.delivered + outcome.delivered) as u64;
             let poisoned = before.poisoned + (total.poisoned + outcome.poisoned) as u64;
-            tx.execute(
-                &format!(
-                    "UPDATE {} SET published = $2, poisoned = $3 WHERE slot_name = $1",
-                    self.marker_table
-                ),
-                &[
-                    &self.config.postgres.slot,
-                    &count(published),
-                    &count(poisoned),
-                ],
-            )
-            .await
-            .map_err(poller::pg_error)?;
+            if let Some(marker_table) = self.marker_table {
+                tx.execute(
+                    &format!(
+                        "UPDATE {marker_table} SET published = $2, poisoned = $3 WHERE slot_name = $1"
+                    ),
+                    &[
+                        &self.config.postgres.slot,
+                        &count(published),
+                        &count(poisoned),
+                    ],
+                )
+                .await
+                .map_err(poller::pg_error)?;
+            }
             tx.commit().await.map_err(poller::pg_error)?;
             total.delivered += outcome.delivered;
             total.poisoned += outcome.poisoned;
@@ -622,8 +658,8 @@ fn marker_table(config: &Config) -> Result<String> {
     ))
 }
 
-/// The advisory-lock name of a slot's cutover.
-fn lock_key(slot: &str) -> String {
+/// The advisory-lock name of a slot's cutover (and resync).
+pub(super) fn lock_key(slot: &str) -> String {
     format!("outbox-relay cutover {slot}")
 }
 
@@ -925,6 +961,7 @@ mod tests {
                 published: 5,
                 poisoned: 1,
                 restarted: true,
+                snapshot_xmin: 700,
             }),
         );
         assert!(done.contains("consistent point 0/160000"), "{done}");

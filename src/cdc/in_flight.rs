@@ -8,6 +8,7 @@
 //! an operator can see why and replay it. A row that cannot be mapped at all keeps its
 //! raw columns and the mapping error for the same reason.
 
+use crate::cdc::resend_guard::Origin;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, PoisonFields};
 use crate::poison::PoisonRow;
@@ -25,8 +26,11 @@ pub(crate) enum InFlight {
         committed_at: i64,
         /// The last delivery failure: librdkafka's error kind and message.
         last_error: Option<(&'static str, String)>,
+        /// Its name across resends of its transaction.
+        origin: Origin,
     },
     Unmappable {
+        origin: Origin,
         fields: Box<PoisonFields>,
         error_kind: &'static str,
         reason: String,
@@ -41,6 +45,13 @@ impl InFlight {
         match self {
             InFlight::Event { event, .. } => event.topic.as_str(),
             InFlight::Unmappable { .. } => "",
+        }
+    }
+
+    /// Its name across resends of its transaction.
+    pub(crate) fn origin(&self) -> Origin {
+        match self {
+            InFlight::Event { origin, .. } | InFlight::Unmappable { origin, .. } => *origin,
         }
     }
 
@@ -67,6 +78,7 @@ impl InFlight {
                 error_kind,
                 reason,
                 lsn,
+                ..
             } => PoisonRow {
                 fields: (**fields).clone(),
                 error: reason.clone(),

@@ -71,6 +71,20 @@ pub(crate) const HEARTBEAT_ROUND_TRIP: &str = "outbox_relay_heartbeat_round_trip
 /// Counter: heartbeats that could not be emitted (metadata connection problems).
 pub(crate) const HEARTBEAT_FAILURES: &str = "outbox_relay_heartbeat_failures_total";
 
+/// Counter: slots found lost (missing, invalidated, re-created) with progress recorded.
+pub(crate) const SLOT_LOSSES: &str = "outbox_relay_slot_losses_total";
+/// Counter: outbox rows published (or poisoned) by resyncs after a lost slot.
+pub(crate) const RESYNCED_ROWS: &str = "outbox_relay_resynced_rows_total";
+/// Counter: producers replaced because they stopped reporting (or failed fatally).
+pub(crate) const PRODUCER_RESTARTS: &str = "outbox_relay_producer_restarts_total";
+/// Gauge: sessions in a row that ended at the same confirmed position (0 when the
+/// last session made progress).
+pub(crate) const REPEATED_FAILURES: &str = "outbox_relay_repeated_session_failures";
+/// Gauge: the position last saved in the relay's position table (as a number).
+pub(crate) const SAVED_LSN: &str = "outbox_relay_saved_lsn";
+/// Counter: saves of the position table that failed (retried).
+pub(crate) const POSITION_SAVE_FAILURES: &str = "outbox_relay_position_save_failures_total";
+
 /// Latency buckets (seconds): 1 ms to 2 min.
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -126,6 +140,30 @@ fn describe() {
         "Heartbeat emit to receipt"
     );
     describe_counter!(HEARTBEAT_FAILURES, "Heartbeats that could not be emitted");
+    describe_counter!(
+        SLOT_LOSSES,
+        "Replication slots found missing, invalidated or re-created after progress was recorded"
+    );
+    describe_counter!(
+        RESYNCED_ROWS,
+        "Outbox rows published or poisoned by resyncs after a lost slot"
+    );
+    describe_counter!(
+        PRODUCER_RESTARTS,
+        "Kafka producers replaced because they stopped reporting or failed fatally"
+    );
+    describe_gauge!(
+        REPEATED_FAILURES,
+        "Replication sessions in a row that ended without progress at the same position"
+    );
+    describe_gauge!(
+        SAVED_LSN,
+        "Position last saved in the relay's position table"
+    );
+    describe_counter!(
+        POSITION_SAVE_FAILURES,
+        "Failed writes of the relay's position table (retried)"
+    );
 }
 
 /// What the relay tells the health endpoints; cheap to update from the hot loop.
@@ -140,6 +178,9 @@ struct HealthState {
     /// Milliseconds since `origin` of the last confirmed-LSN advance (or of the
     /// moment the pending count went from zero to non-zero).
     last_progress_ms: AtomicU64,
+    /// A condition an operator must know about (slot lost and resyncing, producer
+    /// wedged, a session failing again and again at one position): not ready.
+    alert: std::sync::Mutex<Option<String>>,
 }
 
 impl Default for Health {
@@ -149,6 +190,7 @@ impl Default for Health {
             streaming: AtomicBool::new(false),
             pending: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
+            alert: std::sync::Mutex::new(None),
         }))
     }
 }
@@ -181,9 +223,33 @@ impl Health {
         }
     }
 
+    /// Raises (`Some`) or clears (`None`) the alert `/readyz` reports.
+    pub(crate) fn set_alert(&self, alert: Option<String>) {
+        // A poisoned lock only means a panic elsewhere; the value is still usable.
+        let mut slot = self
+            .0
+            .alert
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *slot = alert;
+    }
+
+    /// The alert raised, if any.
+    #[must_use]
+    pub(crate) fn alert(&self) -> Option<String> {
+        self.0
+            .alert
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// The readiness verdict at `now`.
     #[must_use]
     pub(crate) fn readiness(&self, now: Instant, stall: Duration) -> Readiness {
+        if let Some(alert) = self.alert() {
+            return Readiness::Alert(alert);
+        }
         let since = self
             .millis(now)
             .saturating_sub(self.0.last_progress_ms.load(Ordering::Relaxed));
@@ -207,6 +273,8 @@ pub(crate) enum Readiness {
         pending: u64,
         since: Duration,
     },
+    /// A condition the relay raised (see [`Health::set_alert`]).
+    Alert(String),
 }
 
 impl Readiness {
@@ -225,6 +293,10 @@ impl Readiness {
                     "not ready: {pending} events pending and the confirmed LSN has not advanced for {}s\n",
                     since.as_secs()
                 ),
+            ),
+            Readiness::Alert(alert) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {alert}\n"),
             ),
         }
     }
@@ -350,6 +422,21 @@ mod tests {
                 since: STALL
             }
         );
+    }
+
+    #[test]
+    fn an_alert_is_not_ready_until_cleared() {
+        let health = Health::default();
+        let t0 = Instant::now();
+        health.set_streaming(true, t0);
+        health.set_alert(Some("replication slot s is missing; resyncing".into()));
+        let answer = health.readiness(t0, STALL);
+        assert_eq!(
+            answer.response().1,
+            "not ready: replication slot s is missing; resyncing\n"
+        );
+        health.set_alert(None);
+        assert_eq!(health.readiness(t0, STALL), Readiness::Ready);
     }
 
     #[test]

@@ -5,13 +5,22 @@
 //! alone decides which LSN may be confirmed. `heartbeat` keeps an idle slot moving,
 //! [`metrics`] serves `/metrics`, `/healthz` and `/readyz`, and [`cutover`] takes over
 //! from a polling relay when the slot is created.
+//!
+//! Where each session starts is [`start`]'s decision, from the slot, the relay's own
+//! saved position (`position_saver` writes it before the server hears of it) and what
+//! the process remembers; a lost slot is healed by `resync`, and `resend_guard` keeps a
+//! reconnect from producing again what the lost session had delivered.
 
 pub mod cutover;
 pub(crate) mod heartbeat;
 mod in_flight;
 mod instruments;
 pub mod metrics;
+mod position_saver;
 pub mod progress;
+mod resend_guard;
+mod resync;
 pub mod session;
+pub mod start;
 
 pub use session::{RunSummary, run, run_with_health};

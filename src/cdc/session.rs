@@ -18,11 +18,22 @@
 //! while reading is paused, which keeps the walsender from timing us out.
 //!
 //! Connection loss, a protocol violation in the stream, or a PostgreSQL restart end
-//! the *session*, not the process: the relay reconnects with backoff and restarts from
-//! the slot's `confirmed_flush_lsn`, which is always safe (the server re-sends every
-//! transaction not yet confirmed; the in-flight window bounds the duplicates). Fatal
-//! conditions (prerequisites, authentication, invalidated slot) end the process with
-//! a distinct exit code.
+//! the *session*, not the process. The relay first lets the broker answer for what is
+//! in flight (bounded), then reconnects with a jittered exponential backoff that
+//! starts over only after a session confirmed progress; a session that keeps ending at
+//! the same position is reported (error log, metric, `/readyz`) instead of looping
+//! quietly. Where the next session starts is `cdc::start`'s decision; what the lost
+//! session had already delivered is not produced again (`cdc::resend_guard`).
+//!
+//! Status updates never confirm past the position saved in `outbox_relay_position`
+//! (`cdc::position_saver`), so a PostgreSQL restart, which rewinds the slot, re-sends
+//! nothing the relay delivered, and a lost slot is noticed and healed (`cdc::resync`).
+//!
+//! A producer that stops reporting while the broker answers (it can lose its
+//! idempotence state to a broker restart), or that fails fatally, is replaced: the
+//! session ends, a new producer is made, and the server re-sends the unconfirmed
+//! transactions in order. Fatal conditions (prerequisites, authentication, a foreign
+//! slot) end the process with a distinct exit code.
 //!
 //! This file is the loop. What it keeps per in-flight event (the record to produce
 //! again, the row to poison) is in `in_flight.rs`, its metric handles in
@@ -31,24 +42,32 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use rdkafka::ClientConfig;
+use rdkafka::error::RDKafkaErrorCode;
 use tokio::sync::mpsc;
+use tokio_postgres::Client;
 
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
-use crate::cdc::metrics::Health;
+use crate::cdc::metrics::{self as m, Health};
+use crate::cdc::position_saver::PositionSaver;
 use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate};
-use crate::config::Config;
+use crate::cdc::resend_guard::ResendGuard;
+use crate::cdc::start::{self, Remembered, SlotLoss, SlotView, StartPlan};
+use crate::config::{Config, SlotLossMode};
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
-use crate::kafka::{self, BrokerError, BrokerUnavailable, DeliveryReport, Publisher};
-use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
+use crate::kafka::{self, DeliveryReport, Publisher};
+use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
+use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
 use crate::poison::{PoisonOutcome, PoisonRequest, PoisonWriter};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
+use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
 use crate::postgres::replication::{ReplicationConnection, ReplicationError, ReplicationStream};
 use crate::postgres::slot::{self, SlotState};
@@ -64,9 +83,25 @@ const MESSAGES_OPTION_SINCE: u32 = 140_000;
 /// Slot sampling period when the heartbeat itself is off.
 const SLOT_SAMPLE_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Reconnect backoff after a lost replication session.
+/// Reconnect backoff after a lost replication session (jittered); it starts over only
+/// after a session confirmed progress.
 const RECONNECT_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
-const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Sessions in a row ending at one confirmed position before it is reported.
+const REPEATED_FAILURE_ALERT: u32 = 3;
+
+/// How long a lost session waits for the broker to answer for its in-flight events.
+const LOSS_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often the producer watchdog looks.
+const WATCHDOG_TICK: Duration = Duration::from_secs(1);
+
+/// The watchdog's broker check (a metadata request).
+const WATCHDOG_BROKER_CHECK: Duration = Duration::from_secs(5);
+
+/// How long a graceful shutdown waits for the final position to be saved.
+const FINAL_SAVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a finished `run` reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -103,6 +138,51 @@ enum Lost {
     /// A frame could not be trusted.
     #[error(transparent)]
     Frame(#[from] FrameError),
+    /// Events in flight, the broker reachable, and no delivery report for this long.
+    #[error(
+        "the Kafka producer sent no delivery report for {silent_secs}s with {in_flight} messages \
+         in flight while the broker answers: replacing it"
+    )]
+    ProducerStalled { silent_secs: u64, in_flight: i32 },
+    /// The producer hit a fatal error (e.g. an idempotence sequence it cannot repair).
+    #[error("the Kafka producer failed fatally ({code:?}: {message}): replacing it")]
+    ProducerFatal {
+        code: RDKafkaErrorCode,
+        message: String,
+    },
+}
+
+impl Lost {
+    /// Whether the producer has to be replaced before the next session.
+    fn needs_new_producer(&self) -> bool {
+        matches!(
+            self,
+            Lost::ProducerStalled { .. } | Lost::ProducerFatal { .. }
+        )
+    }
+}
+
+/// Sessions that ended without progress, at one confirmed position.
+#[derive(Debug, Default)]
+struct FailureStreak {
+    at: Lsn,
+    count: u32,
+}
+
+impl FailureStreak {
+    /// A session ended at `confirmed`; returns how many in a row ended there without
+    /// progress.
+    fn ended(&mut self, confirmed: Lsn, progressed: bool) -> u32 {
+        if progressed {
+            self.count = 0;
+        } else if confirmed == self.at {
+            self.count = self.count.saturating_add(1);
+        } else {
+            self.count = 1;
+        }
+        self.at = confirmed;
+        self.count
+    }
 }
 
 /// A replication frame the relay cannot make sense of: the stream is inconsistent
@@ -143,8 +223,10 @@ pub async fn run_with_health(
     );
 
     let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
-    let (publisher, reports) =
-        Publisher::new(producer_config, kafka::report_capacity(&config.relay))?;
+    let (publisher, reports) = Publisher::new(
+        producer_config.clone(),
+        kafka::report_capacity(&config.relay),
+    )?;
     publisher.check_broker(Duration::from_secs(10)).await?;
     tracing::info!(brokers = %config.kafka.brokers, "connected to Kafka");
 
@@ -174,14 +256,28 @@ pub async fn run_with_health(
         },
         emit: heartbeat_secs > 0,
     })));
+    let positions = crate::outbox::position::PositionTable::new(&config)?;
+    let status_interval = core_config.status_interval;
+    let now = Instant::now();
     let mut relay = Relay {
         config,
         conninfo,
-        core: Core::new(core_config, Lsn::ZERO, Instant::now()),
+        core: Core::new(core_config, Lsn::ZERO, now),
         pending: HashMap::new(),
         mapper,
         publisher,
+        producer_config,
         reports,
+        positions,
+        history: None,
+        saver: None,
+        save_requested_at: now,
+        delivered_since_save: false,
+        status_interval,
+        resend: ResendGuard::default(),
+        last_report_at: now,
+        producer_fatal: None,
+        streak: FailureStreak::default(),
         poison_tx,
         outcomes,
         current_commit_lsn: Lsn::ZERO,
@@ -238,7 +334,24 @@ struct Relay {
     pending: HashMap<EventId, InFlight>,
     mapper: OutboxMapper,
     publisher: Publisher,
+    /// To make a new producer when the current one is wedged.
+    producer_config: ClientConfig,
     reports: mpsc::Receiver<DeliveryReport>,
+    positions: PositionTable,
+    /// The server history of the last session (`None` before the first).
+    history: Option<ServerHistory>,
+    /// Saves positions before the server hears of them (one per session).
+    saver: Option<PositionSaver>,
+    save_requested_at: Instant,
+    /// An event was resolved since the last save request.
+    delivered_since_save: bool,
+    status_interval: Duration,
+    resend: ResendGuard,
+    /// Last delivery report (or moment the producer had nothing in flight).
+    last_report_at: Instant,
+    /// A fatal delivery report: the session ends and the producer is replaced.
+    producer_fatal: Option<(RDKafkaErrorCode, String)>,
+    streak: FailureStreak,
     poison_tx: mpsc::Sender<PoisonRequest>,
     outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
@@ -269,7 +382,7 @@ impl Relay {
             let stream = match stream {
                 Ok(stream) => stream,
                 Err(e) if e.class() == ErrorClass::Transient => {
-                    let pause = backoff.next_pause();
+                    let pause = jittered(backoff.next_pause());
                     tracing::warn!(error = %e, retry_in_ms = millis(pause), "cannot start replication; retrying");
                     if sleep_or_shutdown(&mut shutdown, pause).await {
                         return Ok(self.summary.clone());
@@ -278,27 +391,125 @@ impl Relay {
                 }
                 Err(e) => return Err(e),
             };
+            let started_at = self.core.confirmed();
             self.health.set_streaming(true, Instant::now());
             let ended = self.stream(stream, &mut shutdown).await;
             self.health.set_streaming(false, Instant::now());
-            match ended? {
-                SessionEnd::Shutdown => return Ok(self.summary.clone()),
-                SessionEnd::Lost(reason) => {
-                    self.summary.reconnects += 1;
-                    self.instruments.reconnect();
-                    tracing::warn!(%reason, confirmed = %self.core.confirmed(), "replication session lost; reconnecting");
-                    // A session that streamed starts the backoff over.
-                    backoff.reset();
-                    if sleep_or_shutdown(&mut shutdown, backoff.peek()).await {
-                        return Ok(self.summary.clone());
-                    }
-                }
+            let SessionEnd::Lost(reason) = ended? else {
+                return Ok(self.summary.clone());
+            };
+            self.summary.reconnects += 1;
+            self.instruments.reconnect();
+            tracing::warn!(%reason, confirmed = %self.core.confirmed(), "replication session lost; reconnecting");
+            if self.drain_after_loss(&mut shutdown).await? {
+                return Ok(self.summary.clone());
+            }
+            if reason.needs_new_producer() {
+                tracing::error!(%reason, "replacing the Kafka producer; unconfirmed events are produced again in order");
+                self.replace_producer()?;
+            }
+            let progressed = self.core.confirmed() > started_at;
+            if progressed {
+                backoff.reset();
+            }
+            self.note_session_end(&reason, progressed);
+            let pause = jittered(backoff.next_pause());
+            if sleep_or_shutdown(&mut shutdown, pause).await {
+                return Ok(self.summary.clone());
             }
         }
     }
 
-    /// Connects, makes sure the slot exists and is ours, and starts streaming from
-    /// its confirmed LSN with a fresh core (event ids continue across sessions).
+    /// Counts sessions ending without progress at one position; from
+    /// [`REPEATED_FAILURE_ALERT`] on, says so loudly and turns not-ready.
+    fn note_session_end(&mut self, reason: &Lost, progressed: bool) {
+        let confirmed = self.core.confirmed();
+        let count = self.streak.ended(confirmed, progressed);
+        ::metrics::gauge!(m::REPEATED_FAILURES).set(f64::from(count));
+        if count >= REPEATED_FAILURE_ALERT {
+            tracing::error!(
+                %reason,
+                %confirmed,
+                sessions = count,
+                "replication keeps failing at the same position without progress; backing off"
+            );
+            self.health.set_alert(Some(format!(
+                "{count} replication sessions in a row ended at {confirmed} without progress: {reason}"
+            )));
+        }
+    }
+
+    /// After a lost session: lets the broker answer for the in-flight events (up to
+    /// [`LOSS_DRAIN_TIMEOUT`]), so that completed transactions are confirmed in memory
+    /// and not re-sent, then records what the unconfirmed ones had resolved. Returns
+    /// `true` if shutdown came first.
+    async fn drain_after_loss(&mut self, shutdown: &mut Shutdown) -> Result<bool> {
+        let deadline = tokio::time::Instant::now() + LOSS_DRAIN_TIMEOUT;
+        while self.core.in_flight_events() > 0 && self.producer_fatal.is_none() {
+            self.execute_offline_actions();
+            let next = self
+                .core
+                .next_deadline()
+                .map_or(deadline, tokio::time::Instant::from_std)
+                .min(deadline);
+            tokio::select! {
+                biased;
+                () = &mut *shutdown => return Ok(true),
+                report = self.reports.recv() => match report {
+                    Some(report) => self.on_report(report),
+                    None => break,
+                },
+                outcome = self.outcomes.recv() => match outcome {
+                    Some(outcome) => self.on_poison_outcome(outcome),
+                    None => break,
+                },
+                () = tokio::time::sleep_until(next) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                    self.core.tick(Instant::now());
+                }
+            }
+        }
+        self.execute_offline_actions();
+        let unresolved: Vec<_> = self.pending.values().map(InFlight::origin).collect();
+        self.resend.confirmed(self.core.confirmed());
+        self.resend.session_lost(unresolved);
+        Ok(false)
+    }
+
+    /// Executes the core's actions without a replication stream: produce and poison
+    /// as usual; status updates become save requests (the next session starts from
+    /// what is saved or remembered).
+    fn execute_offline_actions(&mut self) {
+        while let Some(action) = self.core.next_action() {
+            match action {
+                Action::Produce { id, .. } => self.produce(id),
+                Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
+                Action::SendStatus(status) => self.request_save(status.flush),
+            }
+        }
+    }
+
+    /// Replaces a wedged or fatally failed producer. The old one is dropped on a
+    /// blocking thread (librdkafka's destroy may wait for its broker connections);
+    /// its late reports go nowhere.
+    fn replace_producer(&mut self) -> Result<()> {
+        let (publisher, reports) = Publisher::new(
+            self.producer_config.clone(),
+            kafka::report_capacity(&self.config.relay),
+        )?;
+        let old = std::mem::replace(&mut self.publisher, publisher);
+        self.reports = reports;
+        self.producer_fatal = None;
+        self.last_report_at = Instant::now();
+        tokio::task::spawn_blocking(move || drop(old));
+        ::metrics::counter!(m::PRODUCER_RESTARTS).increment(1);
+        Ok(())
+    }
+
+    /// Connects, decides where to start (`cdc::start`), heals a lost slot, and starts
+    /// streaming with a core that continues this process's event ids.
     async fn start_session(&mut self, first: bool) -> Result<ReplicationStream> {
         // A fresh metadata connection per session: the previous one may have died
         // with the server.
@@ -306,17 +517,17 @@ impl Relay {
         let mut conn = ReplicationConnection::connect(&self.conninfo)
             .await
             .map_err(replication_error)?;
-        // A missing slot (or an interrupted cutover) first gets the backlog the
-        // poller had not sent; then the slot exists and streaming starts at its
-        // consistent point.
-        crate::cdc::cutover::prepare(
-            &self.config,
-            &self.conninfo,
-            &mut conn,
-            &mut metadata,
-            crate::cdc::cutover::Trigger::Run(self.config.relay.cutover),
-        )
-        .await?;
+        let identity = conn.identify_system().await.map_err(replication_error)?;
+        let history = ServerHistory {
+            system_identifier: identity.systemid,
+            timeline: identity.timeline,
+        };
+        if !self.positions.exists(&metadata).await? {
+            return Err(Prerequisite::PositionTableMissing {
+                table: self.positions.name().to_owned(),
+            }
+            .into());
+        }
         let slot_name = self.config.postgres.slot.clone();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
         if !first {
@@ -324,26 +535,50 @@ impl Relay {
             // walsender (e.g. after a network cut) until wal_sender_timeout.
             busy_timeout = busy_timeout.max(self.wal_sender_timeout * 2);
         }
-        let state = slot::wait_for_slot(&mut conn, &metadata, &slot_name, busy_timeout).await?;
-        let start = match state {
-            SlotState::Created(created) => {
-                tracing::info!(slot = %slot_name, consistent_point = %created.consistent_point, "replication slot created");
-                created.consistent_point
+        let remembered = self.history.map(|history| Remembered {
+            history,
+            confirmed: self.core.confirmed(),
+        });
+        let mut plan = self.plan(&metadata, history, remembered).await?;
+        if let StartPlan::Resume { .. } = plan {
+            slot::wait_for_slot(&mut conn, &metadata, &slot_name, busy_timeout).await?;
+            // Decide again on the facts after the wait: another relay may have
+            // streamed from the slot meanwhile.
+            plan = self.plan(&metadata, history, remembered).await?;
+        }
+        let start = match plan {
+            StartPlan::Fresh => {
+                self.create_slot(&mut conn, &mut metadata, busy_timeout, history)
+                    .await?
             }
-            SlotState::Existing { confirmed_flush } => confirmed_flush,
+            StartPlan::Resume {
+                from,
+                history_changed,
+            } => {
+                if history_changed {
+                    tracing::warn!(slot = %slot_name, %history, from = %from,
+                        previous = ?self.history, "recording the position on this server history");
+                    self.positions.adopt(&metadata, history, from).await?;
+                } else {
+                    // The start may come from this process's memory: saved before
+                    // any status update can confirm it.
+                    self.positions.save(&metadata, history, from).await?;
+                }
+                from
+            }
+            StartPlan::Lost { loss, .. } => {
+                self.heal(&mut conn, &mut metadata, history, remembered, &loss)
+                    .await?
+            }
         };
-        let now = Instant::now();
-        let core = std::mem::replace(
-            &mut self.core,
-            Core::new(CoreConfig::default(), Lsn::ZERO, now),
-        );
-        self.core = if first {
-            Core::new(core.config().clone(), start, now)
-        } else {
-            core.restart(start, now)
-        };
-        self.pending.clear();
-        self.mapper.reset_session();
+        self.reset_core(history, start);
+        self.saver = Some(PositionSaver::spawn(
+            self.conninfo.clone(),
+            self.positions.clone(),
+            history,
+            start,
+            Duration::from_millis(self.config.relay.position_save_interval_ms),
+        ));
         let publications = crate::postgres::replication::publication_names_option(&[self
             .config
             .postgres
@@ -369,8 +604,140 @@ impl Relay {
                     replication_error(e)
                 }
             })?;
-        tracing::info!(slot = %slot_name, from = %start, "streaming");
+        tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
+    }
+
+    /// The start plan from the recorded position and the slot as they are now.
+    async fn plan(
+        &self,
+        metadata: &Client,
+        history: ServerHistory,
+        remembered: Option<Remembered>,
+    ) -> Result<StartPlan> {
+        let slot_name = &self.config.postgres.slot;
+        let recorded = self.positions.load(metadata).await?;
+        let slot = slot::slot_info(metadata, slot_name)
+            .await?
+            .map(|info| SlotView {
+                confirmed: info.confirmed_flush.unwrap_or(Lsn::ZERO),
+                invalidated: info.wal_status.as_deref() == Some("lost"),
+            });
+        Ok(start::plan(
+            slot_name,
+            history,
+            recorded.as_ref(),
+            slot,
+            remembered,
+        ))
+    }
+
+    /// First start: the slot is created (after a cutover from a poller when
+    /// configured) and its position recorded.
+    async fn create_slot(
+        &mut self,
+        conn: &mut ReplicationConnection,
+        metadata: &mut Client,
+        busy_timeout: Duration,
+        history: ServerHistory,
+    ) -> Result<Lsn> {
+        let slot_name = self.config.postgres.slot.clone();
+        // A missing slot (or an interrupted cutover) first gets the backlog the
+        // poller had not sent; then the slot exists and streaming starts at its
+        // consistent point.
+        crate::cdc::cutover::prepare(
+            &self.config,
+            &self.conninfo,
+            conn,
+            metadata,
+            crate::cdc::cutover::Trigger::Run(self.config.relay.cutover),
+        )
+        .await?;
+        let state = slot::wait_for_slot(conn, metadata, &slot_name, busy_timeout).await?;
+        let start = match state {
+            SlotState::Created(created) => {
+                tracing::info!(slot = %slot_name, consistent_point = %created.consistent_point, "replication slot created");
+                created.consistent_point
+            }
+            SlotState::Existing { confirmed_flush } => confirmed_flush,
+        };
+        self.positions.adopt(&*metadata, history, start).await?;
+        Ok(start)
+    }
+
+    /// A lost slot: fail (exit 3) or resync, under the cutover's advisory lock so
+    /// two relays do not heal it twice. Returns the new slot's consistent point.
+    async fn heal(
+        &mut self,
+        conn: &mut ReplicationConnection,
+        metadata: &mut Client,
+        history: ServerHistory,
+        remembered: Option<Remembered>,
+        loss: &SlotLoss,
+    ) -> Result<Lsn> {
+        let slot_name = self.config.postgres.slot.clone();
+        ::metrics::counter!(m::SLOT_LOSSES).increment(1);
+        tracing::error!(slot = %slot_name, %loss, on_slot_loss = ?self.config.relay.on_slot_loss, "replication slot lost");
+        if self.config.relay.on_slot_loss == SlotLossMode::Fail {
+            return Err(Prerequisite::SlotLost {
+                detail: loss.to_string(),
+            }
+            .into());
+        }
+        self.health
+            .set_alert(Some(format!("{loss}; resyncing before streaming")));
+        let lock = crate::cdc::cutover::lock_key(&slot_name);
+        metadata
+            .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
+            .await?;
+        let replanned = self.plan(metadata, history, remembered).await?;
+        let StartPlan::Lost {
+            loss,
+            delivered_xmin,
+        } = replanned
+        else {
+            // Healed by another relay while we waited for the lock; the session
+            // ends with the connection, which releases the lock.
+            return Err(Error::RelaySlotHealedElsewhere { slot: slot_name });
+        };
+        let summary = crate::cdc::resync::resync(
+            &self.config,
+            &self.conninfo,
+            conn,
+            metadata,
+            history,
+            &loss,
+            delivered_xmin,
+        )
+        .await?;
+        metadata
+            .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
+            .await?;
+        self.health.set_alert(None);
+        Ok(summary.consistent_point)
+    }
+
+    /// A fresh core for the session starting at `start`. On the same history it
+    /// continues the old one (ids, and the highest confirmed position); on another,
+    /// nothing of the old positions is kept.
+    fn reset_core(&mut self, history: ServerHistory, start: Lsn) {
+        let now = Instant::now();
+        let core = std::mem::replace(
+            &mut self.core,
+            Core::new(CoreConfig::default(), Lsn::ZERO, now),
+        );
+        self.core = match self.history {
+            None => Core::new(core.config().clone(), start, now),
+            Some(previous) if previous == history => core.restart(start, now),
+            Some(_) => {
+                self.resend.forget();
+                core.restart_on_new_history(start, now)
+            }
+        };
+        self.history = Some(history);
+        self.pending.clear();
+        self.mapper.reset_session();
+        self.last_report_at = now;
     }
 
     /// The replication loop of one session.
@@ -381,11 +748,17 @@ impl Relay {
     ) -> Result<SessionEnd> {
         let timer = tokio::time::sleep(Duration::from_secs(3600));
         tokio::pin!(timer);
+        let mut watchdog = tokio::time::interval(WATCHDOG_TICK);
+        watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if let Err(e) = self.execute_actions(&mut stream).await {
                 return Ok(SessionEnd::Lost(e.into()));
             }
+            if let Some((code, message)) = self.producer_fatal.take() {
+                return Ok(SessionEnd::Lost(Lost::ProducerFatal { code, message }));
+            }
             self.instruments.observe(&self.core, &self.health);
+            self.clear_streak_alert();
             if let Some(deadline) = self.core.next_deadline() {
                 timer
                     .as_mut()
@@ -402,9 +775,9 @@ impl Relay {
                     let Some(report) = report else {
                         return Err(Error::DeliveryChannelClosed);
                     };
-                    self.on_report(report)?;
+                    self.on_report(report);
                     while let Ok(report) = self.reports.try_recv() {
-                        self.on_report(report)?;
+                        self.on_report(report);
                     }
                 }
                 outcome = self.outcomes.recv() => {
@@ -413,8 +786,18 @@ impl Relay {
                     };
                     self.on_poison_outcome(outcome);
                 }
+                saved = saver_changed(&mut self.saver) => {
+                    if let Err(e) = self.send_saved_status(&mut stream, saved).await {
+                        return Ok(SessionEnd::Lost(e.into()));
+                    }
+                }
                 () = &mut timer, if has_deadline => {
                     self.core.tick(Instant::now());
+                }
+                _ = watchdog.tick() => {
+                    if let Some(lost) = self.watch_producer().await {
+                        return Ok(SessionEnd::Lost(lost));
+                    }
                 }
                 frame = stream.next_frame(), if can_read => {
                     match frame {
@@ -429,6 +812,48 @@ impl Relay {
                     }
                 }
             }
+        }
+    }
+
+    /// The producer watchdog: a fatal error, or messages in flight with no report
+    /// for `relay.producer_stall_secs` while the broker answers a metadata request,
+    /// ends the session so that the producer is replaced.
+    async fn watch_producer(&mut self) -> Option<Lost> {
+        if let Some((code, message)) = self.publisher.fatal_error() {
+            return Some(Lost::ProducerFatal { code, message });
+        }
+        let in_flight = self.publisher.in_flight();
+        if in_flight == 0 {
+            self.last_report_at = Instant::now();
+            return None;
+        }
+        let stall = Duration::from_secs(self.config.relay.producer_stall_secs);
+        let silent = self.last_report_at.elapsed();
+        if stall.is_zero() || silent < stall {
+            return None;
+        }
+        // A broker that is down explains the silence: waiting is right then.
+        if let Err(e) = self.publisher.check_broker(WATCHDOG_BROKER_CHECK).await {
+            tracing::debug!(error = %e, in_flight, "no delivery reports; the broker is unreachable");
+            return None;
+        }
+        self.health.set_alert(Some(format!(
+            "the Kafka producer sent no delivery report for {}s with {in_flight} messages in flight; replacing it",
+            silent.as_secs()
+        )));
+        Some(Lost::ProducerStalled {
+            silent_secs: silent.as_secs(),
+            in_flight,
+        })
+    }
+
+    /// Clears the alert of a failure streak (or a replaced producer) once the
+    /// confirmed position moves past where the streak was.
+    fn clear_streak_alert(&mut self) {
+        if self.streak.count > 0 && self.core.confirmed() > self.streak.at {
+            self.streak.count = 0;
+            ::metrics::gauge!(m::REPEATED_FAILURES).set(0.0);
+            self.health.set_alert(None);
         }
     }
 
@@ -463,12 +888,14 @@ impl Relay {
         match message {
             LogicalReplicationMessage::Begin(begin) => {
                 tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
+                self.resend.begin(begin.final_lsn);
                 self.current_commit_lsn = begin.final_lsn;
                 self.current_commit_time = begin.commit_time;
                 Ok(self.core.begin(begin.final_lsn, begin.xid)?)
             }
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
+                self.resend.commit();
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
@@ -494,6 +921,7 @@ impl Relay {
         match mapped {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
+                let origin = self.resend.next();
                 let id = self
                     .core
                     .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
@@ -503,16 +931,27 @@ impl Relay {
                         event,
                         committed_at: self.current_commit_time,
                         last_error: None,
+                        origin,
                     },
                 );
+                if self.resend.already_resolved(origin) {
+                    // A lost session delivered it: resolved without producing. (An
+                    // event held behind a failed one of its key stays and is produced.)
+                    self.core.delivered(id, now);
+                    if !self.core.is_in_flight(id) {
+                        self.pending.remove(&id);
+                    }
+                }
                 Ok(())
             }
             Mapped::Unmappable(row) => {
+                let origin = self.resend.next();
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
                 self.pending.insert(
                     id,
                     InFlight::Unmappable {
+                        origin,
                         fields: Box::new(row.fields),
                         error_kind: row.error_kind,
                         reason: row.reason,
@@ -524,14 +963,16 @@ impl Relay {
         }
     }
 
-    fn on_report(&mut self, report: DeliveryReport) -> Result<()> {
+    fn on_report(&mut self, report: DeliveryReport) {
         let now = Instant::now();
+        self.last_report_at = now;
         let fatal = report.is_fatal();
         match report.result {
             Ok((partition, offset)) => {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
                 if let Some(pending) = self.pending.remove(&report.id) {
                     self.summary.delivered += 1;
+                    self.delivered_since_save = true;
                     if let InFlight::Event {
                         event,
                         committed_at,
@@ -545,11 +986,10 @@ impl Relay {
             }
             Err((code, message)) => {
                 if fatal {
-                    return Err(BrokerError::from(BrokerUnavailable::FatalReport {
-                        code,
-                        message,
-                    })
-                    .into());
+                    // Not the event's fault: the producer is replaced and the event
+                    // produced again by the next session.
+                    self.producer_fatal = Some((code, message));
+                    return;
                 }
                 let failure = kafka::classify(code);
                 if failure == Failure::Transient {
@@ -559,7 +999,6 @@ impl Relay {
                 self.core.delivery_failed(report.id, failure, now);
             }
         }
-        Ok(())
     }
 
     fn record_failure(&mut self, id: EventId, kind: &'static str, message: &str, failure: Failure) {
@@ -580,6 +1019,7 @@ impl Relay {
             Ok(()) => {
                 if let Some(pending) = self.pending.remove(&outcome.id) {
                     self.summary.poisoned += 1;
+                    self.delivered_since_save = true;
                     self.instruments.poisoned(pending.topic());
                 }
                 self.core.poison_committed(outcome.id, now);
@@ -598,12 +1038,56 @@ impl Relay {
                 Action::Produce { id, .. } => self.produce(id),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::SendStatus(status) => {
-                    tracing::trace!(flush = %status.flush, "standby status");
-                    send_status(stream, status).await?;
-                    self.summary.confirmed = status.flush;
+                    self.request_save(status.flush);
+                    // Never confirm past the saved position (`outbox::position`).
+                    let flush = status.flush.min(self.saved());
+                    tracing::trace!(flush = %flush, wanted = %status.flush, "standby status");
+                    send_status(stream, capped(status, flush)).await?;
+                    self.summary.confirmed = flush;
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Asks the saver for `flush`: at once when events were resolved since the last
+    /// request, else (keepalive progress only) once per status interval, so that the
+    /// save's own WAL does not keep an idle relay saving.
+    fn request_save(&mut self, flush: Lsn) {
+        let Some(saver) = &self.saver else { return };
+        let now = Instant::now();
+        if self.delivered_since_save
+            || now.duration_since(self.save_requested_at) >= self.status_interval
+        {
+            saver.request(flush);
+            self.delivered_since_save = false;
+            self.save_requested_at = now;
+        }
+    }
+
+    /// The highest saved position (the session's start before the first save).
+    fn saved(&self) -> Lsn {
+        self.saver.as_ref().map_or(Lsn::ZERO, PositionSaver::saved)
+    }
+
+    /// A save completed: tell the server now rather than at the next status.
+    async fn send_saved_status(
+        &mut self,
+        stream: &mut ReplicationStream,
+        saved: Lsn,
+    ) -> std::result::Result<(), ReplicationError> {
+        let flush = saved.min(self.core.confirmed());
+        if flush <= self.summary.confirmed {
+            return Ok(());
+        }
+        let status = StatusUpdate {
+            write: self.core.written().max(flush),
+            flush,
+            apply: flush,
+            reply_requested: false,
+        };
+        send_status(stream, status).await?;
+        self.summary.confirmed = flush;
         Ok(())
     }
 
@@ -653,7 +1137,12 @@ impl Relay {
             tokio::select! {
                 biased;
                 report = self.reports.recv() => match report {
-                    Some(report) => self.on_report(report)?,
+                    Some(report) => {
+                        self.on_report(report);
+                        if self.producer_fatal.is_some() {
+                            break;
+                        }
+                    }
                     None => break,
                 },
                 outcome = self.outcomes.recv() => match outcome {
@@ -673,14 +1162,39 @@ impl Relay {
             }
         }
         let status = self.core.shutdown_status();
-        if send_status(&mut stream, status).await.is_ok() {
-            self.summary.confirmed = status.flush;
+        let saved = match &mut self.saver {
+            Some(saver) => saver.flush(status.flush, FINAL_SAVE_TIMEOUT).await,
+            None => Lsn::ZERO,
+        };
+        let flush = status.flush.min(saved);
+        if send_status(&mut stream, capped(status, flush))
+            .await
+            .is_ok()
+        {
+            self.summary.confirmed = flush;
         }
         if let Err(e) = stream.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
         }
         tracing::info!(confirmed = %self.summary.confirmed, delivered = self.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
+    }
+}
+
+/// `status` confirming at most `flush`.
+fn capped(status: StatusUpdate, flush: Lsn) -> StatusUpdate {
+    StatusUpdate {
+        flush,
+        apply: flush,
+        ..status
+    }
+}
+
+/// The next saved position, or never without a saver.
+async fn saver_changed(saver: &mut Option<PositionSaver>) -> Lsn {
+    match saver {
+        Some(saver) => saver.changed().await,
+        None => std::future::pending().await,
     }
 }
 

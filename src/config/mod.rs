@@ -194,6 +194,17 @@ pub struct RelayConfig {
     /// What `run` does when it has to create the slot: publish the rows a polling
     /// relay had not sent first (`auto`), or only stream from the new slot (`off`).
     pub cutover: CutoverMode,
+    /// What `run` does when the slot it streamed from is gone, invalidated, or was
+    /// re-created by someone else: publish the rows committed since the recorded
+    /// position, then stream (`resync`), or stop with exit code 3 (`fail`).
+    pub on_slot_loss: SlotLossMode,
+    /// Seconds with events in flight and no delivery report from a reachable broker
+    /// after which the producer is considered wedged: it is replaced and the
+    /// unconfirmed events are produced again. 0 turns the watchdog off.
+    pub producer_stall_secs: u64,
+    /// Least milliseconds between two writes of the relay's position table while
+    /// events flow (idle progress is written once per status interval).
+    pub position_save_interval_ms: u64,
 }
 
 /// The Prometheus and health HTTP endpoint.
@@ -232,6 +243,19 @@ pub enum CutoverMode {
     /// Creating the slot streams only what commits after it; rows already in the
     /// outbox are left to `outbox-relay cutover` (or to nobody).
     Off,
+}
+
+/// `relay.on_slot_loss`: what `run` does when the slot it has recorded progress for
+/// is missing, invalidated or re-created (see `crate::cdc::start`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SlotLossMode {
+    /// Create the slot with an exported snapshot, publish every outbox row committed
+    /// after the recorded position and before the new slot, then stream.
+    #[default]
+    Resync,
+    /// Stop with exit code 3 and say what happened; an operator decides.
+    Fail,
 }
 
 /// Logging.
@@ -305,6 +329,9 @@ impl Default for RelayConfig {
             slot_busy_timeout_secs: 30,
             heartbeat_interval_secs: 10,
             cutover: CutoverMode::Auto,
+            on_slot_loss: SlotLossMode::Resync,
+            producer_stall_secs: 60,
+            position_save_interval_ms: 50,
         }
     }
 }

@@ -80,6 +80,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0006_cutover.sql"),
         partitioned_sql: None,
     },
+    Migration {
+        version: 7,
+        name: "relay_position",
+        sql: include_str!("../../migrations/0007_relay_position.sql"),
+        partitioned_sql: None,
+    },
 ];
 
 /// Arbitrary constant for `pg_advisory_xact_lock`, so two `migrate` runs serialise.

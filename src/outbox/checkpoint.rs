@@ -95,6 +95,14 @@ pub enum CheckpointError {
         /// Why it is not an LSN.
         source: ParseLsnError,
     },
+    /// A column of the relay's position table holds a value the relay never writes.
+    #[error("{column} in the relay position table is invalid: {text:?}")]
+    InvalidValue {
+        /// The column.
+        column: &'static str,
+        /// The text as read.
+        text: String,
+    },
 }
 
 impl CheckpointError {

@@ -21,6 +21,7 @@
 //! | `envelope`, `json` | the optional JSON envelope; JSON string literals | the payload is spliced, never re-encoded |
 //! | `bytea` | `bytea` text output → bytes | both of PostgreSQL's formats |
 //! | [`checkpoint`] | which rows the CDC relay has delivered, from `xmin` alone | retention and `poll --after-cdc` |
+//! | [`position`] | the relay's own saved confirmed LSN, with its server history | survives PostgreSQL restarts and lost slots |
 //! | [`enqueue`] | writing an event inside the caller's transaction | the writer's side |
 
 mod bytea;
@@ -31,6 +32,7 @@ mod envelope;
 mod headers;
 mod json;
 mod mapper;
+pub mod position;
 mod record;
 mod relation;
 mod timestamp;

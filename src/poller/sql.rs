@@ -61,6 +61,9 @@ pub(crate) struct Sql {
     /// leaving out rows that have a poison row (poisoned by the CDC relay, or
     /// replayed): the backlog a cutover publishes (`$1` is `max_attempts`).
     pub(crate) backlog: String,
+    /// Every unsent, unpoisoned row not below the checkpoint xmin `$1` (bigint), in
+    /// the snapshot of a resync after a lost slot (`crate::cdc::resync`).
+    pub(crate) undelivered: String,
     pub(super) sweep: String,
     pub(super) mark_sent: String,
     pub(super) record_failures: String,
@@ -92,6 +95,15 @@ impl Sql {
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
                  ORDER BY o.{created_at}, o.{id}",
                 col(IDEMPOTENCY_KEY)
+            ),
+            undelivered: format!(
+                "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
+                     SELECT 1 FROM {poison} p
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                   AND NOT ({})
+                 ORDER BY o.{created_at}, o.{id}",
+                col(IDEMPOTENCY_KEY),
+                crate::outbox::checkpoint::precedes_sql("o", 1)
             ),
             sweep: format!(
                 "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (

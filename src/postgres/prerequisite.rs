@@ -90,6 +90,21 @@ pub enum Prerequisite {
          start again"
     )]
     SlotInvalidated { slot: String },
+    /// The relay's position table does not exist (its migration has not run).
+    #[error(
+        "table {table} does not exist: run `outbox-relay migrate` (the relay records there how \
+         far it has delivered, so that a PostgreSQL restart or a lost slot re-sends nothing)"
+    )]
+    PositionTableMissing { table: String },
+    /// The slot the relay recorded progress for is lost and `relay.on_slot_loss` is
+    /// `fail`.
+    #[error(
+        "{detail}. relay.on_slot_loss = \"fail\": nothing was done. Set it to \"resync\" to \
+         publish the rows committed since the relay's recorded position and stream again \
+         (or delete the slot's row in outbox_relay_position to start afresh, which skips \
+         those rows)"
+    )]
+    SlotLost { detail: String },
     /// No PostgreSQL server could be started on this machine (the demo's throwaway
     /// cluster).
     #[error(

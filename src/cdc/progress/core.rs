@@ -180,6 +180,22 @@ impl Core {
         next
     }
 
+    /// A fresh core for a new replication connection to a server on another WAL
+    /// history (failover): unlike [`Core::restart`] nothing of the old positions is
+    /// kept, because they may name WAL the new server never had; event ids continue.
+    #[must_use]
+    pub fn restart_on_new_history(self, start: Lsn, now: Instant) -> Self {
+        let mut next = Self::new(self.cfg, start, now);
+        next.next_event_id = self.next_event_id;
+        next
+    }
+
+    /// Whether `id` is admitted and not yet resolved.
+    #[must_use]
+    pub fn is_in_flight(&self, id: EventId) -> bool {
+        self.events.contains_key(&id)
+    }
+
     /// The normalised configuration in use.
     #[must_use]
     pub fn config(&self) -> &CoreConfig {

@@ -1,0 +1,190 @@
+//! Saves the relay's confirmed LSN in `outbox_relay_position` *before* the server
+//! hears of it (see `crate::outbox::position` for why).
+//!
+//! The session asks for a save whenever the core wants to confirm further
+//! ([`PositionSaver::request`]) and never sends a status update past
+//! [`PositionSaver::saved`]. A background task owns its own PostgreSQL connection and
+//! writes the newest requested LSN, at most once per `min_gap` (requests in between
+//! coalesce into one write), so saving costs one single-row `UPDATE` per gap however
+//! fast events flow, and never blocks the replication loop. While PostgreSQL is
+//! unreachable the task retries with backoff; the server cannot hear of a position
+//! then either, so the invariant holds throughout.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::cdc::metrics as m;
+use crate::lifecycle::Backoff;
+use crate::lsn::Lsn;
+use crate::outbox::position::{PositionTable, ServerHistory};
+use crate::postgres::conninfo::ConnInfo;
+
+/// Backoff between failed saves.
+const RETRY_INITIAL: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// The session's handle on the saving task (aborted when dropped).
+pub(crate) struct PositionSaver {
+    requests: watch::Sender<Lsn>,
+    saved: watch::Receiver<Lsn>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for PositionSaver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl PositionSaver {
+    /// Starts saving positions of `history`; `initial` is already saved.
+    pub(crate) fn spawn(
+        conninfo: ConnInfo,
+        table: PositionTable,
+        history: ServerHistory,
+        initial: Lsn,
+        min_gap: Duration,
+    ) -> PositionSaver {
+        let (requests, requested) = watch::channel(initial);
+        let (saved_tx, saved) = watch::channel(initial);
+        let task = tokio::spawn(
+            Task {
+                conninfo,
+                table,
+                history,
+                min_gap,
+            }
+            .run(requested, saved_tx),
+        );
+        PositionSaver {
+            requests,
+            saved,
+            task,
+        }
+    }
+
+    /// Asks for `lsn` to be saved (ignored unless it is ahead of the last request).
+    pub(crate) fn request(&self, lsn: Lsn) {
+        self.requests.send_if_modified(|current| {
+            let ahead = lsn > *current;
+            if ahead {
+                *current = lsn;
+            }
+            ahead
+        });
+    }
+
+    /// The highest position saved so far.
+    pub(crate) fn saved(&self) -> Lsn {
+        *self.saved.borrow()
+    }
+
+    /// Waits for the next save; returns the new saved position (pends forever if the
+    /// task ended, which only happens when this handle is dropped).
+    pub(crate) async fn changed(&mut self) -> Lsn {
+        if self.saved.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        *self.saved.borrow_and_update()
+    }
+
+    /// Waits up to `timeout` for `target` to be saved; returns what was saved.
+    pub(crate) async fn flush(&mut self, target: Lsn, timeout: Duration) -> Lsn {
+        self.request(target);
+        let _ = tokio::time::timeout(timeout, self.saved.wait_for(|saved| *saved >= target)).await;
+        self.saved()
+    }
+}
+
+struct Task {
+    conninfo: ConnInfo,
+    table: PositionTable,
+    history: ServerHistory,
+    min_gap: Duration,
+}
+
+impl Task {
+    async fn run(self, mut requested: watch::Receiver<Lsn>, saved: watch::Sender<Lsn>) {
+        let mut client: Option<tokio_postgres::Client> = None;
+        let mut backoff = Backoff::new(RETRY_INITIAL, RETRY_MAX);
+        let mut last_write: Option<Instant> = None;
+        let saved_gauge = ::metrics::gauge!(m::SAVED_LSN);
+        let failures = ::metrics::counter!(m::POSITION_SAVE_FAILURES);
+        loop {
+            if *requested.borrow_and_update() <= *saved.borrow()
+                && requested.changed().await.is_err()
+            {
+                return;
+            }
+            if let Some(at) = last_write {
+                tokio::time::sleep(self.min_gap.saturating_sub(at.elapsed())).await;
+            }
+            let target = *requested.borrow_and_update();
+            if target <= *saved.borrow() {
+                continue;
+            }
+            last_write = Some(Instant::now());
+            match self.save(&mut client, target).await {
+                Ok(()) => {
+                    backoff.reset();
+                    saved.send_replace(target);
+                    // Exact below 2^53 bytes of WAL (8 PiB).
+                    #[allow(clippy::cast_precision_loss)]
+                    saved_gauge.set(target.as_u64() as f64);
+                }
+                Err(reason) => {
+                    failures.increment(1);
+                    let pause = backoff.next_pause();
+                    tracing::warn!(%reason, position = %target, retry_in_ms = crate::lifecycle::millis(pause),
+                        "cannot save the relay position; the server is not told of it until it is saved");
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    }
+
+    /// One save, reconnecting first if needed. A missing row (deleted by an
+    /// operator) is re-created; a row of another history or with a resync pending
+    /// is not overwritten.
+    async fn save(
+        &self,
+        client: &mut Option<tokio_postgres::Client>,
+        target: Lsn,
+    ) -> Result<(), String> {
+        if client
+            .as_ref()
+            .is_none_or(tokio_postgres::Client::is_closed)
+        {
+            *client = Some(
+                crate::postgres::connect_info(&self.conninfo)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        let Some(c) = client.as_ref() else {
+            return Err("no connection".to_owned());
+        };
+        if self
+            .table
+            .save(c, self.history, target)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            return Ok(());
+        }
+        match self.table.load(c).await.map_err(|e| e.to_string())? {
+            None => {
+                tracing::warn!(table = %self.table.name(), "the relay position row was deleted; recording it again");
+                self.table
+                    .adopt(c, self.history, target)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            Some(p) => Err(format!(
+                "the position row belongs to {} (expected {}) or a resync is pending ({:?})",
+                p.history, self.history, p.slot_lost
+            )),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Healing a lost slot without losing an event: a resync.
+//!
+//! When the slot the relay recorded progress for is missing, invalidated or was
+//! re-created by someone else (`cdc::start`), the transactions committed between the
+//! relay's last recorded position and "now" would never be streamed: a new slot starts
+//! at its own consistent point. A resync publishes exactly those rows, with the
+//! cutover's machinery (`cdc::cutover`, which explains the exported snapshot):
+//!
+//! 1. record the loss in the position row (`slot_lost_at`): a relay that crashes
+//!    during the resync starts it over, with the same bound;
+//! 2. drop what is left of the old slot, create it again with an exported snapshot;
+//! 3. in that snapshot, publish every outbox row that is not sent (`sent_at`), not
+//!    poisoned, and not below the position's `delivered_xmin` checkpoint: every row
+//!    committed after the last recorded position and before the new slot, plus the
+//!    few delivered just before the position was saved (sent again, with their
+//!    idempotency key);
+//! 4. record the new slot's consistent point as the position and the snapshot's
+//!    xmin as `delivered_xmin`, clearing the loss; streaming starts there.
+//!
+//! Rows committed after the consistent point are streamed, and every resync row is
+//! acked before the first streamed one is produced, so per-entity order holds.
+//! Without a known `delivered_xmin` (a position recorded on another server history,
+//! or none promoted yet) every unsent, unpoisoned row is published: duplicates, but
+//! no gap. The outbox needs the poller's `sent_at`/`attempts`/`last_error` columns,
+//! which the resync marks as a cutover does.
+
+use tokio_postgres::Client;
+
+use crate::cdc::cutover::{Backlog, BacklogQuery, CutoverSummary};
+use crate::cdc::start::SlotLoss;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::outbox::position::{PositionTable, ServerHistory};
+use crate::poller;
+use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::replication::{ReplicationConnection, SnapshotAction};
+use crate::postgres::slot;
+
+/// Runs steps 1–4 of the module docs; returns what was published.
+pub(crate) async fn resync(
+    config: &Config,
+    conninfo: &ConnInfo,
+    conn: &mut ReplicationConnection,
+    metadata: &mut Client,
+    history: ServerHistory,
+    loss: &SlotLoss,
+    delivered_xmin: Option<i64>,
+) -> Result<CutoverSummary> {
+    let slot_name = &config.postgres.slot;
+    let positions = PositionTable::new(config)?;
+    positions.mark_lost(&*metadata, &loss.to_string()).await?;
+    // Everything that can fail for lack of a column, a connection or the broker is
+    // set up before the slot is touched.
+    let mut backlog = Backlog::open(config, metadata, None).await?;
+    let mut reader = poller::session(conninfo).await?;
+    drop_old_slot(conn, backlog.metadata(), slot_name).await?;
+    let created = conn
+        .create_logical_slot(slot_name, false, SnapshotAction::Export)
+        .await
+        .map_err(|e| {
+            crate::postgres::process_error(
+                e,
+                &format!("cannot create replication slot {slot_name}: "),
+            )
+        })?;
+    let snapshot =
+        created
+            .snapshot_name
+            .clone()
+            .ok_or_else(|| Prerequisite::NoExportedSnapshot {
+                slot: slot_name.clone(),
+            })?;
+    tracing::error!(
+        slot = %slot_name,
+        consistent_point = %created.consistent_point,
+        delivered_xmin,
+        "resync: slot created again with an exported snapshot; publishing the rows committed since the recorded position"
+    );
+    let summary = backlog
+        .publish(
+            &mut reader,
+            &snapshot,
+            created.consistent_point,
+            BacklogQuery::Undelivered {
+                delivered_xmin: delivered_xmin.unwrap_or(0),
+            },
+        )
+        .await?;
+    positions
+        .resynced(
+            backlog.metadata(),
+            history,
+            created.consistent_point,
+            summary.snapshot_xmin,
+        )
+        .await?;
+    ::metrics::counter!(crate::cdc::metrics::RESYNCED_ROWS)
+        .increment(summary.published + summary.poisoned);
+    tracing::warn!(
+        slot = %slot_name,
+        consistent_point = %summary.consistent_point,
+        rows = summary.rows,
+        published = summary.published,
+        poisoned = summary.poisoned,
+        "resync complete: streaming starts at the new slot's consistent point"
+    );
+    Ok(summary)
+}
+
+/// Drops the old slot if it is still there (invalidated, or re-created by someone
+/// else). A slot another process streams from is not taken away: that is retried.
+async fn drop_old_slot(
+    conn: &mut ReplicationConnection,
+    metadata: &Client,
+    slot_name: &str,
+) -> Result<()> {
+    let Some(info) = slot::slot_info(metadata, slot_name).await? else {
+        return Ok(());
+    };
+    if let Some(pid) = info.active_pid {
+        return Err(Error::CutoverSlotActive {
+            slot: slot_name.to_owned(),
+            pid,
+        });
+    }
+    conn.drop_slot(slot_name, false)
+        .await
+        .map_err(|e| crate::postgres::process_error(e, "cannot drop the lost slot: ").into())
+}
