@@ -19,14 +19,21 @@
 --                          `run` records each slot it creates there (with
 --                          relay.cutover = "auto", the default) and when the
 --                          cutover completed.
+--   SELECT, INSERT, UPDATE on outbox_relay_position
+--                          `run` saves there how far it has delivered (before it
+--                          confirms it to the server) and heals a lost slot from it.
 -- Nothing else: no DELETE or UPDATE on the outbox, no superuser, no CREATE.
 -- Cutting over from a poller with a backlog also marks the rows it publishes, as
 -- the poller does: for that one start, also grant
 --   GRANT UPDATE (sent_at, attempts, last_error) ON public.outbox TO outbox_relay_app;
--- (or run `outbox-relay cutover` once as the owner), then revoke it.
+-- (or run `outbox-relay cutover` once as the owner), then revoke it. A resync after
+-- a lost slot (relay.on_slot_loss = "resync") marks the rows it publishes the same
+-- way, so it needs that grant too; without it the relay stops with exit code 3 and
+-- says so, and the resync runs on the next start once granted.
 CREATE ROLE outbox_relay_app LOGIN REPLICATION;
 GRANT USAGE ON SCHEMA public TO outbox_relay_app;
 GRANT SELECT ON public.outbox TO outbox_relay_app;
 GRANT SELECT, INSERT ON public.poison_outbox TO outbox_relay_app;
 GRANT UPDATE (replayed_at, replay_count) ON public.poison_outbox TO outbox_relay_app;
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_cutover TO outbox_relay_app;
+GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_position TO outbox_relay_app;

@@ -7,8 +7,17 @@
 //! writes the newest requested LSN, at most once per `min_gap` (requests in between
 //! coalesce into one write), so saving costs one single-row `UPDATE` per gap however
 //! fast events flow, and never blocks the replication loop. While PostgreSQL is
-//! unreachable the task retries with backoff; the server cannot hear of a position
-//! then either, so the invariant holds throughout.
+//! unreachable the task retries with backoff.
+//!
+//! One exception keeps PostgreSQL able to shut down: during a fast shutdown the
+//! server refuses new connections and ends ours, then each walsender waits until its
+//! client confirms the very end of the WAL (the shutdown checkpoint) before it exits.
+//! A position that cannot be saved would hold the shutdown forever. So while saving
+//! fails, the session may confirm past the saved position over WAL that holds no
+//! outbox event (nothing can be lost there); it saves again as soon as it can, and
+//! after the restart the process resumes from what it remembers. Only a relay killed
+//! in that window can later find its slot ahead of the saved position, which it then
+//! treats as lost: a resync, with duplicates, never a loss.
 
 use std::time::{Duration, Instant};
 
@@ -26,8 +35,10 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// The session's handle on the saving task (aborted when dropped).
 pub(crate) struct PositionSaver {
-    requests: watch::Sender<Lsn>,
+    requests: watch::Sender<Request>,
     saved: watch::Receiver<Lsn>,
+    /// The last save failed (PostgreSQL refuses new work, e.g. while it shuts down).
+    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -46,33 +57,48 @@ impl PositionSaver {
         initial: Lsn,
         min_gap: Duration,
     ) -> PositionSaver {
-        let (requests, requested) = watch::channel(initial);
+        let (requests, requested) = watch::channel(Request {
+            lsn: initial,
+            urgent: 0,
+        });
         let (saved_tx, saved) = watch::channel(initial);
+        let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let task = tokio::spawn(
             Task {
                 conninfo,
                 table,
                 history,
                 min_gap,
+                failing: failing.clone(),
             }
             .run(requested, saved_tx),
         );
         PositionSaver {
             requests,
             saved,
+            failing,
             task,
         }
     }
 
     /// Asks for `lsn` to be saved (ignored unless it is ahead of the last request).
-    pub(crate) fn request(&self, lsn: Lsn) {
+    /// An `urgent` request is written without waiting for the gap: the shell asks
+    /// so when many events were resolved since the last save, which keeps what a
+    /// crash of the relay re-sends within its documented bound.
+    pub(crate) fn request(&self, lsn: Lsn, urgent: bool) {
         self.requests.send_if_modified(|current| {
-            let ahead = lsn > *current;
+            let ahead = lsn > current.lsn;
             if ahead {
-                *current = lsn;
+                current.lsn = lsn;
+                current.urgent += u64::from(urgent);
             }
             ahead
         });
+    }
+
+    /// Whether the last save failed.
+    pub(crate) fn failing(&self) -> bool {
+        self.failing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The highest position saved so far.
@@ -89,12 +115,19 @@ impl PositionSaver {
         *self.saved.borrow_and_update()
     }
 
-    /// Waits up to `timeout` for `target` to be saved; returns what was saved.
-    pub(crate) async fn flush(&mut self, target: Lsn, timeout: Duration) -> Lsn {
-        self.request(target);
+    /// Waits up to `timeout` for `target` to be saved.
+    pub(crate) async fn flush(&mut self, target: Lsn, timeout: Duration) {
+        self.request(target, true);
         let _ = tokio::time::timeout(timeout, self.saved.wait_for(|saved| *saved >= target)).await;
-        self.saved()
     }
+}
+
+/// The newest position asked for; `urgent` counts urgent requests, so the task
+/// can tell whether one came since its last write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Request {
+    lsn: Lsn,
+    urgent: u64,
 }
 
 struct Task {
@@ -102,31 +135,37 @@ struct Task {
     table: PositionTable,
     history: ServerHistory,
     min_gap: Duration,
+    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Task {
-    async fn run(self, mut requested: watch::Receiver<Lsn>, saved: watch::Sender<Lsn>) {
+    async fn run(self, mut requested: watch::Receiver<Request>, saved: watch::Sender<Lsn>) {
         let mut client: Option<tokio_postgres::Client> = None;
         let mut backoff = Backoff::new(RETRY_INITIAL, RETRY_MAX);
         let mut last_write: Option<Instant> = None;
+        let mut urgent_seen = 0;
         let saved_gauge = ::metrics::gauge!(m::SAVED_LSN);
         let failures = ::metrics::counter!(m::POSITION_SAVE_FAILURES);
         loop {
-            if *requested.borrow_and_update() <= *saved.borrow()
+            if requested.borrow_and_update().lsn <= *saved.borrow()
                 && requested.changed().await.is_err()
             {
                 return;
             }
-            if let Some(at) = last_write {
+            let urgent = requested.borrow().urgent;
+            if let (Some(at), true) = (last_write, urgent == urgent_seen) {
                 tokio::time::sleep(self.min_gap.saturating_sub(at.elapsed())).await;
             }
-            let target = *requested.borrow_and_update();
+            let target = requested.borrow_and_update().lsn;
             if target <= *saved.borrow() {
                 continue;
             }
+            urgent_seen = requested.borrow().urgent;
             last_write = Some(Instant::now());
             match self.save(&mut client, target).await {
                 Ok(()) => {
+                    self.failing
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
                     backoff.reset();
                     saved.send_replace(target);
                     // Exact below 2^53 bytes of WAL (8 PiB).
@@ -134,6 +173,8 @@ impl Task {
                     saved_gauge.set(target.as_u64() as f64);
                 }
                 Err(reason) => {
+                    self.failing
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
                     failures.increment(1);
                     let pause = backoff.next_pause();
                     tracing::warn!(%reason, position = %target, retry_in_ms = crate::lifecycle::millis(pause),

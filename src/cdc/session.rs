@@ -272,7 +272,10 @@ pub async fn run_with_health(
         history: None,
         saver: None,
         save_requested_at: now,
-        delivered_since_save: false,
+        last_event_tx_end: Lsn::ZERO,
+        open_tx_has_events: false,
+        resolved_since_request: false,
+        resolved_since_save: 0,
         status_interval,
         resend: ResendGuard::default(),
         last_report_at: now,
@@ -343,8 +346,14 @@ struct Relay {
     /// Saves positions before the server hears of them (one per session).
     saver: Option<PositionSaver>,
     save_requested_at: Instant,
-    /// An event was resolved since the last save request.
-    delivered_since_save: bool,
+    /// End LSN of the last committed transaction that had outbox events: WAL past it
+    /// (and past the saved position) holds no event.
+    last_event_tx_end: Lsn,
+    /// The open transaction has outbox events.
+    open_tx_has_events: bool,
+    /// Events resolved since the last save request, and since the last completed save.
+    resolved_since_request: bool,
+    resolved_since_save: usize,
     status_interval: Duration,
     resend: ResendGuard,
     /// Last delivery report (or moment the producer had nothing in flight).
@@ -787,6 +796,7 @@ impl Relay {
                     self.on_poison_outcome(outcome);
                 }
                 saved = saver_changed(&mut self.saver) => {
+                    self.resolved_since_save = 0;
                     if let Err(e) = self.send_saved_status(&mut stream, saved).await {
                         return Ok(SessionEnd::Lost(e.into()));
                     }
@@ -896,6 +906,9 @@ impl Relay {
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
                 self.resend.commit();
+                if std::mem::take(&mut self.open_tx_has_events) {
+                    self.last_event_tx_end = commit.end_lsn;
+                }
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
@@ -921,6 +934,7 @@ impl Relay {
         match mapped {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
+                self.open_tx_has_events = true;
                 let origin = self.resend.next();
                 let id = self
                     .core
@@ -945,6 +959,7 @@ impl Relay {
                 Ok(())
             }
             Mapped::Unmappable(row) => {
+                self.open_tx_has_events = true;
                 let origin = self.resend.next();
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
@@ -972,7 +987,7 @@ impl Relay {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
                 if let Some(pending) = self.pending.remove(&report.id) {
                     self.summary.delivered += 1;
-                    self.delivered_since_save = true;
+                    self.note_resolved();
                     if let InFlight::Event {
                         event,
                         committed_at,
@@ -1019,7 +1034,7 @@ impl Relay {
             Ok(()) => {
                 if let Some(pending) = self.pending.remove(&outcome.id) {
                     self.summary.poisoned += 1;
-                    self.delivered_since_save = true;
+                    self.note_resolved();
                     self.instruments.poisoned(pending.topic());
                 }
                 self.core.poison_committed(outcome.id, now);
@@ -1040,7 +1055,7 @@ impl Relay {
                 Action::SendStatus(status) => {
                     self.request_save(status.flush);
                     // Never confirm past the saved position (`outbox::position`).
-                    let flush = status.flush.min(self.saved());
+                    let flush = self.confirmable(status.flush);
                     tracing::trace!(flush = %flush, wanted = %status.flush, "standby status");
                     send_status(stream, capped(status, flush)).await?;
                     self.summary.confirmed = flush;
@@ -1050,24 +1065,44 @@ impl Relay {
         Ok(())
     }
 
-    /// Asks the saver for `flush`: at once when events were resolved since the last
-    /// request, else (keepalive progress only) once per status interval, so that the
-    /// save's own WAL does not keep an idle relay saving.
+    /// Asks the saver for `flush`: when events were resolved since the last request
+    /// (urgently once half a window was: the saved position then trails the acks by
+    /// less than a window, the bound on what a crash re-sends), else (keepalive
+    /// progress only) once per status interval, so that the save's own WAL does not
+    /// keep an idle relay saving.
     fn request_save(&mut self, flush: Lsn) {
         let Some(saver) = &self.saver else { return };
         let now = Instant::now();
-        if self.delivered_since_save
+        if self.resolved_since_request
             || now.duration_since(self.save_requested_at) >= self.status_interval
         {
-            saver.request(flush);
-            self.delivered_since_save = false;
+            let urgent =
+                self.resolved_since_save >= self.config.relay.max_in_flight_events.div_ceil(2);
+            saver.request(flush, urgent);
+            self.resolved_since_request = false;
             self.save_requested_at = now;
         }
     }
 
-    /// The highest saved position (the session's start before the first save).
-    fn saved(&self) -> Lsn {
-        self.saver.as_ref().map_or(Lsn::ZERO, PositionSaver::saved)
+    /// An event was acked or poisoned.
+    fn note_resolved(&mut self) {
+        self.resolved_since_request = true;
+        self.resolved_since_save += 1;
+    }
+
+    /// How far a status may confirm of `wanted`: up to the saved position; further
+    /// only while saving fails (PostgreSQL shutting down) and no outbox event lies
+    /// past the saved position (see `cdc::position_saver`).
+    fn confirmable(&self, wanted: Lsn) -> Lsn {
+        let Some(saver) = &self.saver else {
+            return Lsn::ZERO;
+        };
+        let saved = saver.saved();
+        if wanted <= saved || (saver.failing() && self.last_event_tx_end <= saved) {
+            wanted
+        } else {
+            saved
+        }
     }
 
     /// A save completed: tell the server now rather than at the next status.
@@ -1162,11 +1197,10 @@ impl Relay {
             }
         }
         let status = self.core.shutdown_status();
-        let saved = match &mut self.saver {
-            Some(saver) => saver.flush(status.flush, FINAL_SAVE_TIMEOUT).await,
-            None => Lsn::ZERO,
-        };
-        let flush = status.flush.min(saved);
+        if let Some(saver) = &mut self.saver {
+            saver.flush(status.flush, FINAL_SAVE_TIMEOUT).await;
+        }
+        let flush = self.confirmable(status.flush);
         if send_status(&mut stream, capped(status, flush))
             .await
             .is_ok()

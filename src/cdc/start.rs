@@ -20,8 +20,9 @@
 //!   lost. It is never handled silently: with `relay.on_slot_loss = "resync"` the
 //!   relay publishes the rows committed since its recorded position before streaming
 //!   (`cdc::resync`); with `"fail"` it stops with exit code 3.
-//! * **No position anywhere** is a first start: the slot is created (with the cutover
-//!   from a poller when configured), exactly as before positions existed.
+//! * **No recorded position** is a first start: the slot is created (with the cutover
+//!   from a poller when configured), or an existing one adopted at its own position,
+//!   exactly as before positions existed.
 
 use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
@@ -99,14 +100,9 @@ pub(crate) fn plan(
         .filter(|r| r.history == history)
         .map(|r| r.confirmed);
     let Some(position) = position else {
-        return match slot {
-            None => StartPlan::Fresh,
-            // Invalidated without a record: the slot check reports it (exit 3).
-            Some(slot) => StartPlan::Resume {
-                from: slot.confirmed.max(remembered.unwrap_or(Lsn::ZERO)),
-                history_changed: true,
-            },
-        };
+        // The slot, if any, is adopted by the first-start path (which also finishes
+        // an interrupted cutover); an invalidated one is reported there (exit 3).
+        return StartPlan::Fresh;
     };
     let same_history = position.history == history;
     // xids past a fork are not comparable either.
@@ -191,14 +187,8 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_without_a_record_is_adopted_at_its_position() {
-        assert_eq!(
-            plan("s", H, None, slot(100), None),
-            StartPlan::Resume {
-                from: lsn(100),
-                history_changed: true
-            }
-        );
+    fn a_slot_without_a_record_takes_the_first_start_path() {
+        assert_eq!(plan("s", H, None, slot(100), None), StartPlan::Fresh);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `outbox-relay status`: where the relay stands, read from PostgreSQL alone.
 //!
-//! Everything comes from `pg_replication_slots` and the poison table, so it works
+//! Everything comes from `pg_replication_slots`, the poison table and the relay's
+//! position table (`outbox_relay_position`: its saved position, and whether the slot
+//! is lost and being resynced), so it works
 //! whether or not a relay is running, and needs no connection to the relay itself.
 //! *Lag* is how far the slot's confirmed LSN trails the server's current WAL
 //! position: events committed but not yet confirmed as delivered. *Retained WAL*
@@ -35,6 +37,13 @@ pub struct Status {
     pub poison_pending: i64,
     /// All poison rows.
     pub poison_total: i64,
+    /// The relay's own saved position (`outbox_relay_position`): everything
+    /// committed before it was delivered or poisoned. `None` before the first run.
+    pub relay_position: Option<String>,
+    /// Set while the slot is lost and a resync is pending or running: why.
+    pub slot_lost: Option<String>,
+    /// Lost slots the relay healed so far.
+    pub resyncs: i64,
 }
 
 impl Status {
@@ -74,6 +83,18 @@ impl Status {
             "poison rows       {} pending replay, {} in all\n",
             self.poison_pending, self.poison_total
         ));
+        out.push_str(&format!(
+            "relay position    {}{}\n",
+            opt(&self.relay_position),
+            if self.resyncs > 0 {
+                format!(" ({} lost slots healed)", self.resyncs)
+            } else {
+                String::new()
+            }
+        ));
+        if let Some(reason) = &self.slot_lost {
+            out.push_str(&format!("SLOT LOST         {reason}; resync pending\n"));
+        }
         out
     }
 }
@@ -124,7 +145,18 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         wal_status: None,
         poison_pending: counts.get(0),
         poison_total: counts.get(1),
+        relay_position: None,
+        slot_lost: None,
+        resyncs: 0,
     };
+    let positions = crate::outbox::position::PositionTable::new(config)?;
+    if positions.exists(client).await?
+        && let Some(p) = positions.load(client).await?
+    {
+        status.relay_position = Some(p.confirmed.to_string());
+        status.slot_lost = p.slot_lost;
+        status.resyncs = p.resyncs;
+    }
     if let Some(row) = row {
         status.active_pid = row.get(0);
         status.confirmed_flush_lsn = row.get(1);
@@ -154,12 +186,21 @@ mod tests {
             wal_status: None,
             poison_pending: 2,
             poison_total: 3,
+            relay_position: Some("0/16B0000".into()),
+            slot_lost: Some("replication slot outbox_relay is missing".into()),
+            resyncs: 1,
         };
         let text = s.render();
         assert!(text.contains("does not exist yet"), "{text}");
+        assert!(text.contains("0/16B0000 (1 lost slots healed)"), "{text}");
+        assert!(text.contains("SLOT LOST"), "{text}");
         assert!(text.contains("2 pending replay, 3 in all"), "{text}");
         let json = serde_json::to_value(&s).unwrap();
         assert_eq!(json["poison_pending"], 2);
         assert_eq!(json["lag_bytes"], serde_json::Value::Null);
+        assert_eq!(
+            json["slot_lost"],
+            "replication slot outbox_relay is missing"
+        );
     }
 }

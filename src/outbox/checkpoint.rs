@@ -85,7 +85,7 @@ pub enum CheckpointError {
     #[error(transparent)]
     TableName(#[from] crate::config::TableNameError),
     /// A statement on the checkpoint table or `pg_replication_slots` failed.
-    #[error("PostgreSQL error: {0}")]
+    #[error("PostgreSQL error: {}", crate::postgres::describe_error(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// The server sent text that is not an LSN.
     #[error("server sent an invalid LSN {text:?}: {source}")]
@@ -247,6 +247,12 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
 /// `slot_confirmed_lsn` recorded with a checkpoint stands in for it: a slot's
 /// confirmed position never goes back, so what it had confirmed then stays
 /// confirmed.
+///
+/// When the CDC relay records its own position ([`super::position`]), the lower of
+/// the two is used: a slot re-created or advanced by someone else is ahead of what
+/// was delivered, and a lost slot being resynced keeps the recorded position until
+/// the resync published the rows in between. Retention therefore never deletes a
+/// row the relay has not delivered, whatever happened to the slot.
 pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotProgress> {
     let table = table(cfg)?;
     let slot = &cfg.postgres.slot;
@@ -265,7 +271,15 @@ pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotP
     let (live, exists, recorded): (Option<String>, bool, Option<String>) =
         (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
     let confirmed_flush = if exists { live } else { recorded };
-    let Some(confirmed_flush) = confirmed_flush.as_deref().map(parse_lsn).transpose()? else {
+    let relay_position = relay_position(client, cfg).await?;
+    let confirmed_flush = match (
+        confirmed_flush.as_deref().map(parse_lsn).transpose()?,
+        relay_position,
+    ) {
+        (Some(slot), Some(relay)) => Some(slot.min(relay)),
+        (slot, relay) => slot.or(relay),
+    };
+    let Some(confirmed_flush) = confirmed_flush else {
         return Ok(SlotProgress {
             confirmed_flush: None,
             slot_missing: !exists,
@@ -287,6 +301,15 @@ pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotP
         slot_missing: !exists,
         confirmed: row.map(|r| checkpoint_from_row(&r)).transpose()?,
     })
+}
+
+/// The relay's recorded position, when its table exists and has a row for the slot.
+async fn relay_position(client: &impl GenericClient, cfg: &Config) -> Result<Option<Lsn>> {
+    let positions = super::position::PositionTable::new(cfg)?;
+    if !positions.exists(client).await? {
+        return Ok(None);
+    }
+    Ok(positions.load(client).await?.map(|p| p.confirmed))
 }
 
 /// Deletes the checkpoints older than `newest` (the newest confirmed one suffices).

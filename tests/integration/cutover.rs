@@ -3,7 +3,7 @@
 //! the outbox, that no event is lost, none is sent by both relays, and per-key
 //! order holds across the switch.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -11,7 +11,8 @@ use std::time::Duration;
 use outbox_relay::tools::workload::{Pace, Workload};
 
 use crate::harness::{
-    self, Record, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique, run_cli,
+    self, RelayProcess, TestDb, assert_per_key_order, audit, consume, consume_unique, deliveries,
+    run_cli,
 };
 
 async fn count(db: &TestDb, sql: &str) -> i64 {
@@ -32,29 +33,6 @@ async fn marker(db: &TestDb) -> Option<(Option<String>, i64, i64, bool)> {
 }
 
 /// Delivery count per idempotency key.
-fn deliveries(records: &[Record]) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for r in records {
-        *counts
-            .entry(r.header("idempotency_key").unwrap().to_owned())
-            .or_default() += 1;
-    }
-    counts
-}
-
-/// `outbox-relay audit --json`, parsed.
-fn audit(db: &TestDb) -> serde_json::Value {
-    let config = db.config_path.to_str().unwrap();
-    let out = run_cli(&["audit", "--json", "--config", config]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-        panic!(
-            "audit --json printed no JSON ({e}): {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
 /// A random-ish delay in `0..max_ms`, printed so that a failure can be replayed
 /// with `CUTOVER_TEST_DELAY_MS`.
 fn random_delay(max_ms: u64) -> Duration {

@@ -141,14 +141,25 @@ impl TestDb {
     /// Like [`TestDb::create_with`], with extra TOML in the config before `migrate`
     /// runs (e.g. `[outbox] partitioned = true`).
     pub async fn create_configured(prefix: &str, partitions: i32, extra_toml: &str) -> TestDb {
+        Self::create_in(&env().pg_url, prefix, partitions, extra_toml).await
+    }
+
+    /// Like [`TestDb::create_configured`], in the cluster whose superuser URL is
+    /// `pg_url` (e.g. a [`PrivateCluster`] a test restarts or reconfigures).
+    pub async fn create_in(
+        pg_url: &str,
+        prefix: &str,
+        partitions: i32,
+        extra_toml: &str,
+    ) -> TestDb {
         let env = env();
         let name = unique(prefix);
-        let admin = connect(&env.pg_url).await;
+        let admin = connect(pg_url).await;
         admin
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .expect("create test database");
-        let url = database_url(&env.pg_url, &name);
+        let url = database_url(pg_url, &name);
         let slot = format!("{name}_slot");
         let topic = format!("{name}.events");
         create_topic(&topic, partitions).await;
@@ -707,6 +718,28 @@ impl PrivateCluster {
     pub fn stop(self) {
         drop(self);
     }
+
+    /// `pg_ctl restart -m <mode>`: `fast` (clean shutdown) or `immediate` (a crash,
+    /// recovered from WAL at the start). Same port and data.
+    pub async fn restart(&self, mode: &str) {
+        let dir = self.dir.clone();
+        let mode = mode.to_owned();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("bash")
+                .arg(repo_root().join("scripts/dev-env"))
+                .args(["pg-restart", &mode])
+                .env("DEV_ENV_DIR", &dir)
+                .output()
+                .expect("run scripts/dev-env pg-restart")
+        })
+        .await
+        .expect("pg-restart task");
+        assert!(
+            out.status.success(),
+            "private cluster did not restart: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 impl Drop for PrivateCluster {
@@ -851,4 +884,29 @@ pub async fn consume_unique(
             relay.log()
         );
     }
+}
+
+/// How many times each idempotency key was delivered.
+pub fn deliveries(records: &[Record]) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for r in records {
+        *counts
+            .entry(r.header("idempotency_key").unwrap().to_owned())
+            .or_default() += 1;
+    }
+    counts
+}
+
+/// `outbox-relay audit --json`, parsed.
+/// `outbox-relay audit --json` for this test's config.
+pub fn audit(db: &TestDb) -> serde_json::Value {
+    let config = db.config_path.to_str().unwrap();
+    let out = run_cli(&["audit", "--json", "--config", config]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "audit --json printed no JSON ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
 }

@@ -18,6 +18,7 @@ mod harness;
 mod kafka_publisher;
 mod operations;
 mod poller;
+mod progress;
 mod relay;
 mod replay;
 mod replication_connection;
