@@ -842,9 +842,15 @@ impl Relay {
         if stall.is_zero() || silent < stall {
             return None;
         }
-        // A broker that is down explains the silence: waiting is right then.
+        // A broker that is down explains the silence: waiting is right then, and the
+        // producer gets a full stall period once it is back.
         if let Err(e) = self.publisher.check_broker(WATCHDOG_BROKER_CHECK).await {
             tracing::debug!(error = %e, in_flight, "no delivery reports; the broker is unreachable");
+            self.last_report_at = Instant::now();
+            return None;
+        }
+        // Reports that arrived during the check (the loop waited for it).
+        if !self.reports.is_empty() {
             return None;
         }
         self.health.set_alert(Some(format!(

@@ -842,6 +842,25 @@ impl PrivateBroker {
         }
     }
 
+    /// Stops the broker with SIGTERM (a clean stop, which on SQLite storage has been
+    /// seen to lose the idempotent producers' state) and waits for it to exit.
+    pub fn stop_gracefully(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
     /// Stops the broker (SIGKILL: an outage, not a goodbye).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
