@@ -2,9 +2,12 @@
 //! `outbox-relay` as processes against an environment of its own (PostgreSQL and
 //! Tansu on SQLite storage under `.dev/drill-<seed>-<pid>`, so the shared test
 //! environment is not disturbed), with concurrent writers, and injects a few of each
-//! fault: `kill -9` + restart, broker outage, PostgreSQL fast restart, walsender
-//! cut, second relay on the same slot. Then `audit` must find nothing lost and
-//! nothing out of order, and the duplicates must stay within the in-flight bound.
+//! fault: `kill -9` + restart, broker outage, PostgreSQL fast restart, PostgreSQL
+//! crash (immediate restart), walsender cut, replication slot drop (the relay must
+//! log the loss and resync), second relay on the same slot. Then `audit` must find
+//! nothing lost and nothing out of order, and every fault's duplicates must stay
+//! within its bound (the in-flight bound; PostgreSQL restarts and crashes included,
+//! since the relay resumes from its own saved position).
 //!
 //! The seed is printed with every failure; `OUTBOX_RELAY_DRILL_SEED` fixes it, and
 //! `scripts/fault-drill --seed S ...` with the same flags repeats the schedule.
@@ -16,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use crate::harness;
 
-/// About 75 s alone on 2 cores (debug binary); the cap leaves room for the other
+/// About 75 s alone on 2 cores (debug binary) before the PostgreSQL crash and the
+/// slot drop were added (a few seconds each); the cap leaves room for the other
 /// tests running at the same time.
 const DRILL_DEADLINE: Duration = Duration::from_secs(240);
 
@@ -65,8 +69,12 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "2",
         "--pg-restarts",
         "2",
+        "--pg-crashes",
+        "1",
         "--conn-cuts",
         "2",
+        "--slot-drops",
+        "1",
         "--second-relays",
         "2",
         "--events",
@@ -143,9 +151,30 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         2000,
         "every written event audited; {context}"
     );
-    for fault in ["kill9", "broker", "pg_restart", "conn_cut", "second_relay"] {
+    for fault in [
+        "kill9",
+        "broker",
+        "pg_restart",
+        "pg_crash",
+        "conn_cut",
+        "slot_drop",
+        "second_relay",
+    ] {
         let n = report["faults"][fault].as_u64().unwrap_or(0);
         assert!(n > 0, "fault {fault} was never injected; {context}");
+        let bound = report["duplicate_bound_by_fault"][fault]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no duplicate bound for {fault}; {context}"));
+        let dups = report["duplicates_by_fault"][fault]
+            .as_array()
+            .unwrap_or_else(|| panic!("no duplicates for {fault}; {context}"));
+        for d in dups {
+            let d = d.as_u64().unwrap_or(u64::MAX);
+            assert!(
+                d <= bound,
+                "a {fault} fault re-sent {d} events, more than its bound {bound}; {context}"
+            );
+        }
     }
     assert!(
         num("max_duplicates_per_crash") <= num("duplicate_bound_per_crash"),
@@ -157,8 +186,10 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
     );
     // Everything else the drill checks: the relay never exited by itself, the
     // second relay exited 3 with a clear message or waited as a standby, the slot
-    // never changed hands, the relay caught up after every fault and drained, and
-    // SIGTERM ended it with 0.
+    // never changed hands, a dropped slot was logged as lost (ERROR) and resynced
+    // (never re-created silently) and no other fault made the relay find its slot
+    // lost, the relay caught up after every fault and drained, and SIGTERM ended it
+    // with 0.
     assert!(
         report["ok"].as_bool() == Some(true) && status.success(),
         "the drill found problems: {}; {context}",

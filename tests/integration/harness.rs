@@ -825,7 +825,8 @@ impl PrivateBroker {
             .expect("spawn tansu");
         self.child = Some(child);
         let brokers = self.brokers();
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // Generous: a restart on a loaded machine (the whole suite) can take a while.
+        let deadline = Instant::now() + Duration::from_secs(90);
         loop {
             let brokers = brokers.clone();
             let ok = tokio::task::spawn_blocking(move || {

@@ -481,3 +481,65 @@ async fn walsender_if_any(client: &Client, slot: &str) -> Option<i32> {
         .unwrap()
         .and_then(|r| r.get(0))
 }
+
+/// A slot dropped and created again by someone else while the relay is stopped
+/// (it is then *ahead* of the relay's saved position): `retention` keeps the rows
+/// committed in between (it used to trust the new slot and delete them
+/// undelivered), and the relay notices, says so and resyncs them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_slot_is_noticed_and_retention_keeps_its_rows() {
+    let mut db = TestDb::create("progress_recreated").await;
+    db.append_config("\n[retention]\nperiod = \"0s\"\n");
+    let config = db.config();
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    backlog(&db.client, 0..100).await;
+    wait_delivered(&db, 100, &relay).await;
+    relay.terminate(Duration::from_secs(30)).await;
+
+    // Committed while the relay is stopped; a retention cycle checkpoints after them.
+    backlog(&db.client, 100..200).await;
+    let mut client = harness::connect(&db.url).await;
+    outbox_relay::ops::retention::cycle(&mut client, &config, false)
+        .await
+        .unwrap();
+    // An operator drops the slot and creates it again.
+    db.drop_slot().await;
+    db.create_slot().await;
+    let report = outbox_relay::ops::retention::cycle(&mut client, &config, false)
+        .await
+        .unwrap();
+    let left: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE (payload->>'seq')::int >= 100",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 100, "undelivered rows kept: {report:?}");
+
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    backlog(&db.client, 200..300).await;
+    // Rows 0..100 may have been deleted by retention (delivered): count 100..300.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let records = loop {
+        let records = consume(&db.topic, usize::MAX, Duration::from_secs(2)).await;
+        let (unique, _) = tally(&records);
+        if unique >= 300 || Instant::now() > deadline {
+            break records;
+        }
+    };
+    assert_eq!(tally(&records).0, 300, "no loss; log:\n{}", relay.log());
+    assert_per_key_order(&records);
+    let log = relay.log();
+    assert!(
+        log.contains("re-created or advanced by someone else"),
+        "{log}"
+    );
+    assert!(log.contains("resync complete"), "{log}");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
