@@ -12,12 +12,14 @@
 //! One exception keeps PostgreSQL able to shut down: during a fast shutdown the
 //! server refuses new connections and ends ours, then each walsender waits until its
 //! client confirms the very end of the WAL (the shutdown checkpoint) before it exits.
-//! A position that cannot be saved would hold the shutdown forever. So while saving
-//! fails, the session may confirm past the saved position over WAL that holds no
-//! outbox event (nothing can be lost there); it saves again as soon as it can, and
-//! after the restart the process resumes from what it remembers. Only a relay killed
-//! in that window can later find its slot ahead of the saved position, which it then
-//! treats as lost: a resync, with duplicates, never a loss.
+//! A position that cannot be saved would hold the shutdown forever. So while the
+//! server says it is shutting down (SQLSTATE class 57P), the session confirms what it
+//! delivered without saving it; it saves again as soon as the server is back, and
+//! after the restart the process resumes from what it remembers. Nothing can be lost
+//! that way (only delivered events are confirmed). Before PostgreSQL 17 the slot's
+//! position does not survive the restart anyway; from 17 on it does, and a relay
+//! *process* restarted in that window would find its slot ahead of its saved
+//! position and treat it as lost: a resync, with duplicates, never a loss.
 
 use std::time::{Duration, Instant};
 
@@ -37,8 +39,8 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 pub(crate) struct PositionSaver {
     requests: watch::Sender<Request>,
     saved: watch::Receiver<Lsn>,
-    /// The last save failed (PostgreSQL refuses new work, e.g. while it shuts down).
-    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The last save failed because PostgreSQL is shutting down.
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -62,21 +64,21 @@ impl PositionSaver {
             urgent: 0,
         });
         let (saved_tx, saved) = watch::channel(initial);
-        let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let task = tokio::spawn(
             Task {
                 conninfo,
                 table,
                 history,
                 min_gap,
-                failing: failing.clone(),
+                stopping: stopping.clone(),
             }
             .run(requested, saved_tx),
         );
         PositionSaver {
             requests,
             saved,
-            failing,
+            stopping,
             task,
         }
     }
@@ -96,9 +98,9 @@ impl PositionSaver {
         });
     }
 
-    /// Whether the last save failed.
-    pub(crate) fn failing(&self) -> bool {
-        self.failing.load(std::sync::atomic::Ordering::Relaxed)
+    /// Whether the last save failed because PostgreSQL is shutting down.
+    pub(crate) fn server_stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The highest position saved so far.
@@ -135,7 +137,32 @@ struct Task {
     table: PositionTable,
     history: ServerHistory,
     min_gap: Duration,
-    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Why a save did not happen.
+struct SaveError {
+    message: String,
+    /// PostgreSQL said it is shutting down.
+    stopping: bool,
+}
+
+impl From<crate::postgres::PgError> for SaveError {
+    fn from(e: crate::postgres::PgError) -> Self {
+        SaveError {
+            stopping: e.is_server_stopping(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<crate::outbox::checkpoint::CheckpointError> for SaveError {
+    fn from(e: crate::outbox::checkpoint::CheckpointError) -> Self {
+        SaveError {
+            stopping: e.is_server_stopping(),
+            message: e.to_string(),
+        }
+    }
 }
 
 impl Task {
@@ -164,7 +191,7 @@ impl Task {
             last_write = Some(Instant::now());
             match self.save(&mut client, target).await {
                 Ok(()) => {
-                    self.failing
+                    self.stopping
                         .store(false, std::sync::atomic::Ordering::Relaxed);
                     backoff.reset();
                     saved.send_replace(target);
@@ -172,12 +199,12 @@ impl Task {
                     #[allow(clippy::cast_precision_loss)]
                     saved_gauge.set(target.as_u64() as f64);
                 }
-                Err(reason) => {
-                    self.failing
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(SaveError { message, stopping }) => {
+                    self.stopping
+                        .store(stopping, std::sync::atomic::Ordering::Relaxed);
                     failures.increment(1);
                     let pause = backoff.next_pause();
-                    tracing::warn!(%reason, position = %target, retry_in_ms = crate::lifecycle::millis(pause),
+                    tracing::warn!(reason = %message, server_stopping = stopping, position = %target, retry_in_ms = crate::lifecycle::millis(pause),
                         "cannot save the relay position; the server is not told of it until it is saved");
                     tokio::time::sleep(pause).await;
                 }
@@ -192,40 +219,34 @@ impl Task {
         &self,
         client: &mut Option<tokio_postgres::Client>,
         target: Lsn,
-    ) -> Result<(), String> {
+    ) -> Result<(), SaveError> {
         if client
             .as_ref()
             .is_none_or(tokio_postgres::Client::is_closed)
         {
-            *client = Some(
-                crate::postgres::connect_info(&self.conninfo)
-                    .await
-                    .map_err(|e| e.to_string())?,
-            );
+            *client = Some(crate::postgres::connect_info(&self.conninfo).await?);
         }
         let Some(c) = client.as_ref() else {
-            return Err("no connection".to_owned());
+            return Err(SaveError {
+                message: "no connection".to_owned(),
+                stopping: false,
+            });
         };
-        if self
-            .table
-            .save(c, self.history, target)
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        if self.table.save(c, self.history, target).await? {
             return Ok(());
         }
-        match self.table.load(c).await.map_err(|e| e.to_string())? {
+        match self.table.load(c).await? {
             None => {
                 tracing::warn!(table = %self.table.name(), "the relay position row was deleted; recording it again");
-                self.table
-                    .adopt(c, self.history, target)
-                    .await
-                    .map_err(|e| e.to_string())
+                Ok(self.table.adopt(c, self.history, target).await?)
             }
-            Some(p) => Err(format!(
-                "the position row belongs to {} (expected {}) or a resync is pending ({:?})",
-                p.history, self.history, p.slot_lost
-            )),
+            Some(p) => Err(SaveError {
+                message: format!(
+                    "the position row belongs to {} (expected {}) or a resync is pending ({:?})",
+                    p.history, self.history, p.slot_lost
+                ),
+                stopping: false,
+            }),
         }
     }
 }

@@ -272,8 +272,6 @@ pub async fn run_with_health(
         history: None,
         saver: None,
         save_requested_at: now,
-        last_event_tx_end: Lsn::ZERO,
-        open_tx_has_events: false,
         resolved_since_request: false,
         resolved_since_save: 0,
         status_interval,
@@ -346,11 +344,6 @@ struct Relay {
     /// Saves positions before the server hears of them (one per session).
     saver: Option<PositionSaver>,
     save_requested_at: Instant,
-    /// End LSN of the last committed transaction that had outbox events: WAL past it
-    /// (and past the saved position) holds no event.
-    last_event_tx_end: Lsn,
-    /// The open transaction has outbox events.
-    open_tx_has_events: bool,
     /// Events resolved since the last save request, and since the last completed save.
     resolved_since_request: bool,
     resolved_since_save: usize,
@@ -912,9 +905,6 @@ impl Relay {
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
                 self.resend.commit();
-                if std::mem::take(&mut self.open_tx_has_events) {
-                    self.last_event_tx_end = commit.end_lsn;
-                }
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
@@ -940,7 +930,6 @@ impl Relay {
         match mapped {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
-                self.open_tx_has_events = true;
                 let origin = self.resend.next();
                 let id = self
                     .core
@@ -965,7 +954,6 @@ impl Relay {
                 Ok(())
             }
             Mapped::Unmappable(row) => {
-                self.open_tx_has_events = true;
                 let origin = self.resend.next();
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
@@ -1096,18 +1084,16 @@ impl Relay {
         self.resolved_since_save += 1;
     }
 
-    /// How far a status may confirm of `wanted`: up to the saved position; further
-    /// only while saving fails (PostgreSQL shutting down) and no outbox event lies
-    /// past the saved position (see `cdc::position_saver`).
+    /// How far a status may confirm of `wanted`: up to the saved position; all of
+    /// it while PostgreSQL says it is shutting down (see `cdc::position_saver`).
     fn confirmable(&self, wanted: Lsn) -> Lsn {
         let Some(saver) = &self.saver else {
             return Lsn::ZERO;
         };
-        let saved = saver.saved();
-        if wanted <= saved || (saver.failing() && self.last_event_tx_end <= saved) {
+        if saver.server_stopping() {
             wanted
         } else {
-            saved
+            wanted.min(saver.saved())
         }
     }
 

@@ -76,6 +76,26 @@ pub enum PgError {
 }
 
 impl PgError {
+    /// The server's SQLSTATE, when it sent one.
+    #[must_use]
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            PgError::Unavailable { source, .. } | PgError::Failed { source, .. } => source.code(),
+            PgError::Query { source, .. } | PgError::SlotQuery { source, .. } => {
+                source.code().map(tokio_postgres::error::SqlState::code)
+            }
+            PgError::Prerequisite(Prerequisite::Refused { sqlstate, .. }) => sqlstate.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Whether the server said it is shutting down or not accepting work yet (SQLSTATE
+    /// class 57P: `admin_shutdown`, `crash_shutdown`, `cannot_connect_now`).
+    #[must_use]
+    pub fn is_server_stopping(&self) -> bool {
+        self.sqlstate().is_some_and(|code| code.starts_with("57P"))
+    }
+
     /// The process exit code for this error (`docs/architecture.md#exit-codes`).
     #[must_use]
     pub fn exit_code(&self) -> u8 {
