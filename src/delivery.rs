@@ -48,12 +48,32 @@ impl fmt::Display for EventId {
     }
 }
 
-/// How a failed delivery is to be treated; the shell classifies the broker error.
+/// How a failed delivery is to be treated; the shell classifies the broker error
+/// (`docs/architecture.md#the-delivery-failure-policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
-    /// The record itself is at fault (`MessageSizeTooLarge`, `InvalidRecord`, topic
-    /// invalid or unauthorised): retried up to `max_attempts`, then poisoned.
+    /// The record itself is at fault (`MessageSizeTooLarge`, `InvalidRecord`): retried
+    /// with backoff up to `max_attempts`, then poisoned.
     Permanent,
     /// The broker or the network is at fault: retried with backoff forever, never poisoned.
     Transient,
+    /// The topic or the cluster is set up so that the event cannot go yet (missing
+    /// topic or partition, no authorization, a timestamp outside the topic's window):
+    /// not the event's fault. [`Failure::under`] decides, by `relay.on_config_error`,
+    /// whether it blocks (retried like a transient failure, and alerted) or poisons.
+    Configuration,
+}
+
+impl Failure {
+    /// The failure as the relay treats it: a configuration failure is transient
+    /// (held and retried until someone fixes the topic) unless
+    /// `poison_configuration_errors`, then permanent.
+    #[must_use]
+    pub fn under(self, poison_configuration_errors: bool) -> Failure {
+        match self {
+            Failure::Configuration if poison_configuration_errors => Failure::Permanent,
+            Failure::Configuration => Failure::Transient,
+            other => other,
+        }
+    }
 }

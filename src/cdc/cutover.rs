@@ -438,6 +438,8 @@ impl<'a> Backlog<'a> {
         let capacity = kafka::report_capacity(&config.relay).max(window + 1);
         let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
         let (publisher, reports) = Publisher::new(producer_config, capacity)?;
+        let publisher =
+            publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
         let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
         Ok(Backlog {
@@ -618,7 +620,7 @@ fn still_to_send(rows: Vec<BatchRow>, max_attempts: i32) -> Vec<BatchRow> {
                 Delivery::Acked => None,
                 Delivery::Pending
                 | Delivery::Failed {
-                    failure: Failure::Transient,
+                    failure: Failure::Transient | Failure::Configuration,
                     ..
                 } => {
                     *delivery = Delivery::Pending;

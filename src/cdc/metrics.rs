@@ -80,6 +80,11 @@ pub(crate) const PRODUCER_RESTARTS: &str = "outbox_relay_producer_restarts_total
 /// Gauge: sessions in a row that ended at the same confirmed position (0 when the
 /// last session made progress).
 pub(crate) const REPEATED_FAILURES: &str = "outbox_relay_repeated_session_failures";
+/// Counter, label `kind`: delivery failures about a topic's or the cluster's setup
+/// (missing topic, no authorization…), whether they block or poison.
+pub(crate) const CONFIGURATION_ERRORS: &str = "outbox_relay_configuration_errors_total";
+/// Gauge: topics whose events are held by a configuration error (`block` mode).
+pub(crate) const BLOCKED_TOPICS: &str = "outbox_relay_blocked_topics";
 /// Gauge: the position last saved in the relay's position table (as a number).
 pub(crate) const SAVED_LSN: &str = "outbox_relay_saved_lsn";
 /// Counter: saves of the position table that failed (retried).
@@ -178,9 +183,10 @@ struct HealthState {
     /// Milliseconds since `origin` of the last confirmed-LSN advance (or of the
     /// moment the pending count went from zero to non-zero).
     last_progress_ms: AtomicU64,
-    /// A condition an operator must know about (slot lost and resyncing, producer
-    /// wedged, a session failing again and again at one position): not ready.
-    alert: std::sync::Mutex<Option<String>>,
+    /// Conditions an operator must know about, by source (slot lost and resyncing,
+    /// producer wedged, sessions failing again and again at one position, topics
+    /// refusing events): not ready while any is raised.
+    alerts: std::sync::Mutex<std::collections::BTreeMap<&'static str, String>>,
 }
 
 impl Default for Health {
@@ -190,7 +196,7 @@ impl Default for Health {
             streaming: AtomicBool::new(false),
             pending: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
-            alert: std::sync::Mutex::new(None),
+            alerts: std::sync::Mutex::new(std::collections::BTreeMap::new()),
         }))
     }
 }
@@ -223,25 +229,30 @@ impl Health {
         }
     }
 
-    /// Raises (`Some`) or clears (`None`) the alert `/readyz` reports.
-    pub(crate) fn set_alert(&self, alert: Option<String>) {
+    /// Raises (`Some`) or clears (`None`) the alert of `source` that `/readyz`
+    /// reports.
+    pub(crate) fn set_alert(&self, source: &'static str, alert: Option<String>) {
         // A poisoned lock only means a panic elsewhere; the value is still usable.
-        let mut slot = self
+        let mut alerts = self
             .0
-            .alert
+            .alerts
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *slot = alert;
+        match alert {
+            Some(text) => alerts.insert(source, text),
+            None => alerts.remove(source),
+        };
     }
 
-    /// The alert raised, if any.
+    /// The alerts raised, joined, if any.
     #[must_use]
     pub(crate) fn alert(&self) -> Option<String> {
-        self.0
-            .alert
+        let alerts = self
+            .0
+            .alerts
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (!alerts.is_empty()).then(|| alerts.values().cloned().collect::<Vec<_>>().join("; "))
     }
 
     /// The readiness verdict at `now`.
@@ -429,13 +440,16 @@ mod tests {
         let health = Health::default();
         let t0 = Instant::now();
         health.set_streaming(true, t0);
-        health.set_alert(Some("replication slot s is missing; resyncing".into()));
+        health.set_alert("slot", Some("replication slot s is missing; resyncing".into()));
+        health.set_alert("topics", Some("topic t does not exist".into()));
         let answer = health.readiness(t0, STALL);
         assert_eq!(
             answer.response().1,
-            "not ready: replication slot s is missing; resyncing\n"
+            "not ready: replication slot s is missing; resyncing; topic t does not exist\n"
         );
-        health.set_alert(None);
+        health.set_alert("slot", None);
+        assert!(matches!(health.readiness(t0, STALL), Readiness::Alert(_)));
+        health.set_alert("topics", None);
         assert_eq!(health.readiness(t0, STALL), Readiness::Ready);
     }
 

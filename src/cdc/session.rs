@@ -278,6 +278,8 @@ pub async fn run_with_health(
         resend: ResendGuard::default(),
         last_report_at: now,
         producer_fatal: None,
+        producer_alerted: false,
+        blocked_topics: HashMap::new(),
         streak: FailureStreak::default(),
         poison_tx,
         outcomes,
@@ -353,6 +355,11 @@ struct Relay {
     last_report_at: Instant,
     /// A fatal delivery report: the session ends and the producer is replaced.
     producer_fatal: Option<(RDKafkaErrorCode, String)>,
+    /// The watchdog raised its alert; cleared by the next delivery.
+    producer_alerted: bool,
+    /// Topics whose events a configuration error holds (`relay.on_config_error =
+    /// "block"`), with the error kind; cleared by a delivery to the topic.
+    blocked_topics: HashMap<String, &'static str>,
     streak: FailureStreak,
     poison_tx: mpsc::Sender<PoisonRequest>,
     outcomes: mpsc::Receiver<PoisonOutcome>,
@@ -435,9 +442,12 @@ impl Relay {
                 sessions = count,
                 "replication keeps failing at the same position without progress; backing off"
             );
-            self.health.set_alert(Some(format!(
-                "{count} replication sessions in a row ended at {confirmed} without progress: {reason}"
-            )));
+            self.health.set_alert(
+                "sessions",
+                Some(format!(
+                    "{count} replication sessions in a row ended at {confirmed} without progress: {reason}"
+                )),
+            );
         }
     }
 
@@ -501,6 +511,8 @@ impl Relay {
             self.producer_config.clone(),
             kafka::report_capacity(&self.config.relay),
         )?;
+        let publisher = publisher
+            .with_configuration_errors_poisoned(self.config.relay.on_config_error.poisons());
         let old = std::mem::replace(&mut self.publisher, publisher);
         self.reports = reports;
         self.producer_fatal = None;
@@ -687,7 +699,7 @@ impl Relay {
             .into());
         }
         self.health
-            .set_alert(Some(format!("{loss}; resyncing before streaming")));
+            .set_alert("slot", Some(format!("{loss}; resyncing before streaming")));
         let lock = crate::cdc::cutover::lock_key(&slot_name);
         metadata
             .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
@@ -715,7 +727,7 @@ impl Relay {
         metadata
             .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
             .await?;
-        self.health.set_alert(None);
+        self.health.set_alert("slot", None);
         Ok(summary.consistent_point)
     }
 
@@ -846,10 +858,14 @@ impl Relay {
         if !self.reports.is_empty() {
             return None;
         }
-        self.health.set_alert(Some(format!(
-            "the Kafka producer sent no delivery report for {}s with {in_flight} messages in flight; replacing it",
-            silent.as_secs()
-        )));
+        self.producer_alerted = true;
+        self.health.set_alert(
+            "producer",
+            Some(format!(
+                "the Kafka producer sent no delivery report for {}s with {in_flight} messages in flight; replacing it",
+                silent.as_secs()
+            )),
+        );
         Some(Lost::ProducerStalled {
             silent_secs: silent.as_secs(),
             in_flight,
@@ -862,7 +878,7 @@ impl Relay {
         if self.streak.count > 0 && self.core.confirmed() > self.streak.at {
             self.streak.count = 0;
             ::metrics::gauge!(m::REPEATED_FAILURES).set(0.0);
-            self.health.set_alert(None);
+            self.health.set_alert("sessions", None);
         }
     }
 
@@ -989,7 +1005,15 @@ impl Relay {
                     } = &pending
                     {
                         self.instruments.delivered(&event.topic, *committed_at);
+                        if !self.blocked_topics.is_empty() {
+                            let topic = event.topic.clone();
+                            self.topic_accepts(&topic);
+                        }
                     }
+                }
+                if self.producer_alerted {
+                    self.producer_alerted = false;
+                    self.health.set_alert("producer", None);
                 }
                 self.core.delivered(report.id, now);
             }
@@ -1000,14 +1024,74 @@ impl Relay {
                     self.producer_fatal = Some((code, message));
                     return;
                 }
-                let failure = kafka::classify(code);
-                if failure == Failure::Transient {
+                let failure = self.publisher.classify(code);
+                if kafka::is_configuration(code) {
+                    self.topic_refuses(report.id, code, &message);
+                } else if failure == Failure::Transient {
                     self.instruments.transient_error();
                 }
                 self.record_failure(report.id, kafka::error_kind(code), &message, failure);
                 self.core.delivery_failed(report.id, failure, now);
             }
         }
+    }
+
+    /// A configuration error (missing topic, no authorization…) for the event `id`:
+    /// counted; in `block` mode its topic is recorded as blocked, said once at error
+    /// with the fix, and `/readyz` turns 503 until a delivery to the topic succeeds.
+    fn topic_refuses(&mut self, id: EventId, code: RDKafkaErrorCode, message: &str) {
+        let kind = kafka::error_kind(code);
+        ::metrics::counter!(m::CONFIGURATION_ERRORS, "kind" => kind).increment(1);
+        if self.config.relay.on_config_error.poisons() {
+            return;
+        }
+        let Some(InFlight::Event { event, .. }) = self.pending.get(&id) else {
+            return;
+        };
+        if self.blocked_topics.contains_key(&event.topic) {
+            return;
+        }
+        tracing::error!(
+            topic = %event.topic,
+            kind,
+            error = message,
+            fix = kafka::configuration_fix(code),
+            "the broker refuses this topic's events: they are held and retried until the setup is \
+             fixed (relay.on_config_error = \"block\"; \"poison\" would poison them instead)"
+        );
+        self.blocked_topics.insert(event.topic.clone(), kind);
+        self.publish_blocked_topics();
+    }
+
+    /// A delivery to `topic` succeeded: it is no longer blocked.
+    fn topic_accepts(&mut self, topic: &str) {
+        if self.blocked_topics.remove(topic).is_some() {
+            tracing::info!(topic, "the broker accepts this topic's events again");
+            self.publish_blocked_topics();
+        }
+    }
+
+    /// The blocked topics to the gauge and `/readyz`.
+    fn publish_blocked_topics(&self) {
+        // Exact: far fewer topics than 2^53.
+        #[allow(clippy::cast_precision_loss)]
+        ::metrics::gauge!(m::BLOCKED_TOPICS).set(self.blocked_topics.len() as f64);
+        let alert = (!self.blocked_topics.is_empty()).then(|| {
+            let mut topics: Vec<String> = self
+                .blocked_topics
+                .iter()
+                .map(|(topic, kind)| format!("{topic} ({kind})"))
+                .collect();
+            topics.sort();
+            let shown = topics.len().min(5);
+            format!(
+                "events held for {} topic(s) the broker refuses: {}{}",
+                topics.len(),
+                topics[..shown].join(", "),
+                if topics.len() > shown { ", …" } else { "" }
+            )
+        });
+        self.health.set_alert("topics", alert);
     }
 
     fn record_failure(&mut self, id: EventId, kind: &'static str, message: &str, failure: Failure) {
@@ -1124,6 +1208,9 @@ impl Relay {
         };
         tracing::trace!(%id, topic = %event.topic, "produce");
         if let Err(rejected) = self.publisher.send_event(id, event) {
+            if kafka::is_configuration(rejected.code) {
+                self.topic_refuses(id, rejected.code, &rejected.message);
+            }
             let kind = kafka::error_kind(rejected.code);
             self.record_failure(id, kind, &rejected.message, rejected.failure);
             self.core

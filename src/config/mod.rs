@@ -198,6 +198,11 @@ pub struct RelayConfig {
     /// re-created by someone else: publish the rows committed since the recorded
     /// position, then stream (`resync`), or stop with exit code 3 (`fail`).
     pub on_slot_loss: SlotLossMode,
+    /// What a broker error that concerns the topic's or cluster's setup (missing
+    /// topic or partition, no authorization, a timestamp outside the topic's window)
+    /// does to the event: `block` holds it (retried with backoff, alerted) until the
+    /// setup is fixed; `poison` treats it like the event's own fault.
+    pub on_config_error: ConfigErrorMode,
     /// Seconds with events in flight and no delivery report from a reachable broker
     /// after which the producer is considered wedged: it is replaced and the
     /// unconfirmed events are produced again. 0 turns the watchdog off.
@@ -256,6 +261,26 @@ pub enum SlotLossMode {
     Resync,
     /// Stop with exit code 3 and say what happened; an operator decides.
     Fail,
+}
+
+/// `relay.on_config_error` (see `docs/architecture.md#the-delivery-failure-policy`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ConfigErrorMode {
+    /// Hold the event (and its key's later events) and retry with backoff, with an
+    /// error log naming the topic and the fix, a metric and `/readyz` 503.
+    #[default]
+    Block,
+    /// Retry up to `relay.max_attempts`, then poison, as for an oversize record.
+    Poison,
+}
+
+impl ConfigErrorMode {
+    /// Whether configuration failures are poisoned.
+    #[must_use]
+    pub fn poisons(self) -> bool {
+        self == ConfigErrorMode::Poison
+    }
 }
 
 /// Logging.
@@ -330,6 +355,7 @@ impl Default for RelayConfig {
             heartbeat_interval_secs: 10,
             cutover: CutoverMode::Auto,
             on_slot_loss: SlotLossMode::Resync,
+            on_config_error: ConfigErrorMode::Block,
             producer_stall_secs: 60,
             position_save_interval_ms: 50,
         }

@@ -32,9 +32,46 @@ pub(crate) fn error_class(code: RDKafkaErrorCode) -> ErrorClass {
 /// [`Failure::Transient`] (fatal codes included: a broken client is not the event's fault).
 #[must_use]
 pub(crate) fn classify(code: RDKafkaErrorCode) -> Failure {
+    if is_configuration(code) {
+        return Failure::Configuration;
+    }
     match error_class(code) {
         ErrorClass::Poison => Failure::Permanent,
         ErrorClass::Transient | ErrorClass::Fatal => Failure::Transient,
+    }
+}
+
+/// Errors that say how the topic or the cluster is set up, not what the event is:
+/// the topic (or partition) does not exist yet, the relay may not write to it, or
+/// the record's timestamp is outside the topic's `message.timestamp.*` window (after
+/// a long outage). Fixing the setup makes the very same record deliverable, so they
+/// block by default instead of poisoning (`relay.on_config_error`).
+#[must_use]
+pub(crate) fn is_configuration(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::TopicAuthorizationFailed
+            | C::UnknownTopicOrPartition
+            | C::UnknownTopic
+            | C::UnknownPartition
+            | C::UnknownTopicId
+            | C::InvalidTimestamp
+    )
+}
+
+/// What an operator should do about a configuration error (for the log line).
+#[must_use]
+pub(crate) fn configuration_fix(code: RDKafkaErrorCode) -> &'static str {
+    use RDKafkaErrorCode as C;
+    match code {
+        C::TopicAuthorizationFailed => "grant the relay's principal WRITE (and DESCRIBE) on the topic",
+        C::InvalidTimestamp => {
+            "the record's timestamp (created_at) is outside the topic's \
+             message.timestamp.before/after.max.ms window: widen it, or use \
+             message.timestamp.type=LogAppendTime"
+        }
+        _ => "create the topic (or fix kafka.topic_template / the row's topic)",
     }
 }
 
@@ -161,7 +198,29 @@ mod tests {
         ];
         for code in poison {
             assert_eq!(error_class(code), ErrorClass::Poison, "{code:?}");
-            assert_eq!(classify(code), Failure::Permanent, "{code:?}");
+            let expected = if is_configuration(code) {
+                Failure::Configuration
+            } else {
+                Failure::Permanent
+            };
+            assert_eq!(classify(code), expected, "{code:?}");
+        }
+        // Not the event's fault: the setup of the topic or the cluster.
+        for code in [
+            C::TopicAuthorizationFailed,
+            C::UnknownTopicOrPartition,
+            C::UnknownTopic,
+            C::UnknownPartition,
+            C::UnknownTopicId,
+            C::InvalidTimestamp,
+        ] {
+            assert_eq!(classify(code), Failure::Configuration, "{code:?}");
+            assert_eq!(classify(code).under(false), Failure::Transient);
+            assert_eq!(classify(code).under(true), Failure::Permanent);
+            assert!(!configuration_fix(code).is_empty());
+        }
+        for code in [C::MessageSizeTooLarge, C::InvalidRecord] {
+            assert_eq!(classify(code).under(false), Failure::Permanent, "{code:?}");
         }
         for code in fatal {
             assert_eq!(error_class(code), ErrorClass::Fatal, "{code:?}");

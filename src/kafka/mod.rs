@@ -49,7 +49,7 @@ mod publisher;
 
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
-pub(crate) use classify::{classify, error_kind};
+pub(crate) use classify::{configuration_fix, error_kind, is_configuration};
 pub use config::{producer_config, report_capacity};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};

@@ -216,6 +216,8 @@ pub struct Publisher {
     stop: Arc<AtomicBool>,
     poller: Option<JoinHandle<()>>,
     brokers: String,
+    /// `relay.on_config_error = "poison"`: configuration failures are permanent.
+    poison_configuration_errors: bool,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -294,9 +296,25 @@ impl Publisher {
                 stop,
                 poller: Some(poller),
                 brokers,
+                poison_configuration_errors: false,
             },
             rx,
         ))
+    }
+
+    /// Applies `relay.on_config_error`: with `poison`, a configuration failure
+    /// (missing topic, no authorization…) counts as permanent; by default it is
+    /// transient (the event waits until the setup is fixed).
+    #[must_use]
+    pub fn with_configuration_errors_poisoned(mut self, poison: bool) -> Publisher {
+        self.poison_configuration_errors = poison;
+        self
+    }
+
+    /// How the relay treats a failure with this code (`relay.on_config_error` applied).
+    #[must_use]
+    pub fn classify(&self, code: RDKafkaErrorCode) -> Failure {
+        classify(code).under(self.poison_configuration_errors)
     }
 
     /// Checks that the brokers answer a metadata request within `timeout` (at start-up,
@@ -377,7 +395,7 @@ impl Publisher {
                 KafkaError::Nul(_) => RDKafkaErrorCode::InvalidTopic,
                 other => other.rdkafka_error_code().unwrap_or(RDKafkaErrorCode::Fail),
             };
-            let failure = classify(code);
+            let failure = self.classify(code);
             if failure == Failure::Transient {
                 self.producer
                     .context()
@@ -627,7 +645,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn mock_missing_topic_is_permanent() {
+    async fn mock_missing_topic_is_a_configuration_failure() {
         let cluster = MockCluster::new(1).unwrap();
         let (publisher, mut rx) =
             mock_publisher(&cluster, &[("topic.metadata.propagation.max.ms", "500")]);
@@ -644,7 +662,10 @@ mod tests {
             ),
             "{code:?}"
         );
-        assert_eq!(report.failure(), Some(Failure::Permanent));
+        assert_eq!(report.failure(), Some(Failure::Configuration));
+        assert_eq!(publisher.classify(code), Failure::Transient, "blocks");
+        let publisher = publisher.with_configuration_errors_poisoned(true);
+        assert_eq!(publisher.classify(code), Failure::Permanent, "opt-in poison");
     }
 
     #[tokio::test]

@@ -92,6 +92,8 @@ impl Poller {
         // Room for a whole batch of reports, so the delivery thread never waits.
         let capacity = kafka::report_capacity(&config.relay).max(settings.batch_size as usize + 1);
         let (publisher, reports) = Publisher::new(producer_config, capacity)?;
+        let publisher =
+            publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
         Ok(Poller {
             conninfo,

@@ -4,7 +4,7 @@
 //!
 //! # Failures
 //!
-//! * **Permanent** (the record is at fault, [`kafka::classify`](crate::kafka::classify): too large, invalid,
+//! * **Permanent** (the record is at fault, [`Publisher::classify`](crate::kafka::Publisher::classify): too large, invalid,
 //!   topic refused): `attempts = attempts + 1`, `last_error` set, in the batch's
 //!   transaction; the row is tried again by the next poll. When `attempts` reaches
 //!   `max_attempts` (default `relay.max_attempts`, 5) the row is copied to
@@ -161,9 +161,11 @@ fn plan_marks(rows: &[BatchRow], max_attempts: i32) -> MarkPlan {
                     plan.sent.push(row.polled.id.clone());
                     continue;
                 }
+                // A configuration failure reaches here only when it blocks
+                // (`Publisher::classify` applied `relay.on_config_error`).
                 Delivery::Pending
                 | Delivery::Failed {
-                    failure: Failure::Transient,
+                    failure: Failure::Transient | Failure::Configuration,
                     ..
                 } => {
                     plan.transient += 1;

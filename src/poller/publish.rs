@@ -39,7 +39,7 @@ pub(crate) async fn publish(
             && pending > 0
         {
             // The local queue is full: let some of the batch drain, then retry.
-            if apply_report(next_report(reports, pending).await?, base, rows)? {
+            if apply_report(publisher, next_report(reports, pending).await?, base, rows)? {
                 pending -= 1;
             }
             sent = send_row(publisher, id, &rows[index]);
@@ -58,7 +58,7 @@ pub(crate) async fn publish(
     }
     while pending > 0 {
         let report = next_report(reports, pending).await?;
-        if apply_report(report, base, rows)? {
+        if apply_report(publisher, report, base, rows)? {
             pending -= 1;
         }
     }
@@ -95,7 +95,12 @@ async fn next_report(
 }
 
 /// Records a report against its row; `false` for a report of an earlier batch.
-fn apply_report(report: DeliveryReport, base: u64, rows: &mut [BatchRow]) -> Result<bool> {
+fn apply_report(
+    publisher: &Publisher,
+    report: DeliveryReport,
+    base: u64,
+    rows: &mut [BatchRow],
+) -> Result<bool> {
     if report.is_fatal() {
         let (code, message) = report
             .result
@@ -118,7 +123,7 @@ fn apply_report(report: DeliveryReport, base: u64, rows: &mut [BatchRow]) -> Res
     *delivery = match report.result {
         Ok(_) => Delivery::Acked,
         Err((code, message)) => Delivery::Failed {
-            failure: kafka::classify(code),
+            failure: publisher.classify(code),
             kind: kafka::error_kind(code),
             message,
         },

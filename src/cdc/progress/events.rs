@@ -135,8 +135,11 @@ impl Core {
     /// The broker gave up on the record of `id`. Ignored unless a produce of `id` is
     /// outstanding.
     ///
-    /// Permanent: produced again at once, until `max_attempts` permanent failures, then
-    /// poisoned. Transient: produced again after an exponential backoff, never poisoned.
+    /// Every failure is produced again after an exponential backoff (a broker that
+    /// refuses a record at once would otherwise be asked again in a hot loop).
+    /// Permanent: until `max_attempts` permanent failures, then poisoned. Transient
+    /// (and a configuration failure, which the shell passes on as transient unless
+    /// `relay.on_config_error = "poison"`): forever, never poisoned.
     pub fn delivery_failed(&mut self, id: EventId, failure: Failure, now: Instant) {
         let max_attempts = self.cfg.max_attempts;
         let delay_base = (self.cfg.retry_backoff_initial, self.cfg.retry_backoff_max);
@@ -156,13 +159,16 @@ impl Core {
                         event.state = EventState::Poisoning;
                         self.actions.push_back(Pending::InsertPoison { id });
                     } else {
-                        event.attempts = event.attempts.saturating_add(1);
-                        let attempt = event.attempts;
-                        event.state = EventState::Producing { attempt };
-                        self.actions.push_back(Pending::Produce { id, attempt });
+                        let until =
+                            deadline(now, backoff(delay_base, event.permanent_failures));
+                        event.state = EventState::Backoff {
+                            until,
+                            then: Then::Produce,
+                        };
+                        self.retries.insert((until, id));
                     }
                 }
-                Failure::Transient => {
+                Failure::Transient | Failure::Configuration => {
                     event.transient_failures = event.transient_failures.saturating_add(1);
                     let until = deadline(now, backoff(delay_base, event.transient_failures));
                     event.state = EventState::Backoff {

@@ -201,13 +201,17 @@ fn acked_transactions_behind_a_stuck_one_keep_the_queue_bounded() {
 
 #[test]
 fn permanent_failures_poison_after_max_attempts_and_only_the_insert_commit_resolves() {
-    let (mut core, now) = core_at(50);
+    let (mut core, mut now) = core_at(50);
     let a = tx(&mut core, 100, 1, now)[0];
     assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 1 }]);
-    core.delivery_failed(a, Failure::Permanent, now);
-    assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 2 }]);
-    core.delivery_failed(a, Failure::Permanent, now);
-    assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 3 }]);
+    // Retried after a backoff, never at once (no hot loop on a refusing broker).
+    for (attempt, delay) in [(2, 100), (3, 200)] {
+        core.delivery_failed(a, Failure::Permanent, now);
+        assert!(work(&mut core).is_empty(), "no immediate retry");
+        now += ms(delay);
+        core.tick(now);
+        assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt }]);
+    }
     core.delivery_failed(a, Failure::Permanent, now);
     assert_eq!(
         work(&mut core),
@@ -259,6 +263,9 @@ fn transient_failures_back_off_exponentially_and_never_poison() {
     let a = tx(&mut core, 100, 1, now)[0];
     assert_eq!(work(&mut core).len(), 1);
     core.delivery_failed(a, Failure::Permanent, now);
+    assert!(work(&mut core).is_empty(), "a permanent failure backs off too");
+    now += ms(100);
+    core.tick(now);
     assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 2 }]);
     let expected = [100, 200, 400, 800, 1_000, 1_000, 1_000, 1_000];
     for (n, delay) in expected.into_iter().enumerate() {
