@@ -34,8 +34,9 @@
 //!
 //! 1. Record the cutover as started in `outbox_relay_cutover` (migration 0006).
 //! 2. Create the slot with an exported snapshot; record its consistent point.
-//! 3. In the snapshot, read every row the poller would still send — `sent_at IS
-//!    NULL`, `attempts < relay.max_attempts`, no `poison_outbox` row — in
+//! 3. In the snapshot, read every row the poller has not sent — `sent_at IS NULL`,
+//!    no `poison_outbox` row, whatever its attempts (a row a poller gave up on
+//!    without poisoning it is published once more, and poisoned if it fails) — in
 //!    `created_at, id` order, through a cursor (bounded memory, one window of rows
 //!    at a time).
 //! 4. Map each row with the poller's (and so the stream's) mapping and publish the
@@ -392,8 +393,8 @@ async fn cut_over(
 /// Which rows of the snapshot a [`Backlog`] publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum BacklogQuery {
-    /// The cutover's: rows the poller would still send (`sent_at IS NULL`, fewer
-    /// than `max_attempts` attempts, not poisoned).
+    /// The cutover's: rows the poller has not sent (`sent_at IS NULL`) and not
+    /// poisoned, whatever their attempts.
     Unsent,
     /// A resync's: unsent, unpoisoned rows not known to be delivered, i.e. not below
     /// this checkpoint xmin (0: none known), whatever their attempts.
@@ -493,13 +494,15 @@ impl<'a> Backlog<'a> {
             .await
             .and_then(|row| row.try_get(0))
             .map_err(poller::pg_error)?;
-        let (sql, param): (&str, &(dyn tokio_postgres::types::ToSql + Sync)) = match &query {
-            BacklogQuery::Unsent => (&self.sql.backlog, &self.max_attempts),
-            BacklogQuery::Undelivered { delivered_xmin } => (&self.sql.undelivered, delivered_xmin),
+        let (sql, params): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match &query {
+            BacklogQuery::Unsent => (&self.sql.backlog, vec![]),
+            BacklogQuery::Undelivered { delivered_xmin } => {
+                (&self.sql.undelivered, vec![delivered_xmin])
+            }
         };
         let statement = tx.prepare(sql).await.map_err(poller::pg_error)?;
         let portal = tx
-            .bind(&statement, &[param])
+            .bind(&statement, &params)
             .await
             .map_err(poller::pg_error)?;
         let window = i32::try_from(self.window).unwrap_or(i32::MAX);

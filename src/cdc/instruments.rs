@@ -18,6 +18,12 @@ use crate::lsn::Lsn;
 use crate::postgres::pgoutput::LogicalDecodingMessage;
 use crate::postgres::replication::frames::pg_epoch_micros;
 
+/// Topics counted under their own name; the others are counted together.
+const MAX_TOPIC_SERIES: usize = 200;
+
+/// The `topic` label of the topics past [`MAX_TOPIC_SERIES`].
+const OTHER_TOPICS: &str = "_other";
+
 /// Metric handles of one relay process.
 pub(crate) struct Instruments {
     in_flight_events: Gauge,
@@ -51,6 +57,14 @@ impl Instruments {
     }
 
     fn topic(&mut self, topic: &str) -> &(Counter, Counter) {
+        // Topics come from row data (a topic column, a template): past the cap, the
+        // rest share one series, so a bad row cannot grow the scrape without bound.
+        let topic = if self.per_topic.contains_key(topic) || self.per_topic.len() < MAX_TOPIC_SERIES
+        {
+            topic
+        } else {
+            OTHER_TOPICS
+        };
         if !self.per_topic.contains_key(topic) {
             let label = topic.to_owned();
             let counters = (
@@ -118,5 +132,23 @@ impl Instruments {
             self.received.set(core.written().as_u64() as f64);
             self.confirmed.set(confirmed.as_u64() as f64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_labels_are_capped() {
+        let mut instruments = Instruments::new();
+        for i in 0..MAX_TOPIC_SERIES + 50 {
+            instruments.poisoned(&format!("topic-{i}"));
+        }
+        assert_eq!(instruments.per_topic.len(), MAX_TOPIC_SERIES + 1);
+        assert!(instruments.per_topic.contains_key(OTHER_TOPICS));
+        // A topic seen before the cap keeps its own series.
+        instruments.poisoned("topic-0");
+        assert_eq!(instruments.per_topic.len(), MAX_TOPIC_SERIES + 1);
     }
 }

@@ -440,7 +440,10 @@ mod tests {
         let health = Health::default();
         let t0 = Instant::now();
         health.set_streaming(true, t0);
-        health.set_alert("slot", Some("replication slot s is missing; resyncing".into()));
+        health.set_alert(
+            "slot",
+            Some("replication slot s is missing; resyncing".into()),
+        );
         health.set_alert("topics", Some("topic t does not exist".into()));
         let answer = health.readiness(t0, STALL);
         assert_eq!(

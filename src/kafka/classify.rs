@@ -65,7 +65,9 @@ pub(crate) fn is_configuration(code: RDKafkaErrorCode) -> bool {
 pub(crate) fn configuration_fix(code: RDKafkaErrorCode) -> &'static str {
     use RDKafkaErrorCode as C;
     match code {
-        C::TopicAuthorizationFailed => "grant the relay's principal WRITE (and DESCRIBE) on the topic",
+        C::TopicAuthorizationFailed => {
+            "grant the relay's principal WRITE (and DESCRIBE) on the topic"
+        }
         C::InvalidTimestamp => {
             "the record's timestamp (created_at) is outside the topic's \
              message.timestamp.before/after.max.ms window: widen it, or use \

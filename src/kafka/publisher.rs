@@ -665,7 +665,11 @@ mod tests {
         assert_eq!(report.failure(), Some(Failure::Configuration));
         assert_eq!(publisher.classify(code), Failure::Transient, "blocks");
         let publisher = publisher.with_configuration_errors_poisoned(true);
-        assert_eq!(publisher.classify(code), Failure::Permanent, "opt-in poison");
+        assert_eq!(
+            publisher.classify(code),
+            Failure::Permanent,
+            "opt-in poison"
+        );
     }
 
     #[tokio::test]

@@ -59,7 +59,9 @@ pub(crate) struct Sql {
     pub(super) select_batch: String,
     /// Every row the poller would still send, in its order, unlocked and unlimited,
     /// leaving out rows that have a poison row (poisoned by the CDC relay, or
-    /// replayed): the backlog a cutover publishes (`$1` is `max_attempts`).
+    /// replayed): the backlog a cutover publishes, whatever the attempts a poller
+    /// recorded (a row past `max_attempts` without a poison row is published once
+    /// more, and poisoned if it fails again: never left behind for retention).
     pub(crate) backlog: String,
     /// Every unsent, unpoisoned row not below the checkpoint xmin `$1` (bigint), in
     /// the snapshot of a resync after a lost slot (`crate::cdc::resync`).
@@ -90,7 +92,7 @@ impl Sql {
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
             backlog: format!(
-                "{select} WHERE o.sent_at IS NULL AND o.attempts < $1 AND NOT EXISTS (
+                "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
                  ORDER BY o.{created_at}, o.{id}",

@@ -475,3 +475,46 @@ async fn two_relays_starting_together_cut_over_once() {
     standby.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// A row a poller gave up on (attempts past `relay.max_attempts`, e.g. a poller run
+/// with `--max-attempts 10`, and no poison row) is published by the cutover, not
+/// left behind, neither sent nor poisoned, for retention to delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_past_max_attempts_is_published_by_the_cutover() {
+    let db = TestDb::create("cutover_attempts").await;
+    let key = insert(&db, Some("e1"), 1).await;
+    db.client
+        .execute(
+            "UPDATE outbox SET attempts = 10, last_error = 'the poller gave up' WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    let out = run_cli(&["cutover", "--config", db.config_path.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let records = consume(&db.topic, 1, Duration::from_secs(30)).await;
+    assert_eq!(
+        records
+            .iter()
+            .filter_map(|r| r.header("idempotency_key"))
+            .collect::<Vec<_>>(),
+        [key.as_str()],
+        "published: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let sent: bool = db
+        .client
+        .query_one(
+            "SELECT sent_at IS NOT NULL FROM outbox WHERE idempotency_key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(sent, "marked sent");
+    db.drop_slot().await;
+}

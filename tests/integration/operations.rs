@@ -317,3 +317,74 @@ async fn least_privilege_role_relays_poisons_and_heartbeats() {
         .await
         .expect("drop the role");
 }
+
+/// The delivery-failure policy for a topic that does not exist yet (it used to be
+/// poisoned within seconds): with the default `relay.on_config_error = "block"` the
+/// events wait, the relay says which topic and what to do, `/readyz` is 503 and the
+/// metric counts; the topic is created a minute after the first event and every
+/// event arrives, in per-key order, none poisoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_a_minute_late_receives_every_event_in_order() {
+    let mut db = TestDb::create("ops_late_topic").await;
+    let late = format!("{}.late", db.name);
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[
+            ("OUTBOX_RELAY__KAFKA__TOPIC_TEMPLATE", late.as_str()),
+            ("OUTBOX_RELAY__METRICS__LISTEN", "127.0.0.1:0"),
+        ],
+    );
+    let addr = metrics_addr(&relay).await;
+    db.wait_streaming(&relay).await;
+    let first = std::time::Instant::now();
+    for seq in 0..20 {
+        let entity = format!("e{}", seq % 2);
+        db.insert_event(&entity, "Created", &format!(r#"{{"seq": {seq}}}"#))
+            .await;
+    }
+    let a = addr.clone();
+    harness::wait_until(
+        Duration::from_secs(60),
+        "/readyz to name the refused topic",
+        || {
+            let a = a.clone();
+            async move {
+                let (status, body) = http_get(&a, "/readyz").await;
+                status == 503 && body.contains("the broker refuses")
+            }
+        },
+    )
+    .await;
+    let log = relay.log();
+    assert!(
+        log.contains("the broker refuses this topic's events"),
+        "{log}"
+    );
+    assert!(log.contains(&late), "the log names the topic: {log}");
+    let page = metrics_page(&addr).await;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("outbox_relay_configuration_errors_total")),
+        "{page}"
+    );
+    tokio::time::sleep(Duration::from_secs(60).saturating_sub(first.elapsed())).await;
+    harness::create_topic(&late, 3).await;
+    let records = harness::consume_unique(&late, 20, Duration::from_secs(120), &relay).await;
+    harness::assert_per_key_order(&records);
+    let poisoned: i64 = db
+        .client
+        .query_one("SELECT count(*) FROM poison_outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(poisoned, 0, "nothing poisoned; log:\n{}", relay.log());
+    let a = addr.clone();
+    harness::wait_until(Duration::from_secs(60), "/readyz to recover", || {
+        let a = a.clone();
+        async move { http_get(&a, "/readyz").await.0 == 200 }
+    })
+    .await;
+    assert!(relay.log().contains("accepts this topic's events again"));
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}

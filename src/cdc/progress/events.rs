@@ -159,8 +159,7 @@ impl Core {
                         event.state = EventState::Poisoning;
                         self.actions.push_back(Pending::InsertPoison { id });
                     } else {
-                        let until =
-                            deadline(now, backoff(delay_base, event.permanent_failures));
+                        let until = deadline(now, backoff(delay_base, event.permanent_failures));
                         event.state = EventState::Backoff {
                             until,
                             then: Then::Produce,

@@ -263,7 +263,10 @@ fn transient_failures_back_off_exponentially_and_never_poison() {
     let a = tx(&mut core, 100, 1, now)[0];
     assert_eq!(work(&mut core).len(), 1);
     core.delivery_failed(a, Failure::Permanent, now);
-    assert!(work(&mut core).is_empty(), "a permanent failure backs off too");
+    assert!(
+        work(&mut core).is_empty(),
+        "a permanent failure backs off too"
+    );
     now += ms(100);
     core.tick(now);
     assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 2 }]);
