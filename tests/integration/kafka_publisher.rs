@@ -265,10 +265,12 @@ async fn oversized_record_is_a_permanent_failure() {
     assert_eq!(failure, Failure::Permanent);
 }
 
-/// A topic that does not exist (no auto-creation) fails the record permanently once
-/// the metadata propagation time has passed, instead of waiting forever.
+/// A topic that does not exist (no auto-creation) fails the record once the metadata
+/// propagation time has passed, instead of waiting forever; the failure is the
+/// setup's, not the record's (a configuration failure), so by default it blocks
+/// (retried as transient) and poisons only with `relay.on_config_error = "poison"`.
 #[tokio::test]
-async fn missing_topic_is_a_permanent_failure() {
+async fn missing_topic_is_a_configuration_failure() {
     let topic = unique("kafka_missing");
     let (publisher, mut rx) = publisher(&[("topic.metadata.propagation.max.ms", "1000")]);
     let id = EventId::from_raw(11);
@@ -300,7 +302,22 @@ async fn missing_topic_is_a_permanent_failure() {
         ),
         "{code:?}"
     );
-    assert_eq!(failure, Failure::Permanent);
+    // A rejection at send has the policy applied already; a report carries the class.
+    assert!(
+        matches!(failure, Failure::Configuration | Failure::Transient),
+        "{failure:?}"
+    );
+    assert_eq!(
+        publisher.classify(code),
+        Failure::Transient,
+        "blocks by default"
+    );
+    let publisher = publisher.with_configuration_errors_poisoned(true);
+    assert_eq!(
+        publisher.classify(code),
+        Failure::Permanent,
+        "opt-in poison"
+    );
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
