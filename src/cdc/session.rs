@@ -1207,6 +1207,23 @@ impl Relay {
             return;
         };
         tracing::trace!(%id, topic = %event.topic, "produce");
+        let (size, limit) = (event.byte_size(), self.publisher.max_message_bytes());
+        if size > limit {
+            // No retry can make it fit: poisoned now, with the limit in the error.
+            let message = format!(
+                "record of {size} bytes (key, value and headers) is larger than the producer's \
+                 message.max.bytes = {limit} (kafka.producer); topic {:?}",
+                event.topic
+            );
+            self.record_failure(
+                id,
+                kafka::error_kind(RDKafkaErrorCode::MessageSizeTooLarge),
+                &message,
+                Failure::Permanent,
+            );
+            self.core.refuse(id, Instant::now());
+            return;
+        }
         if let Err(rejected) = self.publisher.send_event(id, event) {
             if kafka::is_configuration(rejected.code) {
                 self.topic_refuses(id, rejected.code, &rejected.message);

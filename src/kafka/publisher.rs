@@ -218,6 +218,8 @@ pub struct Publisher {
     brokers: String,
     /// `relay.on_config_error = "poison"`: configuration failures are permanent.
     poison_configuration_errors: bool,
+    /// The producer's `message.max.bytes`: a larger record is refused at send.
+    max_message_bytes: usize,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -229,6 +231,9 @@ impl std::fmt::Debug for Publisher {
             .finish_non_exhaustive()
     }
 }
+
+/// librdkafka's default `message.max.bytes`.
+const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
 
 /// How often the delivery thread wakes up to check for shutdown when idle (reports
 /// are handled as soon as they arrive, not on this tick).
@@ -290,6 +295,10 @@ impl Publisher {
                 .map_err(BrokerError::DeliveryThread)?
         };
         let brokers = cfg.get("bootstrap.servers").unwrap_or_default().to_owned();
+        let max_message_bytes = cfg
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(LIBRDKAFKA_MESSAGE_MAX_BYTES);
         Ok((
             Publisher {
                 producer,
@@ -297,6 +306,7 @@ impl Publisher {
                 poller: Some(poller),
                 brokers,
                 poison_configuration_errors: false,
+                max_message_bytes,
             },
             rx,
         ))
@@ -309,6 +319,13 @@ impl Publisher {
     pub fn with_configuration_errors_poisoned(mut self, poison: bool) -> Publisher {
         self.poison_configuration_errors = poison;
         self
+    }
+
+    /// The producer's `message.max.bytes` (librdkafka's default unless configured):
+    /// a record whose key, value and headers add up to more is refused at send.
+    #[must_use]
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
     }
 
     /// How the relay treats a failure with this code (`relay.on_config_error` applied).

@@ -318,7 +318,14 @@ async fn poison_rows_land_in_poison_outbox_and_the_stream_goes_on() {
         kind.contains("size") || kind.contains("large"),
         "{kind}: {error}"
     );
-    assert_eq!(*attempts, 5, "oversize retried max_attempts times");
+    assert_eq!(
+        *attempts, 1,
+        "oversize: refused before producing, no retries"
+    );
+    assert!(
+        error.contains("message.max.bytes = 100000"),
+        "the limit is in the error: {error}"
+    );
     assert!(has_lsn);
     let (kind, error, _, _) = &by_key[&null_key];
     assert_eq!(kind, "null_key", "{error}");

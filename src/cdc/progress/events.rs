@@ -181,6 +181,25 @@ impl Core {
         self.poll_status(now);
     }
 
+    /// The shell refuses to produce `id` at all (a record larger than the producer
+    /// accepts, which no retry can change): it is poisoned at once. Ignored unless a
+    /// produce of `id` is requested or outstanding.
+    pub fn refuse(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get_mut(&id)
+            && matches!(event.state, EventState::Producing { .. })
+        {
+            if !event.failed {
+                event.failed = true;
+                if let Some(k) = event.key {
+                    *self.blocked_keys.entry(k).or_default() += 1;
+                }
+            }
+            event.state = EventState::Poisoning;
+            self.actions.push_back(Pending::InsertPoison { id });
+        }
+        self.poll_status(now);
+    }
+
     /// The `poison_outbox` insert for `id` committed: the event is resolved. Ignored
     /// unless a poison insert of `id` is outstanding.
     pub fn poison_committed(&mut self, id: EventId, now: Instant) {

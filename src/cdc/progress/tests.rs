@@ -237,6 +237,32 @@ fn permanent_failures_poison_after_max_attempts_and_only_the_insert_commit_resol
 }
 
 #[test]
+fn a_refused_event_is_poisoned_at_once_and_holds_its_key() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 1).unwrap();
+    let big = core.admit_keyed(10, Some(7), now).unwrap();
+    let next = core.admit_keyed(10, Some(7), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    assert_eq!(work(&mut core).len(), 2);
+    core.refuse(big, now);
+    assert_eq!(
+        work(&mut core),
+        vec![Action::InsertPoison {
+            id: big,
+            attempts: 1
+        }]
+    );
+    core.delivered(next, now);
+    core.poison_committed(big, now);
+    assert_eq!(core.confirmed(), Lsn(110));
+    core.refuse(big, now);
+    assert!(
+        work(&mut core).is_empty(),
+        "a resolved event is not refused again"
+    );
+}
+
+#[test]
 fn unmappable_rows_go_straight_to_poison() {
     let (mut core, now) = core_at(50);
     core.begin(Lsn(100), 1).unwrap();
