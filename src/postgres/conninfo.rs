@@ -31,15 +31,25 @@
 //!   `LOGNAME`), as libpq, else `postgres`; no other `PG*` variable is read;
 //! - `verify-ca`/`verify-full` without `sslrootcert` (or with `sslrootcert=system`)
 //!   verify against the operating system's trust store (libpq reads
-//!   `~/.postgresql/root.crt`).
+//!   `~/.postgresql/root.crt`);
+//! - a `?` in the password must be percent-encoded like a `/` (libpq tolerates it),
+//!   and an `@` in the database name as `%40` (else `relay:12/ab@db/app`, a password
+//!   with a `/`, would be taken for host `relay`, port 12 and database `ab@db/app`,
+//!   and `relay:@/ab@db/app` for an empty password and database `ab@db/app`).
 //!
-//! The password is never printed: [`ConnInfo`]'s `Debug` and `Display` leave it out.
+//! # The password
+//!
+//! It is never printed: [`ConnInfo`]'s `Debug` and `Display` leave it out, and no
+//! [`ConnInfoError`] contains it or any part of it, even when it is what breaks the
+//! URL (see [`ConnInfo::parse`]).
 
 use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
+
+use crate::config::redact_url;
 
 /// Default `application_name`, visible in `pg_stat_activity` and `pg_stat_replication`.
 pub const DEFAULT_APPLICATION_NAME: &str = "outbox-relay";
@@ -202,7 +212,8 @@ pub struct ConnInfo {
     options: Option<String>,
 }
 
-/// Why a connection URL was rejected. The message never contains the password.
+/// Why a connection URL was rejected. The message never contains the password, nor
+/// any part of it (see [`ConnInfo::parse`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid PostgreSQL connection URL: {message}")]
 pub struct ConnInfoError {
@@ -223,154 +234,28 @@ impl ConnInfoError {
     }
 }
 
+/// The error for a URL that parses once its password is hidden: the password itself
+/// breaks it, so it is named but not shown.
+const UNPARSABLE_PASSWORD: &str = "the password (not shown) cannot be parsed: \
+     percent-encode '/', '?', '&' and '%' in it (as %2F, %3F, %26 and %25)";
+
 impl ConnInfo {
     /// Parses a `postgresql://` (or `postgres://`) URL.
+    ///
+    /// No error contains the password or a piece of it. That takes more than
+    /// leaving the password out of the messages: an unencoded `/` or `?` in it
+    /// ends the user info early, and its halves would then be quoted as a host, a
+    /// port or a query parameter. So when the URL has a password-like part (see
+    /// [`redact_url`]), the error is computed from the redacted URL instead, and if
+    /// that one parses, the password is what breaks it and the error says so without
+    /// showing it.
     ///
     /// # Errors
     ///
     /// [`ConnInfoError`] for another scheme, bad percent-encoding, a bad port,
     /// several hosts, an unknown or invalid query parameter.
     pub fn parse(url: &str) -> Result<ConnInfo, ConnInfoError> {
-        let rest = url
-            .strip_prefix("postgresql://")
-            .or_else(|| url.strip_prefix("postgres://"))
-            .ok_or_else(|| {
-                ConnInfoError::new("expected a URL starting with postgresql:// or postgres://")
-            })?;
-        let (before_query, query) = match rest.split_once('?') {
-            Some((b, q)) => (b, Some(q)),
-            None => (rest, None),
-        };
-        let (authority, path) = match before_query.split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (before_query, None),
-        };
-        let (userinfo, hostport) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-
-        let mut user = None;
-        let mut password = None;
-        if let Some(userinfo) = userinfo {
-            let (u, p) = match userinfo.split_once(':') {
-                Some((u, p)) => (u, Some(p)),
-                None => (userinfo, None),
-            };
-            if !u.is_empty() {
-                user = Some(percent_decode(u, "user name")?);
-            }
-            if let Some(p) = p {
-                password = Some(percent_decode(p, "password")?);
-            }
-        }
-
-        let (mut host, mut port) = parse_hostport(hostport)?;
-        let mut dbname = match path {
-            Some(p) if !p.is_empty() => Some(percent_decode(p, "database name")?),
-            _ => None,
-        };
-
-        let mut hostaddr = None;
-        let mut sslmode = SslMode::default();
-        let mut sslrootcert = None;
-        let mut channel_binding = ChannelBindingMode::default();
-        let mut application_name = None;
-        let mut connect_timeout = None;
-        let mut options = None;
-
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (raw_key, raw_value) = pair.split_once('=').ok_or_else(|| {
-                ConnInfoError::new(format!(
-                    "query parameter {:?} has no value",
-                    truncate_for_message(pair)
-                ))
-            })?;
-            let key = percent_decode(raw_key, "parameter name")?;
-            // Never echo the value of `password` in an error.
-            let what = if key == "password" {
-                "password".to_owned()
-            } else {
-                format!("value of {key}")
-            };
-            let value = percent_decode(raw_value, &what)?;
-            match key.as_str() {
-                "host" => host = Some(value),
-                "hostaddr" => {
-                    hostaddr = Some(value.parse::<IpAddr>().map_err(|_| {
-                        ConnInfoError::new(format!(
-                            "hostaddr {value:?} is not a numeric IP address"
-                        ))
-                    })?);
-                }
-                "port" => port = Some(parse_port(&value)?),
-                "user" => user = Some(value),
-                "password" => password = Some(value),
-                "dbname" => dbname = Some(value),
-                "sslmode" => sslmode = value.parse()?,
-                "sslrootcert" => {
-                    sslrootcert = Some(if value == "system" {
-                        RootCerts::System
-                    } else {
-                        RootCerts::File(PathBuf::from(value))
-                    });
-                }
-                "channel_binding" => channel_binding = value.parse()?,
-                "application_name" => application_name = Some(value),
-                "connect_timeout" => connect_timeout = parse_connect_timeout(&value)?,
-                "options" => options = Some(value),
-                "sslcert" | "sslkey" | "sslpassword" => {
-                    return Err(ConnInfoError::new(format!(
-                        "{key} (TLS client certificates) is not supported"
-                    )));
-                }
-                other => {
-                    return Err(ConnInfoError::new(format!(
-                        "unsupported query parameter {other:?} (supported: host, hostaddr, port, \
-                         user, password, dbname, sslmode, sslrootcert, channel_binding, \
-                         application_name, connect_timeout, options)"
-                    )));
-                }
-            }
-        }
-
-        let user = user.filter(|u| !u.is_empty()).unwrap_or_else(default_user);
-        let host = match host {
-            Some(h) if h.contains(',') => {
-                return Err(ConnInfoError::new(
-                    "several hosts are not supported: give exactly one",
-                ));
-            }
-            Some(h) if h.starts_with('/') => Host::Unix(PathBuf::from(h)),
-            Some(h) if !h.is_empty() => Host::Tcp(h),
-            _ => Host::Tcp("localhost".to_owned()),
-        };
-        let dbname = dbname
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| user.clone());
-        if contains_nul(&user)
-            || contains_nul(&dbname)
-            || password.as_deref().is_some_and(contains_nul)
-            || options.as_deref().is_some_and(contains_nul)
-            || application_name.as_deref().is_some_and(contains_nul)
-        {
-            return Err(ConnInfoError::new("a parameter contains a NUL byte"));
-        }
-        Ok(ConnInfo {
-            host,
-            hostaddr,
-            port: port.unwrap_or(DEFAULT_PORT),
-            user,
-            password,
-            dbname,
-            sslmode,
-            sslrootcert,
-            channel_binding,
-            application_name: application_name
-                .unwrap_or_else(|| DEFAULT_APPLICATION_NAME.to_owned()),
-            connect_timeout,
-            options,
-        })
+        parse_revealing(url).map_err(|err| without_secrets(url, err))
     }
 
     /// The host to connect to (and, over TCP, to check the certificate against).
@@ -581,6 +466,221 @@ impl fmt::Display for ConnInfo {
     }
 }
 
+/// `err`, unless `url` has a password-like part: then the error its redacted form
+/// gives, which cannot quote the password because it is not in there.
+fn without_secrets(url: &str, err: ConnInfoError) -> ConnInfoError {
+    let redacted = redact_url(url);
+    if redacted == url {
+        return err;
+    }
+    match parse_revealing(&redacted) {
+        Err(err) => err,
+        Ok(_) => ConnInfoError::new(UNPARSABLE_PASSWORD),
+    }
+}
+
+/// The parser proper. Its errors may quote any part of `url`: only
+/// [`ConnInfo::parse`] may call it on a URL that can hold a password.
+fn parse_revealing(url: &str) -> Result<ConnInfo, ConnInfoError> {
+    let rest = url
+        .strip_prefix("postgresql://")
+        .or_else(|| url.strip_prefix("postgres://"))
+        .ok_or_else(|| {
+            ConnInfoError::new("expected a URL starting with postgresql:// or postgres://")
+        })?;
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = match before_query.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (before_query, None),
+    };
+    let (userinfo, hostport) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    // `relay:12/ab@db/app` or `relay:@/ab@db/app`: a password with a `/` made its
+    // tail the database name.
+    if path.is_some_and(|p| p.contains('@')) {
+        return Err(ConnInfoError::new(
+            "unencoded '@' in the database name: percent-encode it as %40",
+        ));
+    }
+
+    let mut params = Params::default();
+    if let Some(userinfo) = userinfo {
+        params.userinfo(userinfo)?;
+    }
+    (params.host, params.port) = parse_hostport(hostport)?;
+    if let Some(p) = path.filter(|p| !p.is_empty()) {
+        params.dbname = Some(percent_decode(p, "database name")?);
+    }
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        params.query_pair(pair)?;
+    }
+    params.finish()
+}
+
+/// What a URL says, on top of libpq's defaults; [`Params::finish`] checks it and
+/// fills in what depends on other values.
+struct Params {
+    host: Option<String>,
+    hostaddr: Option<IpAddr>,
+    port: Option<u16>,
+    user: Option<String>,
+    password: Option<String>,
+    dbname: Option<String>,
+    sslmode: SslMode,
+    sslrootcert: Option<RootCerts>,
+    channel_binding: ChannelBindingMode,
+    application_name: Option<String>,
+    connect_timeout: Option<Duration>,
+    options: Option<String>,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            host: None,
+            hostaddr: None,
+            port: None,
+            user: None,
+            password: None,
+            dbname: None,
+            sslmode: SslMode::default(),
+            sslrootcert: None,
+            channel_binding: ChannelBindingMode::default(),
+            application_name: None,
+            connect_timeout: None,
+            options: None,
+        }
+    }
+}
+
+impl Params {
+    /// `user[:password]`, the part before the host's `@`.
+    fn userinfo(&mut self, userinfo: &str) -> Result<(), ConnInfoError> {
+        let (user, password) = match userinfo.split_once(':') {
+            Some((u, p)) => (u, Some(p)),
+            None => (userinfo, None),
+        };
+        if !user.is_empty() {
+            self.user = Some(percent_decode(user, "user name")?);
+        }
+        if let Some(password) = password {
+            self.password = Some(percent_decode(password, "password")?);
+        }
+        Ok(())
+    }
+
+    /// One `key=value` of the query.
+    fn query_pair(&mut self, pair: &str) -> Result<(), ConnInfoError> {
+        let (raw_key, raw_value) = pair.split_once('=').ok_or_else(|| {
+            ConnInfoError::new(format!(
+                "query parameter {:?} has no value",
+                truncate_for_message(pair)
+            ))
+        })?;
+        let key = percent_decode(raw_key, "parameter name")?;
+        // Never echo the value of `password` in an error.
+        let what = if key == "password" {
+            "password".to_owned()
+        } else {
+            format!("value of {key}")
+        };
+        let value = percent_decode(raw_value, &what)?;
+        self.set(&key, value)
+    }
+
+    fn set(&mut self, key: &str, value: String) -> Result<(), ConnInfoError> {
+        match key {
+            "host" => self.host = Some(value),
+            "hostaddr" => {
+                self.hostaddr = Some(value.parse::<IpAddr>().map_err(|_| {
+                    ConnInfoError::new(format!("hostaddr {value:?} is not a numeric IP address"))
+                })?);
+            }
+            "port" => self.port = Some(parse_port(&value)?),
+            "user" => self.user = Some(value),
+            "password" => self.password = Some(value),
+            "dbname" => self.dbname = Some(value),
+            "sslmode" => self.sslmode = value.parse()?,
+            "sslrootcert" => {
+                self.sslrootcert = Some(if value == "system" {
+                    RootCerts::System
+                } else {
+                    RootCerts::File(PathBuf::from(value))
+                });
+            }
+            "channel_binding" => self.channel_binding = value.parse()?,
+            "application_name" => self.application_name = Some(value),
+            "connect_timeout" => self.connect_timeout = parse_connect_timeout(&value)?,
+            "options" => self.options = Some(value),
+            "sslcert" | "sslkey" | "sslpassword" => {
+                return Err(ConnInfoError::new(format!(
+                    "{key} (TLS client certificates) is not supported"
+                )));
+            }
+            other => {
+                return Err(ConnInfoError::new(format!(
+                    "unsupported query parameter {other:?} (supported: host, hostaddr, port, \
+                     user, password, dbname, sslmode, sslrootcert, channel_binding, \
+                     application_name, connect_timeout, options)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the defaults that depend on other values and rejects what no
+    /// connection can carry.
+    fn finish(self) -> Result<ConnInfo, ConnInfoError> {
+        let user = self
+            .user
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(default_user);
+        let host = match self.host {
+            Some(h) if h.contains(',') => {
+                return Err(ConnInfoError::new(
+                    "several hosts are not supported: give exactly one",
+                ));
+            }
+            Some(h) if h.starts_with('/') => Host::Unix(PathBuf::from(h)),
+            Some(h) if !h.is_empty() => Host::Tcp(h),
+            _ => Host::Tcp("localhost".to_owned()),
+        };
+        let dbname = self
+            .dbname
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| user.clone());
+        if contains_nul(&user)
+            || contains_nul(&dbname)
+            || self.password.as_deref().is_some_and(contains_nul)
+            || self.options.as_deref().is_some_and(contains_nul)
+            || self.application_name.as_deref().is_some_and(contains_nul)
+        {
+            return Err(ConnInfoError::new("a parameter contains a NUL byte"));
+        }
+        Ok(ConnInfo {
+            host,
+            hostaddr: self.hostaddr,
+            port: self.port.unwrap_or(DEFAULT_PORT),
+            user,
+            password: self.password,
+            dbname,
+            sslmode: self.sslmode,
+            sslrootcert: self.sslrootcert,
+            channel_binding: self.channel_binding,
+            application_name: self
+                .application_name
+                .unwrap_or_else(|| DEFAULT_APPLICATION_NAME.to_owned()),
+            connect_timeout: self.connect_timeout,
+            options: self.options,
+        })
+    }
+}
+
 /// libpq's default user: `PGUSER`, else the operating-system user, else `postgres`.
 fn default_user() -> String {
     ["PGUSER", "USER", "LOGNAME", "USERNAME"]
@@ -649,15 +749,19 @@ fn parse_port(s: &str) -> Result<u16, ConnInfoError> {
 
 /// libpq: zero or negative means no limit; the minimum is 2 seconds.
 fn parse_connect_timeout(s: &str) -> Result<Option<Duration>, ConnInfoError> {
-    let secs: i64 = s.trim().parse().map_err(|_| {
-        ConnInfoError::new(format!(
-            "invalid connect_timeout {:?}: expected whole seconds",
-            truncate_for_message(s)
-        ))
-    })?;
-    Ok(match u64::try_from(secs) {
+    Ok(match u64::try_from(parse_int("connect_timeout", s)?) {
         Ok(0) | Err(_) => None,
         Ok(secs) => Some(Duration::from_secs(secs.max(2))),
+    })
+}
+
+/// A whole number, white space around it allowed (libpq's `parse_int_param`).
+fn parse_int(key: &str, s: &str) -> Result<i64, ConnInfoError> {
+    s.trim().parse().map_err(|_| {
+        ConnInfoError::new(format!(
+            "invalid {key} {:?}: expected a whole number",
+            truncate_for_message(s)
+        ))
     })
 }
 
@@ -832,6 +936,78 @@ mod tests {
         reject("postgresql://u@h/db?sslmode");
         reject("postgresql://u@h/%00");
         reject("postgresql://u@[::1/db");
+        reject("postgresql://h/we@ird");
+        reject("postgresql://u:pw@h/we@ird");
+        assert_eq!(parse("postgresql://h/we%40ird").dbname(), "we@ird");
+        assert_eq!(parse("postgresql://u@h/db?user=me@corp").user(), "me@corp");
+    }
+
+    /// Passwords with each character that breaks a URL's structure, and
+    /// percent-encoded or badly encoded ones. Their letters occur nowhere else in
+    /// the test URLs.
+    const SECRETS: &[&str] = &[
+        "Kx7/Qz9",
+        "Kx7?Qz9",
+        "Kx7@Qz9",
+        "Kx7:Qz9",
+        "Kx7#Qz9",
+        "Kx7&Qz9",
+        "Kx7/?@:#&Qz9",
+        "Kx7%2FQz9",
+        "Kx7%3F%40%3A%23Qz9",
+        "Kx7%zzQz9",
+        "Kx7%00Qz9",
+        "Kx7%2",
+    ];
+
+    /// The URL forms a password can take: user info (with a valid, an invalid and
+    /// no port), a `password=` parameter, libpq's key/value form (not supported,
+    /// still never echoed).
+    fn urls_with(secret: &str) -> Vec<String> {
+        vec![
+            format!("postgresql://relay:{secret}@127.0.0.1:1/app"),
+            format!("postgres://relay:{secret}@db/app?sslmode=require&connect_timeout=3"),
+            format!("postgresql://relay:{secret}@db:99999/app"),
+            format!("postgresql://relay:{secret}@db/app?sslmode=bogus"),
+            format!("postgresql://relay:12{secret}@db/app"),
+            format!("postgresql://relay:/{secret}@db/app"),
+            format!("postgresql://relay:@/{secret}@db/app"),
+            format!("postgresql://relay@db/app?password={secret}"),
+            format!("postgresql://relay@db/app?password={secret}&sslmode=require"),
+            format!("postgresql://relay@db/app?password={secret}&bogus=1"),
+            format!("host=db user=relay password={secret}"),
+        ]
+    }
+
+    /// Neither the secret (raw or decoded) nor a run of three or more of its
+    /// letters and digits is in `shown`.
+    fn assert_hidden(shown: &str, secret: &str, url: &str) {
+        let decoded = percent_decode(secret, "test").unwrap_or_default();
+        for whole in [secret, decoded.as_str()]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+        {
+            assert!(!shown.contains(whole), "{url}: {whole:?} shown in {shown}");
+        }
+        for run in secret
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|r| r.len() >= 3)
+        {
+            assert!(!shown.contains(run), "{url}: {run:?} shown in {shown}");
+        }
+    }
+
+    #[test]
+    fn no_output_contains_a_password_whatever_it_holds() {
+        for secret in SECRETS {
+            for url in urls_with(secret) {
+                let shown = match ConnInfo::parse(&url) {
+                    Ok(info) => format!("{info} {info:?}"),
+                    Err(e) => format!("{e} {e:?} {}", e.message()),
+                };
+                assert_hidden(&shown, secret, &url);
+            }
+        }
     }
 
     #[test]
@@ -840,6 +1016,44 @@ mod tests {
         assert!(!err.contains("hunter2"), "{err}");
         let err = reject("postgresql://u:hunter2@h:99999/db");
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn a_password_that_breaks_the_url_is_named_not_shown() {
+        // Parsed as they stand, these said `invalid port "Kx7"` and `query
+        // parameter "Qz9@…" has no value`.
+        for url in [
+            "postgresql://relay:Kx7/Qz9@127.0.0.1:1/app",
+            "postgresql://relay:Kx7?Qz9@127.0.0.1:1/app",
+            "postgresql://relay:Kx7%zzQz9@127.0.0.1:1/app",
+            "postgresql://relay@127.0.0.1:1/app?password=Kx7&Qz9",
+        ] {
+            let err = reject(url);
+            assert!(err.contains("the password (not shown)"), "{url}: {err}");
+            assert!(!err.contains("Kx7") && !err.contains("Qz9"), "{url}: {err}");
+        }
+        // What is wrong elsewhere is still reported as such.
+        let err = reject("postgresql://relay:pa/ss@db/app?sslmode=bogus");
+        assert!(err.contains("invalid sslmode \"bogus\""), "{err}");
+        let err = reject("postgresql://relay:secret@db:99999/app");
+        assert!(err.contains("invalid port \"99999\""), "{err}");
+        let err = reject("postgresql://re%zzlay:secret@db/app");
+        assert!(err.contains("bad percent-encoding in user name"), "{err}");
+    }
+
+    #[test]
+    fn unencoded_at_colon_and_hash_are_part_of_the_password() {
+        for (url, password) in [
+            ("postgresql://u:p@ss@h/db", "p@ss"),
+            ("postgresql://u:p:ss@h/db", "p:ss"),
+            ("postgresql://u:p#ss@h/db", "p#ss"),
+            ("postgresql://u:p%2Fs%3Fs@h/db", "p/s?s"),
+            ("postgresql://u@h/db?password=p%26s%3Ds", "p&s=s"),
+        ] {
+            let info = parse(url);
+            assert_eq!(info.password(), Some(password), "{url}");
+            assert_eq!(info.host(), &Host::Tcp("h".into()), "{url}");
+        }
     }
 
     #[test]
@@ -884,6 +1098,23 @@ mod tests {
         #[test]
         fn parse_never_panics(s in "(postgres(ql)?://)?.{0,60}") {
             let _ = ConnInfo::parse(&s);
+        }
+
+        #[test]
+        fn no_output_contains_an_arbitrary_password(password in "[A-Za-z0-9/?@:#&% ]{8,16}") {
+            for url in [
+                format!("postgresql://relay:{password}@db/app"),
+                format!("postgresql://relay@db/app?password={password}&sslmode=disable"),
+            ] {
+                let shown = match ConnInfo::parse(&url) {
+                    Ok(info) => format!("{info} {info:?}"),
+                    Err(e) => format!("{e} {e:?}"),
+                };
+                prop_assert!(!shown.contains(&password), "{} in {}", password, shown);
+                for run in password.split(|c: char| !c.is_ascii_alphanumeric()) {
+                    prop_assert!(run.len() < 6 || !shown.contains(run), "{} in {}", run, shown);
+                }
+            }
         }
 
         #[test]
