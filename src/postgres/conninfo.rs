@@ -20,8 +20,10 @@
 //!   socket directory (a host starting with `/`, e.g. `?host=/var/run/postgresql`);
 //! - query parameters `host`, `hostaddr`, `port`, `user`, `password`, `dbname`,
 //!   `sslmode`, `sslrootcert`, `channel_binding`, `application_name`,
-//!   `connect_timeout` and `options`. As in libpq, `hostaddr` is the IP address to
-//!   connect to while `host` stays the name the server certificate is checked against.
+//!   `connect_timeout`, `keepalives`, `keepalives_idle`, `keepalives_interval`,
+//!   `keepalives_count`, `tcp_user_timeout` and `options`. As in libpq, `hostaddr`
+//!   is the IP address to connect to while `host` stays the name the server
+//!   certificate is checked against.
 //!
 //! Differences from libpq, all in the direction of failing loudly:
 //! - unknown parameters, several hosts, `sslmode=allow` and client certificates are
@@ -36,6 +38,13 @@
 //!   and an `@` in the database name as `%40` (else `relay:12/ab@db/app`, a password
 //!   with a `/`, would be taken for host `relay`, port 12 and database `ab@db/app`,
 //!   and `relay:@/ab@db/app` for an empty password and database `ab@db/app`).
+//!
+//! Two defaults differ from libpq's, because a relay runs unattended: the
+//! `connect_timeout` is [`DEFAULT_CONNECT_TIMEOUT`] (libpq waits as long as the
+//! kernel does), and TCP keepalives probe after 30 s of silence, every 10 s, 3 times
+//! ([`Keepalives`]; libpq keeps the system's two hours), so a half-open connection
+//! fails within a minute instead of hanging a writer for hours. Both apply to the
+//! metadata and the replication connection alike.
 //!
 //! # The password
 //!
@@ -195,6 +204,39 @@ pub enum RootCerts {
     System,
 }
 
+/// `connect_timeout` when the URL gives none: ample for TCP, TLS and SCRAM over a
+/// slow link, short enough that an unreachable server is reported (and retried)
+/// within seconds rather than after the kernel's TCP timeout of minutes.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TCP keepalive probes (libpq's `keepalives_idle`, `keepalives_interval`,
+/// `keepalives_count`).
+///
+/// A peer that vanishes without a FIN or RST (a crashed host, a dropped NAT or
+/// firewall entry) leaves a half-open connection: a client waiting for an answer
+/// waits until the kernel's keepalive gives up, two hours and more by default. With
+/// [`Keepalives::default`] a silent peer is dropped after 30 s + 3 × 10 s. `None`
+/// keeps the system's default for that setting (libpq's `0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalives {
+    /// Idle time before the first probe (`keepalives_idle`).
+    pub idle: Option<Duration>,
+    /// Time between unanswered probes (`keepalives_interval`).
+    pub interval: Option<Duration>,
+    /// Unanswered probes before the connection is dropped (`keepalives_count`).
+    pub count: Option<u32>,
+}
+
+impl Default for Keepalives {
+    fn default() -> Self {
+        Keepalives {
+            idle: Some(Duration::from_secs(30)),
+            interval: Some(Duration::from_secs(10)),
+            count: Some(3),
+        }
+    }
+}
+
 /// A parsed connection URL. `Debug` and `Display` never show the password.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ConnInfo {
@@ -209,6 +251,8 @@ pub struct ConnInfo {
     channel_binding: ChannelBindingMode,
     application_name: String,
     connect_timeout: Option<Duration>,
+    keepalives: Option<Keepalives>,
+    tcp_user_timeout: Option<Duration>,
     options: Option<String>,
 }
 
@@ -325,6 +369,20 @@ impl ConnInfo {
         self.connect_timeout
     }
 
+    /// TCP keepalive probes, `None` when turned off (`keepalives=0`); on with
+    /// [`Keepalives::default`] unless the URL says otherwise.
+    #[must_use]
+    pub fn keepalives(&self) -> Option<Keepalives> {
+        self.keepalives
+    }
+
+    /// How long sent data may stay unacknowledged before the connection is dropped
+    /// (`tcp_user_timeout`, Linux only); `None` keeps the system's default.
+    #[must_use]
+    pub fn tcp_user_timeout(&self) -> Option<Duration> {
+        self.tcp_user_timeout
+    }
+
     /// Extra server options (`options=-c name=value …`), sent at startup.
     #[must_use]
     pub fn options(&self) -> Option<&str> {
@@ -407,6 +465,7 @@ impl ConnInfo {
         if let Some(timeout) = self.connect_timeout {
             config.connect_timeout(timeout);
         }
+        self.apply_tcp_settings(&mut config);
         if let Some(options) = &self.options {
             config.options(options);
         }
@@ -421,6 +480,28 @@ impl ConnInfo {
             ChannelBindingMode::Require => ChannelBinding::Require,
         });
         config
+    }
+}
+
+impl ConnInfo {
+    /// Keepalives and `tcp_user_timeout` on a `tokio-postgres` configuration
+    /// (whose own default is keepalives after two hours of silence).
+    fn apply_tcp_settings(&self, config: &mut tokio_postgres::Config) {
+        config.keepalives(self.keepalives.is_some());
+        if let Some(keepalives) = self.keepalives {
+            if let Some(idle) = keepalives.idle {
+                config.keepalives_idle(idle);
+            }
+            if let Some(interval) = keepalives.interval {
+                config.keepalives_interval(interval);
+            }
+            if let Some(count) = keepalives.count {
+                config.keepalives_retries(count);
+            }
+        }
+        if let Some(timeout) = self.tcp_user_timeout {
+            config.tcp_user_timeout(timeout);
+        }
     }
 }
 
@@ -446,6 +527,8 @@ impl fmt::Debug for ConnInfo {
             .field("channel_binding", &self.channel_binding)
             .field("application_name", &self.application_name)
             .field("connect_timeout", &self.connect_timeout)
+            .field("keepalives", &self.keepalives)
+            .field("tcp_user_timeout", &self.tcp_user_timeout)
             .field("options", &self.options)
             .finish()
     }
@@ -536,6 +619,9 @@ struct Params {
     channel_binding: ChannelBindingMode,
     application_name: Option<String>,
     connect_timeout: Option<Duration>,
+    keepalives: bool,
+    keepalive: Keepalives,
+    tcp_user_timeout: Option<Duration>,
     options: Option<String>,
 }
 
@@ -552,7 +638,10 @@ impl Default for Params {
             sslrootcert: None,
             channel_binding: ChannelBindingMode::default(),
             application_name: None,
-            connect_timeout: None,
+            connect_timeout: Some(DEFAULT_CONNECT_TIMEOUT),
+            keepalives: true,
+            keepalive: Keepalives::default(),
+            tcp_user_timeout: None,
             options: None,
         }
     }
@@ -616,6 +705,11 @@ impl Params {
             "channel_binding" => self.channel_binding = value.parse()?,
             "application_name" => self.application_name = Some(value),
             "connect_timeout" => self.connect_timeout = parse_connect_timeout(&value)?,
+            "keepalives" => self.keepalives = parse_int(key, &value)? != 0,
+            "keepalives_idle" => self.keepalive.idle = parse_seconds(key, &value)?,
+            "keepalives_interval" => self.keepalive.interval = parse_seconds(key, &value)?,
+            "keepalives_count" => self.keepalive.count = parse_count(key, &value)?,
+            "tcp_user_timeout" => self.tcp_user_timeout = parse_millis(key, &value)?,
             "options" => self.options = Some(value),
             "sslcert" | "sslkey" | "sslpassword" => {
                 return Err(ConnInfoError::new(format!(
@@ -626,7 +720,8 @@ impl Params {
                 return Err(ConnInfoError::new(format!(
                     "unsupported query parameter {other:?} (supported: host, hostaddr, port, \
                      user, password, dbname, sslmode, sslrootcert, channel_binding, \
-                     application_name, connect_timeout, options)"
+                     application_name, connect_timeout, keepalives, keepalives_idle, \
+                     keepalives_interval, keepalives_count, tcp_user_timeout, options)"
                 )));
             }
         }
@@ -676,6 +771,8 @@ impl Params {
                 .application_name
                 .unwrap_or_else(|| DEFAULT_APPLICATION_NAME.to_owned()),
             connect_timeout: self.connect_timeout,
+            keepalives: self.keepalives.then_some(self.keepalive),
+            tcp_user_timeout: self.tcp_user_timeout,
             options: self.options,
         })
     }
@@ -765,6 +862,29 @@ fn parse_int(key: &str, s: &str) -> Result<i64, ConnInfoError> {
     })
 }
 
+/// Whole seconds; zero or negative keeps the system's default (libpq).
+fn parse_seconds(key: &str, s: &str) -> Result<Option<Duration>, ConnInfoError> {
+    Ok(positive(parse_int(key, s)?).map(Duration::from_secs))
+}
+
+/// Milliseconds; zero or negative keeps the system's default (libpq).
+fn parse_millis(key: &str, s: &str) -> Result<Option<Duration>, ConnInfoError> {
+    Ok(positive(parse_int(key, s)?).map(Duration::from_millis))
+}
+
+/// A count; zero or negative keeps the system's default (libpq).
+fn parse_count(key: &str, s: &str) -> Result<Option<u32>, ConnInfoError> {
+    positive(parse_int(key, s)?)
+        .map(|n| {
+            u32::try_from(n).map_err(|_| ConnInfoError::new(format!("{key} {n} is too large")))
+        })
+        .transpose()
+}
+
+fn positive(n: i64) -> Option<u64> {
+    u64::try_from(n).ok().filter(|&n| n > 0)
+}
+
 /// Percent-decodes one URL component to UTF-8 (no `+` → space, as libpq).
 fn percent_decode(s: &str, what: &str) -> Result<String, ConnInfoError> {
     let bytes = s.as_bytes();
@@ -842,7 +962,9 @@ mod tests {
         assert_eq!(info.sslmode(), SslMode::Prefer);
         assert_eq!(info.channel_binding(), ChannelBindingMode::Prefer);
         assert_eq!(info.application_name(), DEFAULT_APPLICATION_NAME);
-        assert_eq!(info.connect_timeout(), None);
+        assert_eq!(info.connect_timeout(), Some(DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(info.keepalives(), Some(Keepalives::default()));
+        assert_eq!(info.tcp_user_timeout(), None);
         assert!(info.attempts_tls());
     }
 
@@ -1057,6 +1179,50 @@ mod tests {
     }
 
     #[test]
+    fn keepalives_and_timeouts_follow_libpq_parameters() {
+        let info = parse(
+            "postgresql://u@h/db?keepalives_idle=5&keepalives_interval=2\
+             &keepalives_count=4&tcp_user_timeout=1500&connect_timeout=20",
+        );
+        assert_eq!(
+            info.keepalives(),
+            Some(Keepalives {
+                idle: Some(Duration::from_secs(5)),
+                interval: Some(Duration::from_secs(2)),
+                count: Some(4),
+            })
+        );
+        assert_eq!(info.tcp_user_timeout(), Some(Duration::from_millis(1500)));
+        assert_eq!(info.connect_timeout(), Some(Duration::from_secs(20)));
+        // Zero (or less) keeps the system's default, as in libpq.
+        let system = parse(
+            "postgresql://u@h/db?keepalives_idle=0&keepalives_interval=-1&keepalives_count=0&tcp_user_timeout=0",
+        );
+        assert_eq!(
+            system.keepalives(),
+            Some(Keepalives {
+                idle: None,
+                interval: None,
+                count: None,
+            })
+        );
+        assert_eq!(system.tcp_user_timeout(), None);
+        assert_eq!(parse("postgresql://u@h/db?keepalives=0").keepalives(), None);
+        assert_eq!(
+            parse("postgresql://u@h/db?keepalives=1").keepalives(),
+            Some(Keepalives::default())
+        );
+        assert_eq!(
+            parse("postgresql://u@h/db?keepalives=0&keepalives_idle=5").keepalives(),
+            None
+        );
+        assert!(reject("postgresql://u@h/db?keepalives=yes").contains("keepalives \"yes\""));
+        assert!(reject("postgresql://u@h/db?keepalives_idle=5s").contains("whole number"));
+        assert!(reject("postgresql://u@h/db?keepalives_count=99999999999").contains("too large"));
+        reject("postgresql://u@h/db?tcp_user_timeout=1.5");
+    }
+
+    #[test]
     fn debug_and_display_redact_the_password() {
         let info = parse("postgresql://relay:hunter2@h:5433/db?sslmode=require");
         let debug = format!("{info:?}");
@@ -1087,6 +1253,26 @@ mod tests {
         assert_eq!(c.get_connect_timeout(), Some(&Duration::from_secs(3)));
         assert_eq!(c.get_options(), Some("-c a=b"));
         assert_eq!(c.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(30));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(10)));
+        assert_eq!(c.get_keepalives_retries(), Some(3));
+        assert_eq!(c.get_tcp_user_timeout(), None);
+        let tuned = parse(
+            "postgresql://u@h/db?keepalives_idle=7&keepalives_interval=0&tcp_user_timeout=2500",
+        )
+        .tokio_postgres_config();
+        assert_eq!(tuned.get_keepalives_idle(), Duration::from_secs(7));
+        assert_eq!(tuned.get_keepalives_interval(), None);
+        assert_eq!(
+            tuned.get_tcp_user_timeout(),
+            Some(&Duration::from_millis(2500))
+        );
+        assert_eq!(tuned.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        let off =
+            parse("postgresql://u@h/db?keepalives=0&connect_timeout=0").tokio_postgres_config();
+        assert!(!off.get_keepalives());
+        assert_eq!(off.get_connect_timeout(), None);
         let plain = parse("postgresql://u@h/db?sslmode=disable").tokio_postgres_config();
         assert_eq!(
             plain.get_ssl_mode(),

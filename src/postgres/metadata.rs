@@ -8,6 +8,8 @@
 //! checks. Its errors are converted to [`ReplicationError`] so that both connections
 //! classify a failure the same way (see [`process_error`]).
 
+use std::io;
+
 use tokio_postgres::Client;
 
 use crate::config::redact_url;
@@ -52,18 +54,32 @@ pub async fn connect_info(info: &ConnInfo) -> Result<Client, PgError> {
 }
 
 /// Opens an ordinary `tokio-postgres` connection (for metadata queries and poison
-/// inserts) with the same TLS semantics as the replication connection, and spawns
-/// its connection task, which ends when the returned client is dropped.
+/// inserts) with the same TLS semantics, TCP keepalives and `connect_timeout` (over
+/// TCP, TLS and authentication) as the replication connection, and spawns its
+/// connection task, which ends when the returned client is dropped.
 ///
 /// # Errors
 ///
+/// [`ReplicationError::Io`] (`TimedOut`) when `connect_timeout` elapses,
 /// [`ReplicationError::TlsConfig`] when the TLS roots cannot be loaded, otherwise the
 /// connection error converted to [`ReplicationError`] (a server error keeps its
 /// SQLSTATE), so both connections classify failures the same way.
 pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client, ReplicationError> {
     let config = info.tokio_postgres_config();
     let tls = MakeRustlsConnect::from_conninfo(info)?;
-    let (client, connection) = config.connect(tls).await.map_err(ReplicationError::from)?;
+    // tokio-postgres bounds only the TCP connect with it; libpq (and the
+    // replication connection) bound TLS and authentication too.
+    let connecting = config.connect(tls);
+    let connected = match info.connect_timeout() {
+        Some(limit) => tokio::time::timeout(limit, connecting).await.map_err(|_| {
+            ReplicationError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connecting to {info} timed out after {limit:?} (connect_timeout)"),
+            ))
+        })?,
+        None => connecting.await,
+    };
+    let (client, connection) = connected.map_err(ReplicationError::from)?;
     let target = info.to_string();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
@@ -71,4 +87,30 @@ pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client,
         }
     });
     Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// tokio-postgres alone would wait for the startup answer for ever.
+    #[tokio::test]
+    async fn connect_timeout_bounds_a_silent_server() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let info = ConnInfo::parse(&format!(
+            "postgresql://u@127.0.0.1:{port}/db?sslmode=disable&connect_timeout=1"
+        ))
+        .expect("parse");
+        let started = std::time::Instant::now();
+        let err = connect_metadata(&info).await.expect_err("times out");
+        assert!(
+            matches!(&err, ReplicationError::Io(e) if e.kind() == io::ErrorKind::TimedOut),
+            "{err:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        assert!(err.is_transient(), "{err:?}");
+    }
 }
