@@ -50,7 +50,8 @@
 //!
 //! It is never printed: [`ConnInfo`]'s `Debug` and `Display` leave it out, and no
 //! [`ConnInfoError`] contains it or any part of it, even when it is what breaks the
-//! URL (see [`ConnInfo::parse`]).
+//! URL (see [`ConnInfo::parse`]). [`ConnInfo::may_send_password_in_clear`] tells
+//! when the connection could expose it to an active attacker.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -381,6 +382,18 @@ impl ConnInfo {
     #[must_use]
     pub fn tcp_user_timeout(&self) -> Option<Duration> {
         self.tcp_user_timeout
+    }
+
+    /// True when the password could cross the network unencrypted: there is one, the
+    /// connection is TCP, and `sslmode` is `disable`, or `prefer`, which an active
+    /// attacker downgrades to plain text by answering the `SSLRequest` with `N`. The
+    /// server then chooses the method, and `password` sends it in clear while `md5`
+    /// sends a hash open to offline guessing.
+    #[must_use]
+    pub fn may_send_password_in_clear(&self) -> bool {
+        self.password.is_some()
+            && matches!(self.host, Host::Tcp(_))
+            && matches!(self.sslmode, SslMode::Disable | SslMode::Prefer)
     }
 
     /// Extra server options (`options=-c name=value …`), sent at startup.
@@ -1220,6 +1233,28 @@ mod tests {
         assert!(reject("postgresql://u@h/db?keepalives_idle=5s").contains("whole number"));
         assert!(reject("postgresql://u@h/db?keepalives_count=99999999999").contains("too large"));
         reject("postgresql://u@h/db?tcp_user_timeout=1.5");
+    }
+
+    #[test]
+    fn a_password_may_travel_in_clear_only_over_tcp_without_required_tls() {
+        let clear = |url: &str| parse(url).may_send_password_in_clear();
+        assert!(clear("postgresql://u:pw@db/app"), "prefer is the default");
+        assert!(clear("postgresql://u:pw@db/app?sslmode=prefer"));
+        assert!(clear("postgresql://u@db/app?sslmode=disable&password=pw"));
+        for mode in ["require", "verify-ca", "verify-full"] {
+            assert!(
+                !clear(&format!("postgresql://u:pw@db/app?sslmode={mode}")),
+                "{mode}"
+            );
+        }
+        assert!(
+            !clear("postgresql://u@db/app?sslmode=disable"),
+            "no password"
+        );
+        assert!(
+            !clear("postgresql://u:pw@/app?host=/run/postgresql"),
+            "Unix socket"
+        );
     }
 
     #[test]

@@ -7,28 +7,59 @@
 //! `disable`/`prefer`/`require` and would silently skip the `verify-ca`/`verify-full`
 //! checks. Its errors are converted to [`ReplicationError`] so that both connections
 //! classify a failure the same way (see [`process_error`]).
+//!
+//! [`parse_url`] is where every command turns `postgres.url` into a [`ConnInfo`],
+//! so it is also where the relay warns, once, when that URL lets the password cross
+//! the network unencrypted ([`ConnInfo::may_send_password_in_clear`]): under
+//! `sslmode=prefer`, the default, an active attacker refuses TLS and asks for the
+//! password in clear, and the role holds the REPLICATION right. The default stays
+//! `prefer`, as in libpq, so existing set-ups keep working; the warning says what
+//! to change.
 
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio_postgres::Client;
 
 use crate::config::redact_url;
-use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::conninfo::{ConnInfo, SslMode};
 use crate::postgres::error::{PgError, process_error};
 use crate::postgres::replication::ReplicationError;
 use crate::postgres::tls::MakeRustlsConnect;
 
 /// Parses `postgres.url` (libpq URL semantics, see [`crate::postgres::conninfo`]); a
-/// bad URL is a configuration error ([`PgError::InvalidUrl`], exit code 2).
+/// bad URL is a configuration error ([`PgError::InvalidUrl`], exit code 2). Warns
+/// once per process when the password could be sent unencrypted.
 ///
 /// # Errors
 ///
 /// [`PgError::InvalidUrl`], naming the URL without its password.
 pub fn parse_url(url: &str) -> Result<ConnInfo, PgError> {
-    ConnInfo::parse(url).map_err(|source| PgError::InvalidUrl {
+    let info = ConnInfo::parse(url).map_err(|source| PgError::InvalidUrl {
         url: redact_url(url),
         source,
-    })
+    })?;
+    warn_once_if_password_in_clear(&info);
+    Ok(info)
+}
+
+/// The start-up warning for a password that could travel in clear, at most once.
+fn warn_once_if_password_in_clear(info: &ConnInfo) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if info.may_send_password_in_clear() && !WARNED.swap(true, Ordering::Relaxed) {
+        let risk = match info.sslmode() {
+            SslMode::Disable => "the connection is not encrypted",
+            _ => "an attacker in the network path can refuse TLS and keep it in plain text",
+        };
+        tracing::warn!(
+            target_db = %info,
+            "postgres.url has a password and sslmode={}: {risk}, so the server, or an \
+             attacker posing as it, can ask for the password in clear (or as an MD5 hash) \
+             and take the relay's REPLICATION credential; set sslmode=verify-full with \
+             sslrootcert, or at least sslmode=require",
+            info.sslmode()
+        );
+    }
 }
 
 /// Opens a metadata connection from a URL (TLS per its `sslmode`).
