@@ -8,6 +8,20 @@
 --   LOGIN REPLICATION      the replication connection: CREATE_REPLICATION_SLOT and
 --                          START_REPLICATION; and the heartbeat's
 --                          pg_logical_emit_message (no table needed).
+--
+--   REPLICATION is a powerful right, and no GRANT or REVOKE narrows it: it lets the
+--   role stream all WAL changes, of every table in every database it can connect to,
+--   through logical slots it creates (with any output plugin, no publication
+--   needed), and open physical replication connections that stream or copy the
+--   whole cluster's WAL (pg_basebackup). It is read access to every change of every
+--   table. Protect the password like a superuser's: set a SCRAM password, connect
+--   with sslmode=verify-full (the relay warns when the password could be sent in
+--   clear), and restrict pg_hba.conf to the relay's hosts, its one database, hostssl
+--   and scram-sha-256, with no line for the `replication` keyword (that keyword
+--   matches physical replication only; the relay's logical replication connection
+--   matches the database's lines), e.g.
+--     hostssl  app  outbox_relay_app  10.0.4.17/32  scram-sha-256
+--
 --   SELECT on the outbox   prerequisite checks; `status` and `audit` counts.
 --   SELECT, INSERT on poison_outbox
 --                          write poison rows (the insert checks for an existing

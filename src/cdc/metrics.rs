@@ -26,7 +26,10 @@
 //!
 //! The endpoint is off by default (`metrics.listen = ""`): two relays on one host
 //! (the usual HA setup) would otherwise collide on a port, and an operator enabling
-//! it chooses the address (`127.0.0.1:9187` keeps it on loopback).
+//! it chooses the address (`127.0.0.1:9187` keeps it on loopback). It is read-only:
+//! three `GET` routes (and `HEAD`), no other method, nothing that changes the relay,
+//! so exposing it can leak lag and throughput figures but cannot steer the relay; it
+//! has no authentication, hence loopback or a private interface.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -403,6 +406,45 @@ mod tests {
     use super::*;
 
     const STALL: Duration = Duration::from_secs(60);
+
+    /// The status line of one HTTP/1.1 request to `addr`.
+    async fn status_line(addr: SocketAddr, method: &str, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: relay\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.expect("send");
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await.expect("read");
+        let text = String::from_utf8_lossy(&response);
+        text.lines().next().unwrap_or_default().to_owned()
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_is_read_only() {
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        let addr = serve("127.0.0.1:0", handle, Health::default(), STALL)
+            .await
+            .expect("serve");
+        for path in ["/metrics", "/healthz", "/readyz"] {
+            assert!(
+                !status_line(addr, "GET", path).await.contains(" 405 "),
+                "GET {path}"
+            );
+            for method in ["POST", "PUT", "PATCH", "DELETE"] {
+                assert_eq!(
+                    status_line(addr, method, path).await,
+                    "HTTP/1.1 405 Method Not Allowed",
+                    "{method} {path}"
+                );
+            }
+        }
+        assert_eq!(
+            status_line(addr, "POST", "/admin").await,
+            "HTTP/1.1 404 Not Found"
+        );
+    }
 
     #[test]
     fn not_streaming_is_not_ready() {

@@ -3,8 +3,9 @@
 //!
 //! Unknown keys are rejected (`deny_unknown_fields`) because a misspelt key that is
 //! silently ignored is how a relay ends up publishing to the wrong topic. The
-//! PostgreSQL URL may carry a password: `Debug` and logs only ever show the redacted
-//! form ([`redact_url`]).
+//! PostgreSQL URL may carry a password: `Debug`, the serialized config and every
+//! error message about the file or a `--set` only ever show text passed through
+//! [`redact_url`], which hides it even when it breaks the URL's syntax.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -14,8 +15,10 @@ use serde::{Deserialize, Serialize};
 
 pub mod duration;
 mod error;
+mod redact;
 
 pub use error::ConfigError;
+pub use redact::redact_url;
 
 use duration::parse_duration;
 
@@ -407,21 +410,18 @@ impl Config {
         toml_text: &str,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
-        let mut doc: toml::Table = toml::from_str(toml_text).map_err(|e| ConfigError::Parse {
+        // TOML errors quote the offending line, which may be the URL's.
+        let parse_error = |e: toml::de::Error| ConfigError::Parse {
             path: origin.to_owned(),
-            message: e.to_string(),
-        })?;
+            message: redact_url(&e.to_string()),
+        };
+        let mut doc: toml::Table = toml::from_str(toml_text).map_err(parse_error)?;
         for (name, value) in env {
             if let Some(rest) = name.strip_prefix(ENV_PREFIX) {
                 overlay_env(&mut doc, &name, rest, &value)?;
             }
         }
-        let config: Config = doc
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse {
-                path: origin.to_owned(),
-                message: e.to_string(),
-            })?;
+        let config: Config = doc.try_into().map_err(parse_error)?;
         config.validate()?;
         Ok(config)
     }
@@ -532,7 +532,14 @@ fn overlay_env(
 /// `kafka.producer.` are librdkafka names and keep their dots
 /// (`kafka.producer.linger.ms=5`).
 fn cli_override(set: &str) -> Result<(String, String), ConfigError> {
-    let invalid = || ConfigError::Invalid(format!("--set {set:?}: expected section.key=value"));
+    // Name the key only: the value may be a URL with a password.
+    let key = set.split_once('=').map_or(set, |(key, _)| key);
+    let invalid = || {
+        ConfigError::Invalid(format!(
+            "--set {:?}: expected section.key=value",
+            redact_url(key)
+        ))
+    };
     let (path, value) = set.split_once('=').ok_or_else(invalid)?;
     let path = path.trim();
     if let Some(key) = path.strip_prefix("kafka.producer.") {
@@ -613,38 +620,6 @@ pub fn quote_qualified(s: &str) -> String {
 
 fn serialize_redacted<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&redact_url(url))
-}
-
-/// Replaces the password of a `postgresql://user:password@host/db` URL (or a
-/// `password=` key/value) with `***`, for logs and `Debug`.
-#[must_use]
-pub fn redact_url(url: &str) -> String {
-    let mut out = url.to_owned();
-    if let Some(scheme_end) = out.find("://") {
-        let rest_start = scheme_end + 3;
-        let authority_end = out[rest_start..]
-            .find(['/', '?'])
-            .map_or(out.len(), |i| rest_start + i);
-        if let Some(at) = out[rest_start..authority_end].rfind('@') {
-            let userinfo = &out[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                out.replace_range(rest_start + colon + 1..rest_start + at, "***");
-            }
-        }
-    }
-    redact_param(&out, "password")
-}
-
-fn redact_param(s: &str, key: &str) -> String {
-    let pattern = format!("{key}=");
-    let Some(start) = s.find(&pattern) else {
-        return s.to_owned();
-    };
-    let value_start = start + pattern.len();
-    let value_end = s[value_start..]
-        .find(['&', ' '])
-        .map_or(s.len(), |i| value_start + i);
-    format!("{}***{}", &s[..value_start], &s[value_end..])
 }
 
 impl fmt::Debug for PostgresConfig {
@@ -803,20 +778,37 @@ mod tests {
     }
 
     #[test]
-    fn redact_url_forms() {
-        assert_eq!(
-            redact_url("postgresql://u:p@h/db"),
-            "postgresql://u:***@h/db"
-        );
-        assert_eq!(redact_url("postgresql://u@h/db"), "postgresql://u@h/db");
-        assert_eq!(
-            redact_url("host=h password=xyz user=u"),
-            "host=h password=*** user=u"
-        );
-        assert_eq!(
-            redact_url("postgresql://h/db?user=u&password=pw&x=1"),
-            "postgresql://h/db?user=u&password=***&x=1"
-        );
+    fn debug_redacts_a_password_that_breaks_the_url() {
+        let c = load(
+            MINIMAL,
+            &[(
+                "OUTBOX_RELAY__POSTGRES__URL",
+                "postgresql://relay:Kx7/Qz9?Wv@db/app",
+            )],
+        )
+        .unwrap();
+        let shown = format!("{c:?}{}", toml::to_string(&c).unwrap());
+        for part in ["Kx7", "Qz9", "Wv@"] {
+            assert!(!shown.contains(part), "{part} in {shown}");
+        }
+    }
+
+    #[test]
+    fn errors_about_the_file_or_a_set_never_show_a_password() {
+        // An invalid escape: the TOML error quotes the line with the URL.
+        let text =
+            "[postgres]\nurl = \"postgresql://relay:Kx7\\Qz9@db/app\"\n[kafka]\nbrokers = \"k\"\n";
+        let err = load(text, &[]).unwrap_err().to_string();
+        assert!(err.contains("line 2"), "{err}");
+        assert!(!err.contains("Kx7") && !err.contains("Qz9"), "{err}");
+        for set in [
+            "postgres_url=postgresql://relay:Kx7/Qz9@db/app",
+            "postgres.url:postgresql://relay:Kx7/Qz9@db/app",
+            "postgres.url postgresql://relay:Kx7/Qz9@db/app",
+        ] {
+            let err = cli_override(set).unwrap_err().to_string();
+            assert!(!err.contains("Kx7") && !err.contains("Qz9"), "{err}");
+        }
     }
 
     #[test]

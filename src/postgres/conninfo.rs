@@ -20,8 +20,10 @@
 //!   socket directory (a host starting with `/`, e.g. `?host=/var/run/postgresql`);
 //! - query parameters `host`, `hostaddr`, `port`, `user`, `password`, `dbname`,
 //!   `sslmode`, `sslrootcert`, `channel_binding`, `application_name`,
-//!   `connect_timeout` and `options`. As in libpq, `hostaddr` is the IP address to
-//!   connect to while `host` stays the name the server certificate is checked against.
+//!   `connect_timeout`, `keepalives`, `keepalives_idle`, `keepalives_interval`,
+//!   `keepalives_count`, `tcp_user_timeout` and `options`. As in libpq, `hostaddr`
+//!   is the IP address to connect to while `host` stays the name the server
+//!   certificate is checked against.
 //!
 //! Differences from libpq, all in the direction of failing loudly:
 //! - unknown parameters, several hosts, `sslmode=allow` and client certificates are
@@ -31,15 +33,33 @@
 //!   `LOGNAME`), as libpq, else `postgres`; no other `PG*` variable is read;
 //! - `verify-ca`/`verify-full` without `sslrootcert` (or with `sslrootcert=system`)
 //!   verify against the operating system's trust store (libpq reads
-//!   `~/.postgresql/root.crt`).
+//!   `~/.postgresql/root.crt`);
+//! - a `?` in the password must be percent-encoded like a `/` (libpq tolerates it),
+//!   and an `@` in the database name as `%40` (else `relay:12/ab@db/app`, a password
+//!   with a `/`, would be taken for host `relay`, port 12 and database `ab@db/app`,
+//!   and `relay:@/ab@db/app` for an empty password and database `ab@db/app`).
 //!
-//! The password is never printed: [`ConnInfo`]'s `Debug` and `Display` leave it out.
+//! Two defaults differ from libpq's, because a relay runs unattended: the
+//! `connect_timeout` is [`DEFAULT_CONNECT_TIMEOUT`] (libpq waits as long as the
+//! kernel does), and TCP keepalives probe after 30 s of silence, every 10 s, 3 times
+//! ([`Keepalives`]; libpq keeps the system's two hours), so a half-open connection
+//! fails within a minute instead of hanging a writer for hours. Both apply to the
+//! metadata and the replication connection alike.
+//!
+//! # The password
+//!
+//! It is never printed: [`ConnInfo`]'s `Debug` and `Display` leave it out, and no
+//! [`ConnInfoError`] contains it or any part of it, even when it is what breaks the
+//! URL (see [`ConnInfo::parse`]). [`ConnInfo::may_send_password_in_clear`] tells
+//! when the connection could expose it to an active attacker.
 
 use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
+
+use crate::config::redact_url;
 
 /// Default `application_name`, visible in `pg_stat_activity` and `pg_stat_replication`.
 pub const DEFAULT_APPLICATION_NAME: &str = "outbox-relay";
@@ -185,6 +205,39 @@ pub enum RootCerts {
     System,
 }
 
+/// `connect_timeout` when the URL gives none: ample for TCP, TLS and SCRAM over a
+/// slow link, short enough that an unreachable server is reported (and retried)
+/// within seconds rather than after the kernel's TCP timeout of minutes.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TCP keepalive probes (libpq's `keepalives_idle`, `keepalives_interval`,
+/// `keepalives_count`).
+///
+/// A peer that vanishes without a FIN or RST (a crashed host, a dropped NAT or
+/// firewall entry) leaves a half-open connection: a client waiting for an answer
+/// waits until the kernel's keepalive gives up, two hours and more by default. With
+/// [`Keepalives::default`] a silent peer is dropped after 30 s + 3 × 10 s. `None`
+/// keeps the system's default for that setting (libpq's `0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalives {
+    /// Idle time before the first probe (`keepalives_idle`).
+    pub idle: Option<Duration>,
+    /// Time between unanswered probes (`keepalives_interval`).
+    pub interval: Option<Duration>,
+    /// Unanswered probes before the connection is dropped (`keepalives_count`).
+    pub count: Option<u32>,
+}
+
+impl Default for Keepalives {
+    fn default() -> Self {
+        Keepalives {
+            idle: Some(Duration::from_secs(30)),
+            interval: Some(Duration::from_secs(10)),
+            count: Some(3),
+        }
+    }
+}
+
 /// A parsed connection URL. `Debug` and `Display` never show the password.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ConnInfo {
@@ -199,10 +252,13 @@ pub struct ConnInfo {
     channel_binding: ChannelBindingMode,
     application_name: String,
     connect_timeout: Option<Duration>,
+    keepalives: Option<Keepalives>,
+    tcp_user_timeout: Option<Duration>,
     options: Option<String>,
 }
 
-/// Why a connection URL was rejected. The message never contains the password.
+/// Why a connection URL was rejected. The message never contains the password, nor
+/// any part of it (see [`ConnInfo::parse`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid PostgreSQL connection URL: {message}")]
 pub struct ConnInfoError {
@@ -223,154 +279,28 @@ impl ConnInfoError {
     }
 }
 
+/// The error for a URL that parses once its password is hidden: the password itself
+/// breaks it, so it is named but not shown.
+const UNPARSABLE_PASSWORD: &str = "the password (not shown) cannot be parsed: \
+     percent-encode '/', '?', '&' and '%' in it (as %2F, %3F, %26 and %25)";
+
 impl ConnInfo {
     /// Parses a `postgresql://` (or `postgres://`) URL.
+    ///
+    /// No error contains the password or a piece of it. That takes more than
+    /// leaving the password out of the messages: an unencoded `/` or `?` in it
+    /// ends the user info early, and its halves would then be quoted as a host, a
+    /// port or a query parameter. So when the URL has a password-like part (see
+    /// [`redact_url`]), the error is computed from the redacted URL instead, and if
+    /// that one parses, the password is what breaks it and the error says so without
+    /// showing it.
     ///
     /// # Errors
     ///
     /// [`ConnInfoError`] for another scheme, bad percent-encoding, a bad port,
     /// several hosts, an unknown or invalid query parameter.
     pub fn parse(url: &str) -> Result<ConnInfo, ConnInfoError> {
-        let rest = url
-            .strip_prefix("postgresql://")
-            .or_else(|| url.strip_prefix("postgres://"))
-            .ok_or_else(|| {
-                ConnInfoError::new("expected a URL starting with postgresql:// or postgres://")
-            })?;
-        let (before_query, query) = match rest.split_once('?') {
-            Some((b, q)) => (b, Some(q)),
-            None => (rest, None),
-        };
-        let (authority, path) = match before_query.split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (before_query, None),
-        };
-        let (userinfo, hostport) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-
-        let mut user = None;
-        let mut password = None;
-        if let Some(userinfo) = userinfo {
-            let (u, p) = match userinfo.split_once(':') {
-                Some((u, p)) => (u, Some(p)),
-                None => (userinfo, None),
-            };
-            if !u.is_empty() {
-                user = Some(percent_decode(u, "user name")?);
-            }
-            if let Some(p) = p {
-                password = Some(percent_decode(p, "password")?);
-            }
-        }
-
-        let (mut host, mut port) = parse_hostport(hostport)?;
-        let mut dbname = match path {
-            Some(p) if !p.is_empty() => Some(percent_decode(p, "database name")?),
-            _ => None,
-        };
-
-        let mut hostaddr = None;
-        let mut sslmode = SslMode::default();
-        let mut sslrootcert = None;
-        let mut channel_binding = ChannelBindingMode::default();
-        let mut application_name = None;
-        let mut connect_timeout = None;
-        let mut options = None;
-
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (raw_key, raw_value) = pair.split_once('=').ok_or_else(|| {
-                ConnInfoError::new(format!(
-                    "query parameter {:?} has no value",
-                    truncate_for_message(pair)
-                ))
-            })?;
-            let key = percent_decode(raw_key, "parameter name")?;
-            // Never echo the value of `password` in an error.
-            let what = if key == "password" {
-                "password".to_owned()
-            } else {
-                format!("value of {key}")
-            };
-            let value = percent_decode(raw_value, &what)?;
-            match key.as_str() {
-                "host" => host = Some(value),
-                "hostaddr" => {
-                    hostaddr = Some(value.parse::<IpAddr>().map_err(|_| {
-                        ConnInfoError::new(format!(
-                            "hostaddr {value:?} is not a numeric IP address"
-                        ))
-                    })?);
-                }
-                "port" => port = Some(parse_port(&value)?),
-                "user" => user = Some(value),
-                "password" => password = Some(value),
-                "dbname" => dbname = Some(value),
-                "sslmode" => sslmode = value.parse()?,
-                "sslrootcert" => {
-                    sslrootcert = Some(if value == "system" {
-                        RootCerts::System
-                    } else {
-                        RootCerts::File(PathBuf::from(value))
-                    });
-                }
-                "channel_binding" => channel_binding = value.parse()?,
-                "application_name" => application_name = Some(value),
-                "connect_timeout" => connect_timeout = parse_connect_timeout(&value)?,
-                "options" => options = Some(value),
-                "sslcert" | "sslkey" | "sslpassword" => {
-                    return Err(ConnInfoError::new(format!(
-                        "{key} (TLS client certificates) is not supported"
-                    )));
-                }
-                other => {
-                    return Err(ConnInfoError::new(format!(
-                        "unsupported query parameter {other:?} (supported: host, hostaddr, port, \
-                         user, password, dbname, sslmode, sslrootcert, channel_binding, \
-                         application_name, connect_timeout, options)"
-                    )));
-                }
-            }
-        }
-
-        let user = user.filter(|u| !u.is_empty()).unwrap_or_else(default_user);
-        let host = match host {
-            Some(h) if h.contains(',') => {
-                return Err(ConnInfoError::new(
-                    "several hosts are not supported: give exactly one",
-                ));
-            }
-            Some(h) if h.starts_with('/') => Host::Unix(PathBuf::from(h)),
-            Some(h) if !h.is_empty() => Host::Tcp(h),
-            _ => Host::Tcp("localhost".to_owned()),
-        };
-        let dbname = dbname
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| user.clone());
-        if contains_nul(&user)
-            || contains_nul(&dbname)
-            || password.as_deref().is_some_and(contains_nul)
-            || options.as_deref().is_some_and(contains_nul)
-            || application_name.as_deref().is_some_and(contains_nul)
-        {
-            return Err(ConnInfoError::new("a parameter contains a NUL byte"));
-        }
-        Ok(ConnInfo {
-            host,
-            hostaddr,
-            port: port.unwrap_or(DEFAULT_PORT),
-            user,
-            password,
-            dbname,
-            sslmode,
-            sslrootcert,
-            channel_binding,
-            application_name: application_name
-                .unwrap_or_else(|| DEFAULT_APPLICATION_NAME.to_owned()),
-            connect_timeout,
-            options,
-        })
+        parse_revealing(url).map_err(|err| without_secrets(url, err))
     }
 
     /// The host to connect to (and, over TCP, to check the certificate against).
@@ -438,6 +368,32 @@ impl ConnInfo {
     #[must_use]
     pub fn connect_timeout(&self) -> Option<Duration> {
         self.connect_timeout
+    }
+
+    /// TCP keepalive probes, `None` when turned off (`keepalives=0`); on with
+    /// [`Keepalives::default`] unless the URL says otherwise.
+    #[must_use]
+    pub fn keepalives(&self) -> Option<Keepalives> {
+        self.keepalives
+    }
+
+    /// How long sent data may stay unacknowledged before the connection is dropped
+    /// (`tcp_user_timeout`, Linux only); `None` keeps the system's default.
+    #[must_use]
+    pub fn tcp_user_timeout(&self) -> Option<Duration> {
+        self.tcp_user_timeout
+    }
+
+    /// True when the password could cross the network unencrypted: there is one, the
+    /// connection is TCP, and `sslmode` is `disable`, or `prefer`, which an active
+    /// attacker downgrades to plain text by answering the `SSLRequest` with `N`. The
+    /// server then chooses the method, and `password` sends it in clear while `md5`
+    /// sends a hash open to offline guessing.
+    #[must_use]
+    pub fn may_send_password_in_clear(&self) -> bool {
+        self.password.is_some()
+            && matches!(self.host, Host::Tcp(_))
+            && matches!(self.sslmode, SslMode::Disable | SslMode::Prefer)
     }
 
     /// Extra server options (`options=-c name=value …`), sent at startup.
@@ -522,6 +478,7 @@ impl ConnInfo {
         if let Some(timeout) = self.connect_timeout {
             config.connect_timeout(timeout);
         }
+        self.apply_tcp_settings(&mut config);
         if let Some(options) = &self.options {
             config.options(options);
         }
@@ -536,6 +493,28 @@ impl ConnInfo {
             ChannelBindingMode::Require => ChannelBinding::Require,
         });
         config
+    }
+}
+
+impl ConnInfo {
+    /// Keepalives and `tcp_user_timeout` on a `tokio-postgres` configuration
+    /// (whose own default is keepalives after two hours of silence).
+    fn apply_tcp_settings(&self, config: &mut tokio_postgres::Config) {
+        config.keepalives(self.keepalives.is_some());
+        if let Some(keepalives) = self.keepalives {
+            if let Some(idle) = keepalives.idle {
+                config.keepalives_idle(idle);
+            }
+            if let Some(interval) = keepalives.interval {
+                config.keepalives_interval(interval);
+            }
+            if let Some(count) = keepalives.count {
+                config.keepalives_retries(count);
+            }
+        }
+        if let Some(timeout) = self.tcp_user_timeout {
+            config.tcp_user_timeout(timeout);
+        }
     }
 }
 
@@ -561,6 +540,8 @@ impl fmt::Debug for ConnInfo {
             .field("channel_binding", &self.channel_binding)
             .field("application_name", &self.application_name)
             .field("connect_timeout", &self.connect_timeout)
+            .field("keepalives", &self.keepalives)
+            .field("tcp_user_timeout", &self.tcp_user_timeout)
             .field("options", &self.options)
             .finish()
     }
@@ -578,6 +559,235 @@ impl fmt::Display for ConnInfo {
             write!(f, " (hostaddr={addr})")?;
         }
         write!(f, " (sslmode={})", self.sslmode)
+    }
+}
+
+/// `err`, unless `url` has a password-like part: then the error its redacted form
+/// gives, which cannot quote the password because it is not in there.
+fn without_secrets(url: &str, err: ConnInfoError) -> ConnInfoError {
+    let redacted = redact_url(url);
+    if redacted == url {
+        return err;
+    }
+    match parse_revealing(&redacted) {
+        Err(err) => err,
+        Ok(_) => ConnInfoError::new(UNPARSABLE_PASSWORD),
+    }
+}
+
+/// The parser proper. Its errors may quote any part of `url`: only
+/// [`ConnInfo::parse`] may call it on a URL that can hold a password.
+fn parse_revealing(url: &str) -> Result<ConnInfo, ConnInfoError> {
+    let rest = url
+        .strip_prefix("postgresql://")
+        .or_else(|| url.strip_prefix("postgres://"))
+        .ok_or_else(|| {
+            ConnInfoError::new("expected a URL starting with postgresql:// or postgres://")
+        })?;
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = match before_query.split_once('/') {
+        Some((a, p)) => (a, Some(p)),
+        None => (before_query, None),
+    };
+    let (userinfo, hostport) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    // `relay:12/ab@db/app` or `relay:@/ab@db/app`: a password with a `/` made its
+    // tail the database name.
+    if path.is_some_and(|p| p.contains('@')) {
+        return Err(ConnInfoError::new(
+            "unencoded '@' in the database name: percent-encode it as %40",
+        ));
+    }
+
+    let mut params = Params::default();
+    if let Some(userinfo) = userinfo {
+        params.userinfo(userinfo)?;
+    }
+    (params.host, params.port) = parse_hostport(hostport)?;
+    if let Some(p) = path.filter(|p| !p.is_empty()) {
+        params.dbname = Some(percent_decode(p, "database name")?);
+    }
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        params.query_pair(pair)?;
+    }
+    params.finish()
+}
+
+/// What a URL says, on top of libpq's defaults; [`Params::finish`] checks it and
+/// fills in what depends on other values.
+struct Params {
+    host: Option<String>,
+    hostaddr: Option<IpAddr>,
+    port: Option<u16>,
+    user: Option<String>,
+    password: Option<String>,
+    dbname: Option<String>,
+    sslmode: SslMode,
+    sslrootcert: Option<RootCerts>,
+    channel_binding: ChannelBindingMode,
+    application_name: Option<String>,
+    connect_timeout: Option<Duration>,
+    keepalives: bool,
+    keepalive: Keepalives,
+    tcp_user_timeout: Option<Duration>,
+    options: Option<String>,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            host: None,
+            hostaddr: None,
+            port: None,
+            user: None,
+            password: None,
+            dbname: None,
+            sslmode: SslMode::default(),
+            sslrootcert: None,
+            channel_binding: ChannelBindingMode::default(),
+            application_name: None,
+            connect_timeout: Some(DEFAULT_CONNECT_TIMEOUT),
+            keepalives: true,
+            keepalive: Keepalives::default(),
+            tcp_user_timeout: None,
+            options: None,
+        }
+    }
+}
+
+impl Params {
+    /// `user[:password]`, the part before the host's `@`.
+    fn userinfo(&mut self, userinfo: &str) -> Result<(), ConnInfoError> {
+        let (user, password) = match userinfo.split_once(':') {
+            Some((u, p)) => (u, Some(p)),
+            None => (userinfo, None),
+        };
+        if !user.is_empty() {
+            self.user = Some(percent_decode(user, "user name")?);
+        }
+        if let Some(password) = password {
+            self.password = Some(percent_decode(password, "password")?);
+        }
+        Ok(())
+    }
+
+    /// One `key=value` of the query.
+    fn query_pair(&mut self, pair: &str) -> Result<(), ConnInfoError> {
+        let (raw_key, raw_value) = pair.split_once('=').ok_or_else(|| {
+            ConnInfoError::new(format!(
+                "query parameter {:?} has no value",
+                truncate_for_message(pair)
+            ))
+        })?;
+        let key = percent_decode(raw_key, "parameter name")?;
+        // Never echo the value of `password` in an error.
+        let what = if key == "password" {
+            "password".to_owned()
+        } else {
+            format!("value of {key}")
+        };
+        let value = percent_decode(raw_value, &what)?;
+        self.set(&key, value)
+    }
+
+    fn set(&mut self, key: &str, value: String) -> Result<(), ConnInfoError> {
+        match key {
+            "host" => self.host = Some(value),
+            "hostaddr" => {
+                self.hostaddr = Some(value.parse::<IpAddr>().map_err(|_| {
+                    ConnInfoError::new(format!("hostaddr {value:?} is not a numeric IP address"))
+                })?);
+            }
+            "port" => self.port = Some(parse_port(&value)?),
+            "user" => self.user = Some(value),
+            "password" => self.password = Some(value),
+            "dbname" => self.dbname = Some(value),
+            "sslmode" => self.sslmode = value.parse()?,
+            "sslrootcert" => {
+                self.sslrootcert = Some(if value == "system" {
+                    RootCerts::System
+                } else {
+                    RootCerts::File(PathBuf::from(value))
+                });
+            }
+            "channel_binding" => self.channel_binding = value.parse()?,
+            "application_name" => self.application_name = Some(value),
+            "connect_timeout" => self.connect_timeout = parse_connect_timeout(&value)?,
+            "keepalives" => self.keepalives = parse_int(key, &value)? != 0,
+            "keepalives_idle" => self.keepalive.idle = parse_seconds(key, &value)?,
+            "keepalives_interval" => self.keepalive.interval = parse_seconds(key, &value)?,
+            "keepalives_count" => self.keepalive.count = parse_count(key, &value)?,
+            "tcp_user_timeout" => self.tcp_user_timeout = parse_millis(key, &value)?,
+            "options" => self.options = Some(value),
+            "sslcert" | "sslkey" | "sslpassword" => {
+                return Err(ConnInfoError::new(format!(
+                    "{key} (TLS client certificates) is not supported"
+                )));
+            }
+            other => {
+                return Err(ConnInfoError::new(format!(
+                    "unsupported query parameter {other:?} (supported: host, hostaddr, port, \
+                     user, password, dbname, sslmode, sslrootcert, channel_binding, \
+                     application_name, connect_timeout, keepalives, keepalives_idle, \
+                     keepalives_interval, keepalives_count, tcp_user_timeout, options)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the defaults that depend on other values and rejects what no
+    /// connection can carry.
+    fn finish(self) -> Result<ConnInfo, ConnInfoError> {
+        let user = self
+            .user
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(default_user);
+        let host = match self.host {
+            Some(h) if h.contains(',') => {
+                return Err(ConnInfoError::new(
+                    "several hosts are not supported: give exactly one",
+                ));
+            }
+            Some(h) if h.starts_with('/') => Host::Unix(PathBuf::from(h)),
+            Some(h) if !h.is_empty() => Host::Tcp(h),
+            _ => Host::Tcp("localhost".to_owned()),
+        };
+        let dbname = self
+            .dbname
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| user.clone());
+        if contains_nul(&user)
+            || contains_nul(&dbname)
+            || self.password.as_deref().is_some_and(contains_nul)
+            || self.options.as_deref().is_some_and(contains_nul)
+            || self.application_name.as_deref().is_some_and(contains_nul)
+        {
+            return Err(ConnInfoError::new("a parameter contains a NUL byte"));
+        }
+        Ok(ConnInfo {
+            host,
+            hostaddr: self.hostaddr,
+            port: self.port.unwrap_or(DEFAULT_PORT),
+            user,
+            password: self.password,
+            dbname,
+            sslmode: self.sslmode,
+            sslrootcert: self.sslrootcert,
+            channel_binding: self.channel_binding,
+            application_name: self
+                .application_name
+                .unwrap_or_else(|| DEFAULT_APPLICATION_NAME.to_owned()),
+            connect_timeout: self.connect_timeout,
+            keepalives: self.keepalives.then_some(self.keepalive),
+            tcp_user_timeout: self.tcp_user_timeout,
+            options: self.options,
+        })
     }
 }
 
@@ -649,16 +859,43 @@ fn parse_port(s: &str) -> Result<u16, ConnInfoError> {
 
 /// libpq: zero or negative means no limit; the minimum is 2 seconds.
 fn parse_connect_timeout(s: &str) -> Result<Option<Duration>, ConnInfoError> {
-    let secs: i64 = s.trim().parse().map_err(|_| {
-        ConnInfoError::new(format!(
-            "invalid connect_timeout {:?}: expected whole seconds",
-            truncate_for_message(s)
-        ))
-    })?;
-    Ok(match u64::try_from(secs) {
+    Ok(match u64::try_from(parse_int("connect_timeout", s)?) {
         Ok(0) | Err(_) => None,
         Ok(secs) => Some(Duration::from_secs(secs.max(2))),
     })
+}
+
+/// A whole number, white space around it allowed (libpq's `parse_int_param`).
+fn parse_int(key: &str, s: &str) -> Result<i64, ConnInfoError> {
+    s.trim().parse().map_err(|_| {
+        ConnInfoError::new(format!(
+            "invalid {key} {:?}: expected a whole number",
+            truncate_for_message(s)
+        ))
+    })
+}
+
+/// Whole seconds; zero or negative keeps the system's default (libpq).
+fn parse_seconds(key: &str, s: &str) -> Result<Option<Duration>, ConnInfoError> {
+    Ok(positive(parse_int(key, s)?).map(Duration::from_secs))
+}
+
+/// Milliseconds; zero or negative keeps the system's default (libpq).
+fn parse_millis(key: &str, s: &str) -> Result<Option<Duration>, ConnInfoError> {
+    Ok(positive(parse_int(key, s)?).map(Duration::from_millis))
+}
+
+/// A count; zero or negative keeps the system's default (libpq).
+fn parse_count(key: &str, s: &str) -> Result<Option<u32>, ConnInfoError> {
+    positive(parse_int(key, s)?)
+        .map(|n| {
+            u32::try_from(n).map_err(|_| ConnInfoError::new(format!("{key} {n} is too large")))
+        })
+        .transpose()
+}
+
+fn positive(n: i64) -> Option<u64> {
+    u64::try_from(n).ok().filter(|&n| n > 0)
 }
 
 /// Percent-decodes one URL component to UTF-8 (no `+` → space, as libpq).
@@ -738,7 +975,9 @@ mod tests {
         assert_eq!(info.sslmode(), SslMode::Prefer);
         assert_eq!(info.channel_binding(), ChannelBindingMode::Prefer);
         assert_eq!(info.application_name(), DEFAULT_APPLICATION_NAME);
-        assert_eq!(info.connect_timeout(), None);
+        assert_eq!(info.connect_timeout(), Some(DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(info.keepalives(), Some(Keepalives::default()));
+        assert_eq!(info.tcp_user_timeout(), None);
         assert!(info.attempts_tls());
     }
 
@@ -832,6 +1071,78 @@ mod tests {
         reject("postgresql://u@h/db?sslmode");
         reject("postgresql://u@h/%00");
         reject("postgresql://u@[::1/db");
+        reject("postgresql://h/we@ird");
+        reject("postgresql://u:pw@h/we@ird");
+        assert_eq!(parse("postgresql://h/we%40ird").dbname(), "we@ird");
+        assert_eq!(parse("postgresql://u@h/db?user=me@corp").user(), "me@corp");
+    }
+
+    /// Passwords with each character that breaks a URL's structure, and
+    /// percent-encoded or badly encoded ones. Their letters occur nowhere else in
+    /// the test URLs.
+    const SECRETS: &[&str] = &[
+        "Kx7/Qz9",
+        "Kx7?Qz9",
+        "Kx7@Qz9",
+        "Kx7:Qz9",
+        "Kx7#Qz9",
+        "Kx7&Qz9",
+        "Kx7/?@:#&Qz9",
+        "Kx7%2FQz9",
+        "Kx7%3F%40%3A%23Qz9",
+        "Kx7%zzQz9",
+        "Kx7%00Qz9",
+        "Kx7%2",
+    ];
+
+    /// The URL forms a password can take: user info (with a valid, an invalid and
+    /// no port), a `password=` parameter, libpq's key/value form (not supported,
+    /// still never echoed).
+    fn urls_with(secret: &str) -> Vec<String> {
+        vec![
+            format!("postgresql://relay:{secret}@127.0.0.1:1/app"),
+            format!("postgres://relay:{secret}@db/app?sslmode=require&connect_timeout=3"),
+            format!("postgresql://relay:{secret}@db:99999/app"),
+            format!("postgresql://relay:{secret}@db/app?sslmode=bogus"),
+            format!("postgresql://relay:12{secret}@db/app"),
+            format!("postgresql://relay:/{secret}@db/app"),
+            format!("postgresql://relay:@/{secret}@db/app"),
+            format!("postgresql://relay@db/app?password={secret}"),
+            format!("postgresql://relay@db/app?password={secret}&sslmode=require"),
+            format!("postgresql://relay@db/app?password={secret}&bogus=1"),
+            format!("host=db user=relay password={secret}"),
+        ]
+    }
+
+    /// Neither the secret (raw or decoded) nor a run of three or more of its
+    /// letters and digits is in `shown`.
+    fn assert_hidden(shown: &str, secret: &str, url: &str) {
+        let decoded = percent_decode(secret, "test").unwrap_or_default();
+        for whole in [secret, decoded.as_str()]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+        {
+            assert!(!shown.contains(whole), "{url}: {whole:?} shown in {shown}");
+        }
+        for run in secret
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|r| r.len() >= 3)
+        {
+            assert!(!shown.contains(run), "{url}: {run:?} shown in {shown}");
+        }
+    }
+
+    #[test]
+    fn no_output_contains_a_password_whatever_it_holds() {
+        for secret in SECRETS {
+            for url in urls_with(secret) {
+                let shown = match ConnInfo::parse(&url) {
+                    Ok(info) => format!("{info} {info:?}"),
+                    Err(e) => format!("{e} {e:?} {}", e.message()),
+                };
+                assert_hidden(&shown, secret, &url);
+            }
+        }
     }
 
     #[test]
@@ -840,6 +1151,110 @@ mod tests {
         assert!(!err.contains("hunter2"), "{err}");
         let err = reject("postgresql://u:hunter2@h:99999/db");
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn a_password_that_breaks_the_url_is_named_not_shown() {
+        // Parsed as they stand, these said `invalid port "Kx7"` and `query
+        // parameter "Qz9@…" has no value`.
+        for url in [
+            "postgresql://relay:Kx7/Qz9@127.0.0.1:1/app",
+            "postgresql://relay:Kx7?Qz9@127.0.0.1:1/app",
+            "postgresql://relay:Kx7%zzQz9@127.0.0.1:1/app",
+            "postgresql://relay@127.0.0.1:1/app?password=Kx7&Qz9",
+        ] {
+            let err = reject(url);
+            assert!(err.contains("the password (not shown)"), "{url}: {err}");
+            assert!(!err.contains("Kx7") && !err.contains("Qz9"), "{url}: {err}");
+        }
+        // What is wrong elsewhere is still reported as such.
+        let err = reject("postgresql://relay:pa/ss@db/app?sslmode=bogus");
+        assert!(err.contains("invalid sslmode \"bogus\""), "{err}");
+        let err = reject("postgresql://relay:secret@db:99999/app");
+        assert!(err.contains("invalid port \"99999\""), "{err}");
+        let err = reject("postgresql://re%zzlay:secret@db/app");
+        assert!(err.contains("bad percent-encoding in user name"), "{err}");
+    }
+
+    #[test]
+    fn unencoded_at_colon_and_hash_are_part_of_the_password() {
+        for (url, password) in [
+            ("postgresql://u:p@ss@h/db", "p@ss"),
+            ("postgresql://u:p:ss@h/db", "p:ss"),
+            ("postgresql://u:p#ss@h/db", "p#ss"),
+            ("postgresql://u:p%2Fs%3Fs@h/db", "p/s?s"),
+            ("postgresql://u@h/db?password=p%26s%3Ds", "p&s=s"),
+        ] {
+            let info = parse(url);
+            assert_eq!(info.password(), Some(password), "{url}");
+            assert_eq!(info.host(), &Host::Tcp("h".into()), "{url}");
+        }
+    }
+
+    #[test]
+    fn keepalives_and_timeouts_follow_libpq_parameters() {
+        let info = parse(
+            "postgresql://u@h/db?keepalives_idle=5&keepalives_interval=2\
+             &keepalives_count=4&tcp_user_timeout=1500&connect_timeout=20",
+        );
+        assert_eq!(
+            info.keepalives(),
+            Some(Keepalives {
+                idle: Some(Duration::from_secs(5)),
+                interval: Some(Duration::from_secs(2)),
+                count: Some(4),
+            })
+        );
+        assert_eq!(info.tcp_user_timeout(), Some(Duration::from_millis(1500)));
+        assert_eq!(info.connect_timeout(), Some(Duration::from_secs(20)));
+        // Zero (or less) keeps the system's default, as in libpq.
+        let system = parse(
+            "postgresql://u@h/db?keepalives_idle=0&keepalives_interval=-1&keepalives_count=0&tcp_user_timeout=0",
+        );
+        assert_eq!(
+            system.keepalives(),
+            Some(Keepalives {
+                idle: None,
+                interval: None,
+                count: None,
+            })
+        );
+        assert_eq!(system.tcp_user_timeout(), None);
+        assert_eq!(parse("postgresql://u@h/db?keepalives=0").keepalives(), None);
+        assert_eq!(
+            parse("postgresql://u@h/db?keepalives=1").keepalives(),
+            Some(Keepalives::default())
+        );
+        assert_eq!(
+            parse("postgresql://u@h/db?keepalives=0&keepalives_idle=5").keepalives(),
+            None
+        );
+        assert!(reject("postgresql://u@h/db?keepalives=yes").contains("keepalives \"yes\""));
+        assert!(reject("postgresql://u@h/db?keepalives_idle=5s").contains("whole number"));
+        assert!(reject("postgresql://u@h/db?keepalives_count=99999999999").contains("too large"));
+        reject("postgresql://u@h/db?tcp_user_timeout=1.5");
+    }
+
+    #[test]
+    fn a_password_may_travel_in_clear_only_over_tcp_without_required_tls() {
+        let clear = |url: &str| parse(url).may_send_password_in_clear();
+        assert!(clear("postgresql://u:pw@db/app"), "prefer is the default");
+        assert!(clear("postgresql://u:pw@db/app?sslmode=prefer"));
+        assert!(clear("postgresql://u@db/app?sslmode=disable&password=pw"));
+        for mode in ["require", "verify-ca", "verify-full"] {
+            assert!(
+                !clear(&format!("postgresql://u:pw@db/app?sslmode={mode}")),
+                "{mode}"
+            );
+        }
+        assert!(
+            !clear("postgresql://u@db/app?sslmode=disable"),
+            "no password"
+        );
+        assert!(
+            !clear("postgresql://u:pw@/app?host=/run/postgresql"),
+            "Unix socket"
+        );
     }
 
     #[test]
@@ -873,6 +1288,26 @@ mod tests {
         assert_eq!(c.get_connect_timeout(), Some(&Duration::from_secs(3)));
         assert_eq!(c.get_options(), Some("-c a=b"));
         assert_eq!(c.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
+        assert!(c.get_keepalives());
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(30));
+        assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(10)));
+        assert_eq!(c.get_keepalives_retries(), Some(3));
+        assert_eq!(c.get_tcp_user_timeout(), None);
+        let tuned = parse(
+            "postgresql://u@h/db?keepalives_idle=7&keepalives_interval=0&tcp_user_timeout=2500",
+        )
+        .tokio_postgres_config();
+        assert_eq!(tuned.get_keepalives_idle(), Duration::from_secs(7));
+        assert_eq!(tuned.get_keepalives_interval(), None);
+        assert_eq!(
+            tuned.get_tcp_user_timeout(),
+            Some(&Duration::from_millis(2500))
+        );
+        assert_eq!(tuned.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        let off =
+            parse("postgresql://u@h/db?keepalives=0&connect_timeout=0").tokio_postgres_config();
+        assert!(!off.get_keepalives());
+        assert_eq!(off.get_connect_timeout(), None);
         let plain = parse("postgresql://u@h/db?sslmode=disable").tokio_postgres_config();
         assert_eq!(
             plain.get_ssl_mode(),
@@ -884,6 +1319,23 @@ mod tests {
         #[test]
         fn parse_never_panics(s in "(postgres(ql)?://)?.{0,60}") {
             let _ = ConnInfo::parse(&s);
+        }
+
+        #[test]
+        fn no_output_contains_an_arbitrary_password(password in "[A-Za-z0-9/?@:#&% ]{8,16}") {
+            for url in [
+                format!("postgresql://relay:{password}@db/app"),
+                format!("postgresql://relay@db/app?password={password}&sslmode=disable"),
+            ] {
+                let shown = match ConnInfo::parse(&url) {
+                    Ok(info) => format!("{info} {info:?}"),
+                    Err(e) => format!("{e} {e:?}"),
+                };
+                prop_assert!(!shown.contains(&password), "{} in {}", password, shown);
+                for run in password.split(|c: char| !c.is_ascii_alphanumeric()) {
+                    prop_assert!(run.len() < 6 || !shown.contains(run), "{} in {}", run, shown);
+                }
+            }
         }
 
         #[test]

@@ -7,26 +7,59 @@
 //! `disable`/`prefer`/`require` and would silently skip the `verify-ca`/`verify-full`
 //! checks. Its errors are converted to [`ReplicationError`] so that both connections
 //! classify a failure the same way (see [`process_error`]).
+//!
+//! [`parse_url`] is where every command turns `postgres.url` into a [`ConnInfo`],
+//! so it is also where the relay warns, once, when that URL lets the password cross
+//! the network unencrypted ([`ConnInfo::may_send_password_in_clear`]): under
+//! `sslmode=prefer`, the default, an active attacker refuses TLS and asks for the
+//! password in clear, and the role holds the REPLICATION right. The default stays
+//! `prefer`, as in libpq, so existing set-ups keep working; the warning says what
+//! to change.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio_postgres::Client;
 
 use crate::config::redact_url;
-use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::conninfo::{ConnInfo, SslMode};
 use crate::postgres::error::{PgError, process_error};
 use crate::postgres::replication::ReplicationError;
 use crate::postgres::tls::MakeRustlsConnect;
 
 /// Parses `postgres.url` (libpq URL semantics, see [`crate::postgres::conninfo`]); a
-/// bad URL is a configuration error ([`PgError::InvalidUrl`], exit code 2).
+/// bad URL is a configuration error ([`PgError::InvalidUrl`], exit code 2). Warns
+/// once per process when the password could be sent unencrypted.
 ///
 /// # Errors
 ///
 /// [`PgError::InvalidUrl`], naming the URL without its password.
 pub fn parse_url(url: &str) -> Result<ConnInfo, PgError> {
-    ConnInfo::parse(url).map_err(|source| PgError::InvalidUrl {
+    let info = ConnInfo::parse(url).map_err(|source| PgError::InvalidUrl {
         url: redact_url(url),
         source,
-    })
+    })?;
+    warn_once_if_password_in_clear(&info);
+    Ok(info)
+}
+
+/// The start-up warning for a password that could travel in clear, at most once.
+fn warn_once_if_password_in_clear(info: &ConnInfo) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if info.may_send_password_in_clear() && !WARNED.swap(true, Ordering::Relaxed) {
+        let risk = match info.sslmode() {
+            SslMode::Disable => "the connection is not encrypted",
+            _ => "an attacker in the network path can refuse TLS and keep it in plain text",
+        };
+        tracing::warn!(
+            target_db = %info,
+            "postgres.url has a password and sslmode={}: {risk}, so the server, or an \
+             attacker posing as it, can ask for the password in clear (or as an MD5 hash) \
+             and take the relay's REPLICATION credential; set sslmode=verify-full with \
+             sslrootcert, or at least sslmode=require",
+            info.sslmode()
+        );
+    }
 }
 
 /// Opens a metadata connection from a URL (TLS per its `sslmode`).
@@ -52,18 +85,32 @@ pub async fn connect_info(info: &ConnInfo) -> Result<Client, PgError> {
 }
 
 /// Opens an ordinary `tokio-postgres` connection (for metadata queries and poison
-/// inserts) with the same TLS semantics as the replication connection, and spawns
-/// its connection task, which ends when the returned client is dropped.
+/// inserts) with the same TLS semantics, TCP keepalives and `connect_timeout` (over
+/// TCP, TLS and authentication) as the replication connection, and spawns its
+/// connection task, which ends when the returned client is dropped.
 ///
 /// # Errors
 ///
+/// [`ReplicationError::Io`] (`TimedOut`) when `connect_timeout` elapses,
 /// [`ReplicationError::TlsConfig`] when the TLS roots cannot be loaded, otherwise the
 /// connection error converted to [`ReplicationError`] (a server error keeps its
 /// SQLSTATE), so both connections classify failures the same way.
 pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client, ReplicationError> {
     let config = info.tokio_postgres_config();
     let tls = MakeRustlsConnect::from_conninfo(info)?;
-    let (client, connection) = config.connect(tls).await.map_err(ReplicationError::from)?;
+    // tokio-postgres bounds only the TCP connect with it; libpq (and the
+    // replication connection) bound TLS and authentication too.
+    let connecting = config.connect(tls);
+    let connected = match info.connect_timeout() {
+        Some(limit) => tokio::time::timeout(limit, connecting).await.map_err(|_| {
+            ReplicationError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connecting to {info} timed out after {limit:?} (connect_timeout)"),
+            ))
+        })?,
+        None => connecting.await,
+    };
+    let (client, connection) = connected.map_err(ReplicationError::from)?;
     let target = info.to_string();
     tokio::spawn(async move {
         if let Err(e) = connection.await {
@@ -71,4 +118,30 @@ pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client,
         }
     });
     Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// tokio-postgres alone would wait for the startup answer for ever.
+    #[tokio::test]
+    async fn connect_timeout_bounds_a_silent_server() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let info = ConnInfo::parse(&format!(
+            "postgresql://u@127.0.0.1:{port}/db?sslmode=disable&connect_timeout=1"
+        ))
+        .expect("parse");
+        let started = std::time::Instant::now();
+        let err = connect_metadata(&info).await.expect_err("times out");
+        assert!(
+            matches!(&err, ReplicationError::Io(e) if e.kind() == io::ErrorKind::TimedOut),
+            "{err:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        assert!(err.is_transient(), "{err:?}");
+    }
 }

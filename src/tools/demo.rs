@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rdkafka::error::KafkaError;
 use rdkafka::mocking::MockCluster;
 
-use crate::config::Config;
+use crate::config::{Config, redact_url};
 use crate::lsn::Lsn;
 use crate::ops::meter::Meter;
 use crate::postgres::prerequisite::Prerequisite;
@@ -193,7 +193,10 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
             mock.bootstrap_servers()
         }
     };
-    eprintln!("demo: PostgreSQL at {}, broker at {brokers}", cluster.url);
+    eprintln!(
+        "demo: PostgreSQL at {}, broker at {brokers}",
+        redact_url(&cluster.url)
+    );
     let config = demo_config(&cluster.url, &brokers)?;
     let mut client = crate::postgres::connect(&config.postgres.url).await?;
     crate::ops::migrate::apply(&mut client, &config).await?;
@@ -242,7 +245,10 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
         audit,
     };
     if args.keep {
-        eprintln!("demo: PostgreSQL kept running at {}", cluster.url);
+        eprintln!(
+            "demo: PostgreSQL kept running at {}",
+            redact_url(&cluster.url)
+        );
     }
     drop(cluster);
     Ok(summary)

@@ -23,3 +23,4 @@ mod relay;
 mod replay;
 mod replication_connection;
 mod retention;
+mod secrets;

@@ -656,3 +656,36 @@ async fn next_frame_is_cancel_safe_on_a_real_socket() {
     stream.finish().await.expect("finish");
     db.drop_slot().await;
 }
+
+/// Keepalives, `tcp_user_timeout` and `connect_timeout` from the URL are accepted
+/// by both connections to the real server (the socket options themselves are
+/// checked by the unit tests).
+#[tokio::test]
+async fn both_connections_work_with_keepalive_and_timeout_parameters() {
+    let pw = password();
+    for query in [
+        "sslmode=disable&keepalives_idle=5&keepalives_interval=1&keepalives_count=2\
+         &tcp_user_timeout=5000&connect_timeout=5",
+        "sslmode=require&keepalives=0&connect_timeout=0",
+    ] {
+        let url = url("relay_scram", Some(&pw), None, query);
+        let mut conn = connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("replication connection with {query}: {e}"));
+        assert_eq!(
+            scalar(&mut conn, "SELECT 1").await.as_deref(),
+            Some("1"),
+            "{query}"
+        );
+        conn.close().await.expect("close");
+        let client = connect_metadata(&info(&url))
+            .await
+            .unwrap_or_else(|e| panic!("metadata connection with {query}: {e}"));
+        let one: i32 = client
+            .query_one("SELECT 1", &[])
+            .await
+            .expect("query")
+            .get(0);
+        assert_eq!(one, 1, "{query}");
+    }
+}

@@ -559,3 +559,84 @@ async fn startup_rejects_unsupported_methods_and_surprises() {
         "{result:?}"
     );
 }
+
+/// Opens the transport to a local listener that accepts and says nothing.
+async fn tcp_transport(query: &str) -> (Transport, tokio::net::TcpListener) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let info = ConnInfo::parse(&format!(
+        "postgresql://u@127.0.0.1:{port}/db?sslmode=disable{query}"
+    ))
+    .unwrap();
+    let (transport, binding) = super::transport::open_transport(&info).await.unwrap();
+    assert!(binding.is_none());
+    (transport, listener)
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_replication_socket_gets_the_keepalives_of_the_url() {
+    use std::time::Duration;
+    let (transport, _listener) = tcp_transport("").await;
+    let Transport::Tcp(tcp) = &transport else {
+        panic!("expected plain TCP");
+    };
+    let socket = socket2::SockRef::from(tcp);
+    assert!(socket.keepalive().unwrap());
+    assert_eq!(
+        socket.tcp_keepalive_time().unwrap(),
+        Duration::from_secs(30)
+    );
+    assert_eq!(
+        socket.tcp_keepalive_interval().unwrap(),
+        Duration::from_secs(10)
+    );
+    assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+    assert_eq!(socket.tcp_user_timeout().unwrap(), None);
+
+    let (transport, _listener) = tcp_transport(
+        "&keepalives_idle=7&keepalives_interval=2&keepalives_count=5&tcp_user_timeout=4000",
+    )
+    .await;
+    let Transport::Tcp(tcp) = &transport else {
+        panic!("expected plain TCP");
+    };
+    let socket = socket2::SockRef::from(tcp);
+    assert_eq!(socket.tcp_keepalive_time().unwrap(), Duration::from_secs(7));
+    assert_eq!(
+        socket.tcp_keepalive_interval().unwrap(),
+        Duration::from_secs(2)
+    );
+    assert_eq!(socket.tcp_keepalive_retries().unwrap(), 5);
+    assert_eq!(
+        socket.tcp_user_timeout().unwrap(),
+        Some(Duration::from_secs(4))
+    );
+
+    let (transport, _listener) = tcp_transport("&keepalives=0").await;
+    let Transport::Tcp(tcp) = &transport else {
+        panic!("expected plain TCP");
+    };
+    assert!(!socket2::SockRef::from(tcp).keepalive().unwrap());
+}
+
+/// A server that accepts but never answers the startup packet: `connect_timeout`
+/// ends the attempt (here the libpq minimum, 2 s).
+#[tokio::test]
+async fn connect_timeout_bounds_a_silent_server() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let info = ConnInfo::parse(&format!(
+        "postgresql://u@127.0.0.1:{port}/db?sslmode=disable&connect_timeout=1"
+    ))
+    .unwrap();
+    let started = std::time::Instant::now();
+    let err = ReplicationConnection::connect(&info).await.unwrap_err();
+    assert!(
+        matches!(&err, ReplicationError::Io(e) if e.kind() == io::ErrorKind::TimedOut),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("connect_timeout"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(err.classify(), ErrorClass::Transient);
+}

@@ -9,6 +9,14 @@
 //! man in the middle) sends after it can be taken as plaintext (CVE-2021-23222). The
 //! TLS session's `tls-server-end-point` data is handed to SCRAM for channel binding.
 //!
+//! # Keepalives
+//!
+//! The TCP socket gets the URL's keepalives ([`Keepalives`], on by default: probes
+//! after 30 s of silence) and `tcp_user_timeout`, as libpq sets them, through
+//! `socket2` because tokio's `TcpStream` only knows on and off. The walsender's own
+//! keepalive messages cover a live server that stops sending; these cover a peer
+//! that vanished without closing the connection.
+//!
 //! # Buffers and cancel safety
 //!
 //! [`Conn`] owns the read and write buffers, so a future dropped by `tokio::select!`
@@ -30,7 +38,7 @@ use postgres_protocol::message::frontend;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::postgres::conninfo::{ConnInfo, Host, SslMode};
+use crate::postgres::conninfo::{ConnInfo, Host, Keepalives, SslMode};
 use crate::postgres::tls::{TlsConnector, rustls_error, session_channel_binding};
 
 use super::error::ReplicationError;
@@ -144,6 +152,8 @@ pub(super) async fn open_transport(
         .map_err(|e| io::Error::new(e.kind(), format!("cannot connect to {info}: {e}")))?;
     // Status updates are tiny and must leave at once.
     tcp.set_nodelay(true)?;
+    set_tcp_timeouts(&tcp, info)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot set TCP keepalives: {e}")))?;
     let Some(connector) = TlsConnector::from_conninfo(info)? else {
         return Ok((Transport::Tcp(tcp), None));
     };
@@ -193,6 +203,51 @@ pub(super) async fn open_transport(
             tag_name(other)
         ))),
     }
+}
+
+/// The URL's keepalives and `tcp_user_timeout` on a connected socket.
+fn set_tcp_timeouts(tcp: &TcpStream, info: &ConnInfo) -> io::Result<()> {
+    let socket = socket2::SockRef::from(tcp);
+    match info.keepalives() {
+        Some(keepalives) => socket.set_tcp_keepalive(&tcp_keepalive(keepalives))?,
+        None => socket.set_keepalive(false)?,
+    }
+    // Only Linux has TCP_USER_TIMEOUT; libpq ignores the setting elsewhere too.
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    if let Some(timeout) = info.tcp_user_timeout() {
+        socket.set_tcp_user_timeout(Some(timeout))?;
+    }
+    Ok(())
+}
+
+/// `socket2`'s form of [`Keepalives`]; what a platform cannot set keeps its default.
+fn tcp_keepalive(keepalives: Keepalives) -> socket2::TcpKeepalive {
+    let mut out = socket2::TcpKeepalive::new();
+    if let Some(idle) = keepalives.idle {
+        out = out.with_time(idle);
+    }
+    #[cfg(not(any(
+        target_os = "aix",
+        target_os = "haiku",
+        target_os = "openbsd",
+        target_os = "redox",
+        target_os = "solaris"
+    )))]
+    if let Some(interval) = keepalives.interval {
+        out = out.with_interval(interval);
+    }
+    #[cfg(not(any(
+        target_os = "aix",
+        target_os = "haiku",
+        target_os = "openbsd",
+        target_os = "redox",
+        target_os = "solaris",
+        target_os = "windows"
+    )))]
+    if let Some(count) = keepalives.count {
+        out = out.with_retries(count);
+    }
+    out
 }
 
 /// Socket plus read/write buffers, shared by both phases.
