@@ -162,6 +162,47 @@ impl Lost {
     }
 }
 
+/// Resolved events the saved position may not cover yet: each save request notes how
+/// many events had been resolved when it was asked for, and a completed save covers
+/// the requests at or below its position.
+#[derive(Debug, Default)]
+struct UnsavedEvents {
+    resolved: u64,
+    covered: u64,
+    requests: std::collections::VecDeque<(Lsn, u64)>,
+}
+
+impl UnsavedEvents {
+    fn resolved(&mut self) {
+        self.resolved += 1;
+    }
+
+    fn requested(&mut self, lsn: Lsn) {
+        if self.requests.back().is_none_or(|&(last, _)| lsn > last) {
+            self.requests.push_back((lsn, self.resolved));
+        }
+    }
+
+    fn saved(&mut self, lsn: Lsn) {
+        while let Some(&(at, count)) = self.requests.front() {
+            if at > lsn {
+                break;
+            }
+            self.covered = count;
+            self.requests.pop_front();
+        }
+    }
+
+    fn all_saved(&mut self) {
+        self.covered = self.resolved;
+        self.requests.clear();
+    }
+
+    fn count(&self) -> usize {
+        usize::try_from(self.resolved - self.covered).unwrap_or(usize::MAX)
+    }
+}
+
 /// Sessions that ended without progress, at one confirmed position.
 #[derive(Debug, Default)]
 struct FailureStreak {
@@ -273,7 +314,7 @@ pub async fn run_with_health(
         saver: None,
         save_requested_at: now,
         resolved_since_request: false,
-        resolved_since_save: 0,
+        unsaved: UnsavedEvents::default(),
         status_interval,
         resend: ResendGuard::default(),
         last_report_at: now,
@@ -346,9 +387,10 @@ struct Relay {
     /// Saves positions before the server hears of them (one per session).
     saver: Option<PositionSaver>,
     save_requested_at: Instant,
-    /// Events resolved since the last save request, and since the last completed save.
+    /// An event was resolved since the last save request.
     resolved_since_request: bool,
-    resolved_since_save: usize,
+    /// How many resolved events the saved position may not cover yet.
+    unsaved: UnsavedEvents,
     status_interval: Duration,
     resend: ResendGuard,
     /// Last delivery report (or moment the producer had nothing in flight).
@@ -749,6 +791,9 @@ impl Relay {
             }
         };
         self.history = Some(history);
+        // The start was saved before the session began: everything resolved before
+        // it is covered, and what was resolved past it is streamed again.
+        self.unsaved.all_saved();
         self.pending.clear();
         self.mapper.reset_session();
         self.last_report_at = now;
@@ -779,7 +824,14 @@ impl Relay {
                     .reset(tokio::time::Instant::from_std(deadline));
             }
             let has_deadline = self.core.next_deadline().is_some();
-            let can_read = self.core.can_read();
+            // Between transactions, reading also pauses while a window's worth of
+            // resolved events waits for the saved position, so what a kill -9 re-sends
+            // stays within its bound. (Never inside one: its commit must be read
+            // before any of it can be confirmed, let alone saved.)
+            let can_read = self.core.can_read()
+                && (self.core.in_transaction()
+                    || self.unsaved.count() < self.config.relay.max_in_flight_events
+                    || self.saver.as_ref().is_some_and(PositionSaver::server_stopping));
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
@@ -801,7 +853,7 @@ impl Relay {
                     self.on_poison_outcome(outcome);
                 }
                 saved = saver_changed(&mut self.saver) => {
-                    self.resolved_since_save = 0;
+                    self.unsaved.saved(saved);
                     if let Err(e) = self.send_saved_status(&mut stream, saved).await {
                         return Ok(SessionEnd::Lost(e.into()));
                     }
@@ -1155,8 +1207,9 @@ impl Relay {
             || now.duration_since(self.save_requested_at) >= self.status_interval
         {
             let urgent =
-                self.resolved_since_save >= self.config.relay.max_in_flight_events.div_ceil(2);
+                self.unsaved.count() >= self.config.relay.max_in_flight_events.div_ceil(2);
             saver.request(flush, urgent);
+            self.unsaved.requested(flush);
             self.resolved_since_request = false;
             self.save_requested_at = now;
         }
@@ -1165,7 +1218,7 @@ impl Relay {
     /// An event was acked or poisoned.
     fn note_resolved(&mut self) {
         self.resolved_since_request = true;
-        self.resolved_since_save += 1;
+        self.unsaved.resolved();
     }
 
     /// How far a status may confirm of `wanted`: up to the saved position; all of

@@ -294,14 +294,14 @@ async fn on_slot_loss_fail_stops_with_exit_3() {
 }
 
 /// A session that fails again and again in the middle of one large transaction
-/// (the walsender is cut five times while its 10,000 events stream, slowed down by
+/// (the walsender is cut five times while its 20,000 events stream, slowed down by
 /// a small window and a long producer linger so that the cuts land inside it): each
 /// reconnect skips what the lost sessions delivered instead of producing it again,
 /// backs off, and the streak is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_mid_transaction_failure_does_not_resend_the_transaction() {
     const WINDOW: usize = 100;
-    const ROWS: usize = 10_000;
+    const ROWS: usize = 20_000;
     let mut db = TestDb::create("progress_repeat").await;
     // At most one window per linger: about 500 events a second.
     db.append_config("[kafka.producer]\n\"linger.ms\" = \"200\"\n");
