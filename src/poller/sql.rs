@@ -68,10 +68,12 @@ pub(crate) struct Sql {
     pub(super) mark_sent: String,
     pub(super) record_failures: String,
     pub(super) insert_poison: String,
+    /// `relay.poison_copy_limit_bytes`, for the poison rows.
+    pub(super) poison_copy_limit: usize,
 }
 
 impl Sql {
-    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout) -> Sql {
+    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout, poison_copy_limit: usize) -> Sql {
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
         let col = |field: usize| match &layout.fields[field] {
@@ -122,7 +124,8 @@ impl Sql {
                  FROM unnest($1::text[], $2::int4[], $3::text[]) AS f(id, attempts, error)
                  WHERE o.{id} = f.id::{id_type}"
             ),
-            insert_poison: crate::poison::insert_statement(&outbox.poison_table),
+            insert_poison: crate::poison::insert_statement(outbox),
+            poison_copy_limit,
         }
     }
 }
@@ -135,6 +138,7 @@ pub(crate) struct Prepared {
     pub(super) mark_sent: Statement,
     pub(super) record_failures: Statement,
     pub(super) insert_poison: Statement,
+    pub(super) poison_copy_limit: usize,
 }
 
 impl Prepared {
@@ -149,6 +153,7 @@ impl Prepared {
             mark_sent: prepare(&sql.mark_sent).await?,
             record_failures: prepare(&sql.record_failures).await?,
             insert_poison: prepare(&sql.insert_poison).await?,
+            poison_copy_limit: sql.poison_copy_limit,
         })
     }
 }
@@ -185,7 +190,7 @@ mod tests {
         );
         set(&mut columns, "id", column("id", "bigint", "int8"));
         let layout = resolve_layout("app.Events", &outbox, &columns).unwrap();
-        let sql = Sql::new(&outbox, &layout);
+        let sql = Sql::new(&outbox, &layout, 1024);
         let select = &sql.select_batch;
         assert!(select.contains("FROM \"app\".\"Events\" o"), "{select}");
         assert!(
