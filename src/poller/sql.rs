@@ -65,6 +65,9 @@ pub(crate) struct Sql {
     /// the snapshot of a resync after a lost slot (`crate::cdc::resync`).
     pub(crate) undelivered: String,
     pub(super) sweep: String,
+    /// One row by its id (`$1`, as text), whatever its state: `replay` reads the
+    /// original of a poison row whose copy was truncated.
+    pub(crate) by_id: String,
     pub(super) mark_sent: String,
     pub(super) record_failures: String,
     pub(super) insert_poison: String,
@@ -113,6 +116,7 @@ impl Sql {
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text)) {order}",
                 col(IDEMPOTENCY_KEY)
             ),
+            by_id: format!("{select} WHERE o.{id} = $1::text::{id_type}"),
             // statement_timestamp(): when the marks were written, after the acks
             // (now() would be the poll's start).
             mark_sent: format!(
