@@ -25,11 +25,12 @@
 //! excluded by `attempts < max_attempts`, which is what poisoning sets. Consequences,
 //! by design: they stay in the partial index (a few heap checks per poll, which is
 //! negligible while poison is rare); *raising* `max_attempts` later makes them eligible
-//! again (they are retried; if they fail again they are poisoned again — evidence,
-//! not loss); *lowering* it would leave rows with `attempts` between the two limits
-//! excluded yet unpoisoned, so at start-up the poller copies every such row without a
-//! poison row to `poison_outbox` ([`Poller::poison_exhausted`](super::Poller::poison_exhausted)). Rows are never
-//! deleted, by the poller or by poisoning.
+//! again (they are retried; if they fail again, the poison row they have stands: one
+//! row per occurrence, and a poller's rows have no LSN to tell two apart); *lowering*
+//! it would leave rows with `attempts` between the two limits excluded yet unpoisoned,
+//! so at start-up the poller copies every such row without a poison row to
+//! `poison_outbox` ([`Poller::poison_exhausted`](super::Poller::poison_exhausted)).
+//! Rows are never deleted, by the poller or by poisoning.
 
 use tokio_postgres::Transaction;
 use tracing::warn;
