@@ -24,8 +24,10 @@
 --
 --   SELECT on the outbox   prerequisite checks; `status` and `audit` counts.
 --   SELECT, INSERT on poison_outbox
---                          write poison rows (the insert checks for an existing
---                          copy of the same row first, hence SELECT).
+--                          write poison rows (INSERT … ON CONFLICT DO NOTHING, once
+--                          per occurrence); `status`, `audit` and `replay` read them.
+--                          The insert calls outbox_relay_try_jsonb and
+--                          outbox_relay_try_timestamptz, which PUBLIC may execute.
 --   UPDATE (replayed_at, replay_count) on poison_outbox
 --                          `replay` marks what it re-published; nothing else can
 --                          change (and DELETE is refused by a trigger anyway).

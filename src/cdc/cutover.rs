@@ -431,7 +431,11 @@ impl<'a> Backlog<'a> {
         marker_table: Option<&'a str>,
     ) -> Result<Backlog<'a>> {
         let layout = poller::inspect_tables(metadata, &config.outbox).await?;
-        let sql = poller::Sql::new(&config.outbox, &layout);
+        let sql = poller::Sql::new(
+            &config.outbox,
+            &layout,
+            config.relay.poison_copy_limit_bytes,
+        );
         let prepared = poller::Prepared::new(metadata, &sql).await?;
         let mapper =
             OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;

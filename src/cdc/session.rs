@@ -275,7 +275,7 @@ pub async fn run_with_health(
 
     let (poison_tx, poison_rx) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let (outcome_tx, outcomes) = mpsc::channel(config.relay.max_in_flight_events.max(1));
-    let writer = PoisonWriter::new(conninfo.clone(), &config.outbox.poison_table);
+    let writer = PoisonWriter::new(conninfo.clone(), &config);
     tokio::spawn(crate::poison::run_writer(writer, poison_rx, outcome_tx));
 
     let core_config = CoreConfig {

@@ -185,6 +185,11 @@ pub struct RelayConfig {
     pub max_in_flight_bytes: usize,
     /// Attempts for an event failing with a permanent error before it is poisoned.
     pub max_attempts: u32,
+    /// Largest value copied whole into a poison row (payload, headers, `row_data`,
+    /// error); a longer one is cut to this many bytes, with the row's size and hash,
+    /// and the original stays in the outbox. Below PostgreSQL's jsonb and message
+    /// size limits by construction (at most [`MAX_POISON_COPY_LIMIT`]).
+    pub poison_copy_limit_bytes: usize,
     /// Seconds to wait for in-flight acks on SIGINT/SIGTERM.
     pub shutdown_timeout_secs: u64,
     /// Seconds to wait for a replication slot held by another process before
@@ -347,12 +352,24 @@ impl Default for Columns {
     }
 }
 
+/// Default of `relay.poison_copy_limit_bytes`: 16 MiB, so a payload a broker refused
+/// as too large (typically a few MiB) is still copied whole.
+pub const DEFAULT_POISON_COPY_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Bounds of `relay.poison_copy_limit_bytes`. The upper one keeps a poison insert
+/// (payload, headers, `row_data` and error, each at most this long) far below
+/// jsonb's 256 MiB and a protocol message's 1 GiB.
+pub const MIN_POISON_COPY_LIMIT: usize = 1024;
+/// See [`MIN_POISON_COPY_LIMIT`].
+pub const MAX_POISON_COPY_LIMIT: usize = 128 * 1024 * 1024;
+
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
             max_in_flight_events: 10_000,
             max_in_flight_bytes: 32 * 1024 * 1024,
             max_attempts: 5,
+            poison_copy_limit_bytes: DEFAULT_POISON_COPY_LIMIT,
             shutdown_timeout_secs: 30,
             slot_busy_timeout_secs: 30,
             heartbeat_interval_secs: 10,
@@ -456,6 +473,13 @@ impl Config {
         }
         if self.relay.max_attempts == 0 {
             return invalid("relay.max_attempts must be at least 1".into());
+        }
+        if !(MIN_POISON_COPY_LIMIT..=MAX_POISON_COPY_LIMIT)
+            .contains(&self.relay.poison_copy_limit_bytes)
+        {
+            return invalid(format!(
+                "relay.poison_copy_limit_bytes must be {MIN_POISON_COPY_LIMIT}..={MAX_POISON_COPY_LIMIT}"
+            ));
         }
         let listen = self.metrics.listen.trim();
         if !listen.is_empty()
@@ -755,6 +779,10 @@ mod tests {
     fn invalid_values_are_rejected() {
         assert!(load(MINIMAL, &[("OUTBOX_RELAY__POSTGRES__SLOT", "Bad-Slot")]).is_err());
         assert!(load(MINIMAL, &[("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "0")]).is_err());
+        for bad in ["1023", "134217729"] {
+            let var = ("OUTBOX_RELAY__RELAY__POISON_COPY_LIMIT_BYTES", bad);
+            assert!(load(MINIMAL, &[var]).is_err(), "{bad}");
+        }
         assert!(load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__TABLE", "a.b.c")]).is_err());
         assert!(load("not toml [", &[]).is_err());
         for bad in ["9187", "localhost", "127.0.0.1:http", ":99999"] {

@@ -9,6 +9,10 @@
 //! in its own transaction under an advisory lock and is recorded in
 //! `outbox_relay_migrations` with a checksum of the SQL it ran.
 //!
+//! `0008` upgrades the poison table in place (de-duplication by occurrence, columns
+//! for content jsonb refuses, see [`crate::poison`]) and keeps every existing row: an
+//! applied migration is never edited, a later one changes what it created.
+//!
 //! Besides the tables, the migrations install the writer helper
 //! `outbox_enqueue(…)` (`0004`, see [`crate::outbox::enqueue`]) and the checkpoint table
 //! retention and the poller's fallback mode rely on (`0005`, see
@@ -84,6 +88,12 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 7,
         name: "relay_position",
         sql: include_str!("../../migrations/0007_relay_position.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 8,
+        name: "poison_dedup",
+        sql: include_str!("../../migrations/0008_poison_dedup.sql"),
         partitioned_sql: None,
     },
 ];

@@ -311,7 +311,8 @@ impl OutboxEvent {
     }
 }
 
-/// Everything a `poison_outbox` row needs (migrations/0002_poison_outbox.sql),
+/// Everything a `poison_outbox` row needs (migrations/0002_poison_outbox.sql and
+/// 0008_poison_dedup.sql),
 /// best-effort: a field is `None` when the row had no usable value for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoisonFields {
@@ -329,7 +330,8 @@ pub struct PoisonFields {
     /// row's `topic` column.
     pub topic: Option<String>,
     /// `headers` as JSON text; from the replication stream only when the column is
-    /// `json`/`jsonb`, so it always casts to `jsonb`.
+    /// `json`/`jsonb`. Stored as `jsonb` when jsonb takes it (a `json` column may hold
+    /// a `\u0000` jsonb refuses), else in `headers_text`.
     pub headers: Option<String>,
     /// `payload` as text (for `bytea`, PostgreSQL's `\x…` hex text).
     pub payload: Option<String>,

@@ -3,20 +3,19 @@
 //! Two concerns, two files, because they have different users:
 //!
 //! * `table.rs`, the table's contract (`PoisonRow`, `insert_statement`,
-//!   `insert_row`): shared by every writer (the CDC relay, the poller, a cutover),
-//!   which must record the same fields in the same way, and idempotently per
-//!   `(idempotency_key, lsn)`;
+//!   `insert_rows`): shared by every writer (the CDC relay, the poller, a cutover),
+//!   which must record the same fields in the same way, once per occurrence of an
+//!   event (`(outbox_id, lsn)`), and whatever the content (casts that cannot fail,
+//!   values cut to `relay.poison_copy_limit_bytes`);
 //! * `writer.rs`, the CDC relay's writer task (`PoisonWriter`, `run_writer`): the
 //!   relay must not wait for an insert on its replication loop, so its inserts run on a
-//!   connection and a task of their own and report back.
+//!   connection and a task of their own, a batch of queued requests per statement,
+//!   and report back.
 //!
 //! Rows are never deleted (a trigger refuses it); `replay` re-publishes them.
 
 mod table;
 mod writer;
 
-pub(crate) use table::{PoisonRow, insert_row, insert_statement};
+pub(crate) use table::{PoisonRow, insert_rows, insert_statement};
 pub(crate) use writer::{PoisonOutcome, PoisonRequest, PoisonWriter, run_writer};
-
-#[cfg(test)]
-pub(crate) use table::valid_json_or_string;

@@ -8,6 +8,20 @@
 //! [`PoisonInsertError`] so the core asks again after a backoff, and the broken
 //! connection is dropped so the next request reconnects. The poller and a cutover do
 //! not use this task: they write poison rows inside their own batch transactions.
+//!
+//! # Batches
+//!
+//! Under mass poisoning (a bad deploy that writes every row without an entity id)
+//! one statement and one commit per event would make the relay drain poison several
+//! times slower than it delivers. So the writer takes every request already queued,
+//! up to [`MAX_BATCH_ROWS`] rows and about [`MAX_BATCH_BYTES`], and writes them with
+//! one statement (one commit); each request is answered when it commits. Preparing
+//! a batch (cutting, hashing, `row_data` as JSON) costs about as much CPU as the
+//! server spends inserting it, so the two overlap: [`run_writer`] prepares the next
+//! batch while a task of its own inserts the previous one. When the server refuses a
+//! batch (never expected: the statement cannot fail on content, see `table.rs`) its
+//! rows are written one by one, so one bad row cannot hold the others back; when the
+//! connection fails, every request of the batch is asked again later.
 
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
@@ -19,7 +33,15 @@ use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::describe_error;
 use crate::postgres::replication::ReplicationError;
 
-use super::table::{PoisonRow, insert_row, insert_statement};
+use super::table::{PoisonBatch, PoisonRow, insert_batch, insert_rows, insert_statement};
+use crate::config::Config;
+
+/// Most rows in one insert statement.
+pub(crate) const MAX_BATCH_ROWS: usize = 1000;
+
+/// A batch stops growing once its values reach this many bytes (a first row is
+/// always taken, whatever its size).
+pub(crate) const MAX_BATCH_BYTES: usize = 8 * 1024 * 1024;
 
 /// A poison insert the relay asks for, and its answer.
 #[derive(Debug)]
@@ -44,6 +66,9 @@ pub(crate) enum PoisonInsertError {
     /// The insert failed (the server's message and SQLSTATE when it sent one).
     #[error("{}", describe_error(.0))]
     Insert(#[source] tokio_postgres::Error),
+    /// Another row's failure took the batch's statement with it (its message).
+    #[error("{0}")]
+    Batch(String),
 }
 
 /// Inserts poison rows with a connection it re-opens when it breaks.
@@ -51,63 +76,154 @@ pub(crate) enum PoisonInsertError {
 pub(crate) struct PoisonWriter {
     conninfo: ConnInfo,
     statement: String,
+    copy_limit: usize,
     client: Option<Client>,
 }
 
 impl PoisonWriter {
-    /// `table` is the configured `outbox.poison_table`.
+    /// Writes to the configured `outbox.poison_table`, values cut to
+    /// `relay.poison_copy_limit_bytes`.
     #[must_use]
-    pub(crate) fn new(conninfo: ConnInfo, table: &str) -> PoisonWriter {
-        let statement = insert_statement(table);
+    pub(crate) fn new(conninfo: ConnInfo, config: &Config) -> PoisonWriter {
         PoisonWriter {
             conninfo,
-            statement,
+            statement: insert_statement(&config.outbox),
+            copy_limit: config.relay.poison_copy_limit_bytes,
             client: None,
         }
     }
 
-    /// Inserts (or finds already inserted) one row; the connection is dropped on
-    /// error so the next call reconnects.
-    pub(crate) async fn insert(&mut self, row: &PoisonRow) -> Result<(), PoisonInsertError> {
-        let client = match self.client.take() {
-            Some(client) => client,
+    /// Connects when there is no connection.
+    async fn client(&mut self) -> Result<Client, PoisonInsertError> {
+        match self.client.take() {
+            Some(client) => Ok(client),
             None => connect_metadata(&self.conninfo)
                 .await
-                .map_err(PoisonInsertError::Connect)?,
-        };
-        insert_row(&client, self.statement.as_str(), row)
+                .map_err(PoisonInsertError::Connect),
+        }
+    }
+
+    /// Inserts (or finds already inserted) `rows`, all committed together; the
+    /// connection is dropped on error so the next call reconnects.
+    pub(crate) async fn insert(&mut self, rows: &[&PoisonRow]) -> Result<(), PoisonInsertError> {
+        let client = self.client().await?;
+        insert_rows(&client, self.statement.as_str(), rows, self.copy_limit)
             .await
             .map_err(PoisonInsertError::Insert)?;
         self.client = Some(client);
         Ok(())
     }
+
+    /// Inserts a prepared batch; when the server refuses it, each row on its own.
+    /// One result per request, in order.
+    async fn insert_batch(&mut self, batch: &Batch) -> Vec<Result<(), PoisonInsertError>> {
+        let result = match self.client().await {
+            Ok(client) => match insert_batch(&client, self.statement.as_str(), &batch.rows).await {
+                Ok(_) => {
+                    self.client = Some(client);
+                    Ok(())
+                }
+                Err(e) => Err(PoisonInsertError::Insert(e)),
+            },
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(()) => batch.requests.iter().map(|_| Ok(())).collect(),
+            Err(PoisonInsertError::Insert(e))
+                if batch.requests.len() > 1 && e.as_db_error().is_some() =>
+            {
+                tracing::warn!(
+                    error = %describe_error(&e),
+                    rows = batch.requests.len(),
+                    "poison batch refused; inserting its rows one by one"
+                );
+                let mut results = Vec::with_capacity(batch.requests.len());
+                for request in &batch.requests {
+                    results.push(self.insert(&[&request.row]).await);
+                }
+                results
+            }
+            Err(e) => {
+                let message = e.to_string();
+                let mut results = vec![Err(e)];
+                results.extend(
+                    (1..batch.requests.len())
+                        .map(|_| Err(PoisonInsertError::Batch(message.clone()))),
+                );
+                results
+            }
+        }
+    }
 }
 
-/// Runs the writer until `requests` closes, answering each request on `outcomes`.
+/// Requests and their rows in the statement's form.
+#[derive(Debug)]
+struct Batch {
+    requests: Vec<PoisonRequest>,
+    rows: PoisonBatch,
+}
+
+/// Runs the writer until `requests` closes, answering each request on `outcomes`:
+/// collects and prepares batches here, inserts them on a task of its own (see the
+/// module doc).
 pub(crate) async fn run_writer(
-    mut writer: PoisonWriter,
+    writer: PoisonWriter,
     mut requests: mpsc::Receiver<PoisonRequest>,
     outcomes: mpsc::Sender<PoisonOutcome>,
 ) {
-    while let Some(request) = requests.recv().await {
-        let result = writer.insert(&request.row).await;
-        match &result {
-            Ok(()) => tracing::warn!(
-                idempotency_key = request.row.fields.idempotency_key.as_deref().unwrap_or(""),
-                error_kind = %request.row.error_kind,
-                error = %request.row.error,
-                attempts = request.row.attempts,
-                lsn = %request.row.lsn.unwrap_or(Lsn::ZERO),
-                "event poisoned"
-            ),
-            Err(e) => tracing::warn!(error = %e, "poison insert failed; will retry"),
+    let copy_limit = writer.copy_limit;
+    // One batch waits while another is inserted: enough to keep both sides busy.
+    let (prepared, ready) = mpsc::channel(1);
+    let inserter = tokio::spawn(insert_batches(writer, ready, outcomes));
+    while let Some(first) = requests.recv().await {
+        let mut bytes = first.row.approximate_size();
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH_ROWS && bytes < MAX_BATCH_BYTES {
+            let Ok(next) = requests.try_recv() else { break };
+            bytes += next.row.approximate_size();
+            batch.push(next);
         }
-        let outcome = PoisonOutcome {
-            id: request.id,
-            result,
+        let rows = PoisonBatch::new(batch.iter().map(|r| &r.row), copy_limit);
+        let batch = Batch {
+            requests: batch,
+            rows,
         };
-        if outcomes.send(outcome).await.is_err() {
-            return;
+        if prepared.send(batch).await.is_err() {
+            break;
+        }
+    }
+    drop(prepared);
+    let _ = inserter.await;
+}
+
+/// Inserts each prepared batch and answers its requests, until `ready` closes or
+/// nobody listens for outcomes.
+async fn insert_batches(
+    mut writer: PoisonWriter,
+    mut ready: mpsc::Receiver<Batch>,
+    outcomes: mpsc::Sender<PoisonOutcome>,
+) {
+    while let Some(batch) = ready.recv().await {
+        let results = writer.insert_batch(&batch).await;
+        for (request, result) in batch.requests.into_iter().zip(results) {
+            match &result {
+                Ok(()) => tracing::warn!(
+                    idempotency_key = request.row.fields.idempotency_key.as_deref().unwrap_or(""),
+                    error_kind = %request.row.error_kind,
+                    error = %request.row.error,
+                    attempts = request.row.attempts,
+                    lsn = %request.row.lsn.unwrap_or(Lsn::ZERO),
+                    "event poisoned"
+                ),
+                Err(e) => tracing::warn!(error = %e, "poison insert failed; will retry"),
+            }
+            let outcome = PoisonOutcome {
+                id: request.id,
+                result,
+            };
+            if outcomes.send(outcome).await.is_err() {
+                return;
+            }
         }
     }
 }
@@ -119,7 +235,16 @@ mod tests {
     #[test]
     fn statement_targets_the_configured_table() {
         let info = ConnInfo::parse("postgresql://h/db").unwrap();
-        let w = PoisonWriter::new(info, "app.dead_letters");
+        let config = Config::from_sources(
+            "t",
+            "[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"b\"\n\
+             [outbox]\npoison_table = \"app.dead_letters\"\n\
+             [relay]\npoison_copy_limit_bytes = 4096\n",
+            Vec::new(),
+        )
+        .unwrap();
+        let w = PoisonWriter::new(info, &config);
         assert!(w.statement.contains("\"app\".\"dead_letters\""));
+        assert_eq!(w.copy_limit, 4096);
     }
 }

@@ -26,7 +26,7 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::outbox::OutboxMapper;
-use crate::poison::{PoisonRow, insert_row};
+use crate::poison::{PoisonRow, insert_rows};
 use crate::postgres::conninfo::ConnInfo;
 
 use super::args::{PollArgs, Settings};
@@ -85,7 +85,11 @@ impl Poller {
             OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
         let client = session(&conninfo).await?;
         let layout = inspect_tables(&client, &config.outbox).await?;
-        let sql = Sql::new(&config.outbox, &layout);
+        let sql = Sql::new(
+            &config.outbox,
+            &layout,
+            config.relay.poison_copy_limit_bytes,
+        );
         let prepared = Prepared::new(&client, &sql).await?;
 
         let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
@@ -193,6 +197,7 @@ impl Poller {
                 )
                 .await
                 .map_err(pg_error)?;
+            let mut poison = Vec::with_capacity(rows.len());
             for row in &rows {
                 let (polled, outbox_row) = read_row(row, self.layout.payload_format)?;
                 let fields = match self.mapper.map_row(&outbox_row, None) {
@@ -205,18 +210,24 @@ impl Poller {
                     self.settings.max_attempts,
                     polled.last_error.as_deref().unwrap_or("none recorded")
                 );
-                let poison = PoisonRow {
+                warn!(outbox_id = %polled.id, attempts = polled.attempts, "row poisoned at start-up: attempts exhausted");
+                poison.push(PoisonRow {
                     fields,
                     error,
                     error_kind: ATTEMPTS_EXHAUSTED.to_owned(),
                     attempts: polled.attempts,
                     lsn: None,
-                };
-                insert_row(&tx, &self.prepared.insert_poison, &poison)
-                    .await
-                    .map_err(pg_error)?;
-                warn!(outbox_id = %polled.id, attempts = polled.attempts, "row poisoned at start-up: attempts exhausted");
+                });
             }
+            let batch: Vec<&PoisonRow> = poison.iter().collect();
+            insert_rows(
+                &tx,
+                &self.prepared.insert_poison,
+                &batch,
+                self.prepared.poison_copy_limit,
+            )
+            .await
+            .map_err(pg_error)?;
             tx.commit().await.map_err(pg_error)?;
             poisoned += rows.len() as u64;
             if rows.len() < self.settings.batch_size as usize {

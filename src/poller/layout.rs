@@ -110,7 +110,9 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
     let poison = quote_qualified(&outbox.poison_table);
     let exists = client
         .query_one(
-            "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
+            "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
+                    EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2)
+                            AND attname = 'row_sha256' AND NOT attisdropped)",
             &[&table, &poison],
         )
         .await
@@ -128,6 +130,12 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
             }
             .into());
         }
+    }
+    if !exists.try_get::<_, bool>(2).map_err(pg_error)? {
+        return Err(Prerequisite::PoisonTableOutdated {
+            table: outbox.poison_table.clone(),
+        }
+        .into());
     }
     let rows = client
         .query(

@@ -25,18 +25,19 @@
 //! excluded by `attempts < max_attempts`, which is what poisoning sets. Consequences,
 //! by design: they stay in the partial index (a few heap checks per poll, which is
 //! negligible while poison is rare); *raising* `max_attempts` later makes them eligible
-//! again (they are retried; if they fail again they are poisoned again — evidence,
-//! not loss); *lowering* it would leave rows with `attempts` between the two limits
-//! excluded yet unpoisoned, so at start-up the poller copies every such row without a
-//! poison row to `poison_outbox` ([`Poller::poison_exhausted`](super::Poller::poison_exhausted)). Rows are never
-//! deleted, by the poller or by poisoning.
+//! again (they are retried; if they fail again, the poison row they have stands: one
+//! row per occurrence, and a poller's rows have no LSN to tell two apart); *lowering*
+//! it would leave rows with `attempts` between the two limits excluded yet unpoisoned,
+//! so at start-up the poller copies every such row without a poison row to
+//! `poison_outbox` ([`Poller::poison_exhausted`](super::Poller::poison_exhausted)).
+//! Rows are never deleted, by the poller or by poisoning.
 
 use tokio_postgres::Transaction;
 use tracing::warn;
 
 use crate::delivery::Failure;
 use crate::error::Result;
-use crate::poison::{PoisonRow, insert_row};
+use crate::poison::{PoisonRow, insert_rows};
 
 use super::pg_error::pg_error;
 use super::row::{BatchRow, Delivery, RowResult};
@@ -86,6 +87,7 @@ pub(crate) async fn write_marks(
         .await
         .map_err(pg_error)?;
     }
+    let mut poisoned = Vec::with_capacity(plan.poison.len());
     for &(index, attempts) in &plan.poison {
         let Some(row) = rows.get(index) else { continue };
         let (fields, error_kind, error) = match &row.result {
@@ -102,22 +104,34 @@ pub(crate) async fn write_marks(
                 reason,
             } => ((**fields).clone(), *error_kind, reason.clone()),
         };
-        let poison = PoisonRow {
-            fields,
-            error,
-            error_kind: error_kind.to_owned(),
-            attempts,
-            lsn: None,
-        };
-        insert_row(tx, &prepared.insert_poison, &poison)
-            .await
-            .map_err(pg_error)?;
+        poisoned.push((
+            row,
+            PoisonRow {
+                fields,
+                error,
+                error_kind: error_kind.to_owned(),
+                attempts,
+                lsn: None,
+            },
+        ));
+    }
+    // One statement for all of the batch's poison rows.
+    let batch: Vec<&PoisonRow> = poisoned.iter().map(|(_, poison)| poison).collect();
+    insert_rows(
+        tx,
+        &prepared.insert_poison,
+        &batch,
+        prepared.poison_copy_limit,
+    )
+    .await
+    .map_err(pg_error)?;
+    for (row, poison) in &poisoned {
         warn!(
             outbox_id = %row.polled.id,
             idempotency_key = poison.fields.idempotency_key.as_deref().unwrap_or(""),
-            error_kind,
+            error_kind = %poison.error_kind,
             error = %poison.error,
-            attempts,
+            attempts = poison.attempts,
             "event poisoned"
         );
     }
@@ -198,7 +212,6 @@ mod tests {
     use super::*;
     use crate::config::OutboxConfig;
     use crate::outbox::{OutboxMapper, OutboxRow};
-    use crate::poison::valid_json_or_string;
     use bytes::Bytes;
 
     fn mapper() -> OutboxMapper {
@@ -275,11 +288,5 @@ mod tests {
         // With max_attempts 1 every permanent failure poisons at once.
         let rows = [row("p", 0, Some("k"), failed(Failure::Permanent))];
         assert_eq!(plan_marks(&rows, 1).poison, [(0, 1)]);
-    }
-
-    #[test]
-    fn headers_that_are_not_json_are_kept_as_a_string() {
-        assert_eq!(valid_json_or_string(r#"{"a":1}"#), r#"{"a":1}"#);
-        assert_eq!(valid_json_or_string("not json"), r#""not json""#);
     }
 }

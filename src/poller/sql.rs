@@ -67,13 +67,18 @@ pub(crate) struct Sql {
     /// the snapshot of a resync after a lost slot (`crate::cdc::resync`).
     pub(crate) undelivered: String,
     pub(super) sweep: String,
+    /// One row by its id (`$1`, as text), whatever its state: `replay` reads the
+    /// original of a poison row whose copy was truncated.
+    pub(crate) by_id: String,
     pub(super) mark_sent: String,
     pub(super) record_failures: String,
     pub(super) insert_poison: String,
+    /// `relay.poison_copy_limit_bytes`, for the poison rows.
+    pub(super) poison_copy_limit: usize,
 }
 
 impl Sql {
-    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout) -> Sql {
+    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout, poison_copy_limit: usize) -> Sql {
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
         let col = |field: usize| match &layout.fields[field] {
@@ -113,6 +118,7 @@ impl Sql {
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text)) {order}",
                 col(IDEMPOTENCY_KEY)
             ),
+            by_id: format!("{select} WHERE o.{id} = $1::text::{id_type}"),
             // statement_timestamp(): when the marks were written, after the acks
             // (now() would be the poll's start).
             mark_sent: format!(
@@ -124,7 +130,8 @@ impl Sql {
                  FROM unnest($1::text[], $2::int4[], $3::text[]) AS f(id, attempts, error)
                  WHERE o.{id} = f.id::{id_type}"
             ),
-            insert_poison: crate::poison::insert_statement(&outbox.poison_table),
+            insert_poison: crate::poison::insert_statement(outbox),
+            poison_copy_limit,
         }
     }
 }
@@ -137,6 +144,7 @@ pub(crate) struct Prepared {
     pub(super) mark_sent: Statement,
     pub(super) record_failures: Statement,
     pub(super) insert_poison: Statement,
+    pub(super) poison_copy_limit: usize,
 }
 
 impl Prepared {
@@ -151,6 +159,7 @@ impl Prepared {
             mark_sent: prepare(&sql.mark_sent).await?,
             record_failures: prepare(&sql.record_failures).await?,
             insert_poison: prepare(&sql.insert_poison).await?,
+            poison_copy_limit: sql.poison_copy_limit,
         })
     }
 }
@@ -187,7 +196,7 @@ mod tests {
         );
         set(&mut columns, "id", column("id", "bigint", "int8"));
         let layout = resolve_layout("app.Events", &outbox, &columns).unwrap();
-        let sql = Sql::new(&outbox, &layout);
+        let sql = Sql::new(&outbox, &layout, 1024);
         let select = &sql.select_batch;
         assert!(select.contains("FROM \"app\".\"Events\" o"), "{select}");
         assert!(

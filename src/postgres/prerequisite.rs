@@ -24,6 +24,12 @@ pub enum Prerequisite {
     /// The poison side table does not exist.
     #[error("poison table {table} does not exist: run `outbox-relay migrate`")]
     PoisonTableMissing { table: String },
+    /// The poison table predates migration 8 (no occurrence key, no text columns):
+    /// this relay's inserts would fail on it.
+    #[error(
+        "poison table {table} is not upgraded (column row_sha256 missing): run `outbox-relay migrate`"
+    )]
+    PoisonTableOutdated { table: String },
     /// The publication does not exist.
     #[error(
         "publication {publication} does not exist: run `outbox-relay migrate` \

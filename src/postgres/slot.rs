@@ -79,7 +79,9 @@ pub async fn check_prerequisites(
                     EXISTS (SELECT 1 FROM pg_publication_tables
                             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3),
                     to_regclass($4) IS NOT NULL,
-                    to_regclass($5) IS NOT NULL",
+                    to_regclass($5) IS NOT NULL,
+                    EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($5)
+                            AND attname = 'row_sha256' AND NOT attisdropped)",
             &[
                 publication,
                 &schema,
@@ -93,8 +95,13 @@ pub async fn check_prerequisites(
             context: "cannot check the publication: ",
             source,
         })?;
-    let (has_publication, covers_outbox, has_outbox, has_poison): (bool, bool, bool, bool) =
-        (row.get(0), row.get(1), row.get(2), row.get(3));
+    let (has_publication, covers_outbox, has_outbox, has_poison, poison_upgraded): (
+        bool,
+        bool,
+        bool,
+        bool,
+        bool,
+    ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     if !has_outbox {
         return Err(Prerequisite::OutboxTableMissing {
             table: config.outbox.table.clone(),
@@ -117,6 +124,12 @@ pub async fn check_prerequisites(
     }
     if !has_poison {
         return Err(Prerequisite::PoisonTableMissing {
+            table: config.outbox.poison_table.clone(),
+        }
+        .into());
+    }
+    if !poison_upgraded {
+        return Err(Prerequisite::PoisonTableOutdated {
             table: config.outbox.poison_table.clone(),
         }
         .into());

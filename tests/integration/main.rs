@@ -17,6 +17,7 @@ mod fault_drill;
 mod harness;
 mod kafka_publisher;
 mod operations;
+mod poison;
 mod poller;
 mod progress;
 mod relay;

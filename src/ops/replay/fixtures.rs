@@ -52,6 +52,9 @@ pub(super) fn poisoned(
         lsn: f.lsn,
         replay_count: 0,
         error_kind: "message_size_too_large".into(),
+        truncated: false,
+        original: None,
+        unavailable: None,
     };
     (event, rec)
 }

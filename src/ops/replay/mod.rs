@@ -46,7 +46,7 @@ pub use report::{Outcome, ReplayReport, ReplayedRow};
 
 use args::Selection;
 use publish::{PAGE_ROWS, Sender, dry_run_page};
-use store::{PoisonStore, payload_format_for_type};
+use store::{Originals, PoisonStore, payload_format_for_type};
 
 /// Replays of at least this many rows show progress on stderr.
 pub(crate) const PROGRESS_MIN_ROWS: u64 = 1000;
@@ -127,8 +127,9 @@ async fn replay(
         counts.selected,
         counts.selected >= PROGRESS_MIN_ROWS,
     );
+    let mut originals = Originals::default();
     loop {
-        let page = store
+        let mut page = store
             .page(
                 selection,
                 after,
@@ -139,6 +140,9 @@ async fn replay(
             .await?;
         let Some(last) = page.last() else { break };
         after = last.poison_id;
+        store
+            .restore_originals(&config.outbox, &mut originals, &mut page)
+            .await?;
         let (rows, fatal) = match sender.as_mut() {
             None => (dry_run_page(mapper, &page, payload_format), None),
             Some(sender) => sender.publish_page(mapper, &page, payload_format).await?,

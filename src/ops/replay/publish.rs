@@ -51,7 +51,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use super::report::{Outcome, ReplayedRow};
-use super::store::PoisonRecord;
+use super::store::{ORIGINAL_UNAVAILABLE, PoisonRecord};
 use crate::config::Config;
 use crate::delivery::EventId;
 use crate::error::Error;
@@ -110,6 +110,11 @@ impl Sender {
         let mut outstanding = 0usize;
         for (i, rec) in page.iter().enumerate() {
             let mut row = ReplayedRow::new(rec);
+            if let Some(reason) = &rec.unavailable {
+                row.fail(ORIGINAL_UNAVAILABLE, reason.clone());
+                rows.push(row);
+                continue;
+            }
             match mapper.map_row(&rec.outbox_row(payload_format), rec.lsn) {
                 Err(unmappable) => row.fail(unmappable.error_kind, unmappable.reason),
                 Ok(event) => {
@@ -181,6 +186,10 @@ pub(super) fn dry_run_page(
     page.iter()
         .map(|rec| {
             let mut row = ReplayedRow::new(rec);
+            if let Some(reason) = &rec.unavailable {
+                row.fail(ORIGINAL_UNAVAILABLE, reason.clone());
+                return row;
+            }
             match mapper.map_row(&rec.outbox_row(payload_format), rec.lsn) {
                 Ok(event) => {
                     row.set_event(&event);

@@ -24,6 +24,17 @@
 //! duration (session-level: it also ends with the connection), so two replays
 //! cannot publish the same rows at once; the second fails at once (exit code 1).
 //!
+//! # Truncated copies
+//!
+//! A value longer than `relay.poison_copy_limit_bytes` is stored cut, and the row
+//! marked `truncated` (see `crate::poison`); the original row stays in the outbox.
+//! For such a row replay reads the outbox row by `outbox_id` (with the poller's
+//! column list, so it is the row the relay saw) and publishes that, keeping the
+//! stored topic and `created_at`. It checks that the stored payload is a prefix of
+//! the one found; a row that is gone (retention deleted it) or differs fails with
+//! error kind `original_unavailable` and stays unmarked. Headers that jsonb refused
+//! are read from `headers_text`.
+//!
 //! # Reading the payload back
 //!
 //! The payload is read according to the outbox table's `payload` column type,
@@ -39,7 +50,11 @@ use crate::config::{ConfigError, OutboxConfig, quote_qualified};
 use crate::error::Error;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxRow, PayloadFormat};
+use crate::poller;
 use crate::postgres::prerequisite::Prerequisite;
+
+/// Error kind of a truncated row whose original could not be read.
+pub(super) const ORIGINAL_UNAVAILABLE: &str = "original_unavailable";
 
 /// One `poison_outbox` row as read back (text forms, see the migration).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +66,8 @@ pub(super) struct PoisonRecord {
     pub(super) aggregate_id: Option<String>,
     pub(super) event_type: Option<String>,
     pub(super) topic: Option<String>,
-    /// `headers::text` (jsonb output, as the relay read it from the stream).
+    /// `headers::text` (jsonb output, as the relay read it from the stream), or
+    /// `headers_text` when jsonb refused them.
     pub(super) headers: Option<String>,
     pub(super) payload: Option<String>,
     /// ISO 8601 (`to_json(created_at)`), independent of the session's `DateStyle`.
@@ -59,12 +75,18 @@ pub(super) struct PoisonRecord {
     pub(super) lsn: Option<Lsn>,
     pub(super) replay_count: i32,
     pub(super) error_kind: String,
+    /// Some stored value is cut: publish [`original`](Self::original) instead.
+    pub(super) truncated: bool,
+    /// The outbox row of a truncated copy, once read.
+    pub(super) original: Option<OutboxRow>,
+    /// Why a truncated copy's original could not be read.
+    pub(super) unavailable: Option<String>,
 }
 
 /// The columns [`PoisonRecord::from_row`] reads, in order.
 const RECORD_COLUMNS: &str = "poison_id, outbox_id, idempotency_key, aggregate_type, aggregate_id,
-     event_type, topic, headers::text, payload, to_json(created_at) #>> '{}', lsn::text,
-     replay_count, error_kind";
+     event_type, topic, coalesce(headers::text, headers_text), payload,
+     to_json(created_at) #>> '{}', lsn::text, replay_count, error_kind, truncated";
 
 impl PoisonRecord {
     fn from_row(row: &Row) -> Result<PoisonRecord, tokio_postgres::Error> {
@@ -83,12 +105,23 @@ impl PoisonRecord {
             lsn: lsn.and_then(|l| l.parse().ok()),
             replay_count: row.try_get(11)?,
             error_kind: row.try_get(12)?,
+            truncated: row.try_get(13)?,
+            original: None,
+            unavailable: None,
         })
     }
 
-    /// The outbox row the mapper sees: the stored text forms, unchanged.
+    /// The outbox row the mapper sees: the stored text forms, unchanged; for a
+    /// truncated copy, the original row with the stored topic and `created_at`.
     pub(super) fn outbox_row(&self, payload_format: PayloadFormat) -> OutboxRow {
         let b = |v: &Option<String>| v.clone().map(Bytes::from);
+        if let Some(original) = &self.original {
+            return OutboxRow {
+                topic: b(&self.topic),
+                created_at: b(&self.created_at),
+                ..original.clone()
+            };
+        }
         OutboxRow {
             id: b(&self.outbox_id),
             idempotency_key: b(&self.idempotency_key),
@@ -257,10 +290,10 @@ impl PoisonStore {
         let sql = format!(
             "SELECT {RECORD_COLUMNS} FROM (
                  SELECT *, sum(coalesce(octet_length(payload), 0)
-                               + coalesce(octet_length(headers::text), 0))
+                               + coalesce(octet_length(coalesce(headers::text, headers_text)), 0))
                            OVER (ORDER BY poison_id) AS running,
                         coalesce(octet_length(payload), 0)
-                          + coalesce(octet_length(headers::text), 0) AS own
+                          + coalesce(octet_length(coalesce(headers::text, headers_text)), 0) AS own
                  FROM (SELECT * FROM {}
                        WHERE poison_id > $1 AND poison_id <= $2
                          AND (poison_id = ANY($3) OR ($4 AND replayed_at IS NULL))
@@ -281,6 +314,53 @@ impl PoisonStore {
             .collect()
     }
 
+    /// Reads the original outbox row of every truncated copy in `page` (see the
+    /// module doc); a row whose original cannot be read gets
+    /// [`unavailable`](PoisonRecord::unavailable).
+    pub(super) async fn restore_originals(
+        &self,
+        outbox: &OutboxConfig,
+        originals: &mut Originals,
+        page: &mut [PoisonRecord],
+    ) -> Result<(), Error> {
+        for rec in page.iter_mut().filter(|r| r.truncated) {
+            let Some(id) = rec.outbox_id.clone() else {
+                rec.unavailable = Some(
+                    "the copy is truncated and has no outbox_id to find the original by".into(),
+                );
+                continue;
+            };
+            let (statement, format) = match originals.statement(&self.client, outbox).await {
+                Ok(found) => found,
+                Err(reason) => {
+                    rec.unavailable = Some(reason);
+                    continue;
+                }
+            };
+            let Some(row) = self.client.query_opt(&statement, &[&id]).await? else {
+                rec.unavailable = Some(format!(
+                    "the copy is truncated and outbox row {id} is gone (deleted by retention?)"
+                ));
+                continue;
+            };
+            let (_, original) = poller::read_row(&row, format)?;
+            let stored = rec.payload.as_deref().unwrap_or("").as_bytes();
+            if !original
+                .payload
+                .as_deref()
+                .unwrap_or(&[])
+                .starts_with(stored)
+            {
+                rec.unavailable = Some(format!(
+                    "the copy is truncated and outbox row {id} is not the row poisoned (its payload differs from the stored one)"
+                ));
+                continue;
+            }
+            rec.original = Some(original);
+        }
+        Ok(())
+    }
+
     /// Marks acknowledged rows; returns how many were updated.
     pub(super) async fn mark_replayed(&self, ids: &[i64]) -> Result<u64, Error> {
         if ids.is_empty() {
@@ -292,6 +372,33 @@ impl PoisonStore {
             self.table
         );
         Ok(self.client.execute(&sql, &[&ids]).await?)
+    }
+}
+
+/// The statement that reads an outbox row by id, found on first use.
+#[derive(Debug, Default)]
+pub(super) struct Originals {
+    found: Option<Result<(String, PayloadFormat), String>>,
+}
+
+impl Originals {
+    async fn statement(
+        &mut self,
+        client: &Client,
+        outbox: &OutboxConfig,
+    ) -> Result<(String, PayloadFormat), String> {
+        if self.found.is_none() {
+            self.found = Some(match poller::inspect_tables(client, outbox).await {
+                Ok(layout) => Ok((
+                    poller::Sql::new(outbox, &layout, 0).by_id,
+                    layout.payload_format,
+                )),
+                Err(e) => Err(format!(
+                    "the copy is truncated and the outbox cannot be read: {e}"
+                )),
+            });
+        }
+        self.found.clone().unwrap_or_else(|| Err(String::new()))
     }
 }
 
