@@ -831,7 +831,10 @@ impl Relay {
             let can_read = self.core.can_read()
                 && (self.core.in_transaction()
                     || self.unsaved.count() < self.config.relay.max_in_flight_events
-                    || self.saver.as_ref().is_some_and(PositionSaver::server_stopping));
+                    || self
+                        .saver
+                        .as_ref()
+                        .is_some_and(PositionSaver::server_stopping));
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
@@ -1206,8 +1209,7 @@ impl Relay {
         if self.resolved_since_request
             || now.duration_since(self.save_requested_at) >= self.status_interval
         {
-            let urgent =
-                self.unsaved.count() >= self.config.relay.max_in_flight_events.div_ceil(2);
+            let urgent = self.unsaved.count() >= self.config.relay.max_in_flight_events.div_ceil(2);
             saver.request(flush, urgent);
             self.unsaved.requested(flush);
             self.resolved_since_request = false;
