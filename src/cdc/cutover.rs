@@ -327,23 +327,7 @@ async fn cut_over(
     let mut backlog = Backlog::open(config, metadata, Some(marker_table)).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata, marker_table, slot_name).await?;
-    let created = conn
-        .create_logical_slot(slot_name, false, SnapshotAction::Export)
-        .await
-        .map_err(|e| {
-            crate::postgres::process_error(
-                e,
-                &format!("cannot create replication slot {slot_name}: "),
-            )
-        })?;
-    let snapshot =
-        created
-            .snapshot_name
-            .clone()
-            .ok_or_else(|| Prerequisite::NoExportedSnapshot {
-                slot: slot_name.clone(),
-            })?;
-    let consistent_point = created.consistent_point;
+    let (consistent_point, snapshot) = create_exported_slot(conn, slot_name).await?;
     backlog
         .metadata
         .execute(
@@ -399,6 +383,29 @@ pub(super) enum BacklogQuery {
     /// A resync's: unsent, unpoisoned rows not known to be delivered, i.e. not below
     /// this checkpoint xmin (0: none known), whatever their attempts.
     Undelivered { delivered_xmin: i64 },
+}
+
+/// Creates the slot with an exported snapshot (valid until the next command on
+/// `conn`); returns its consistent point and the snapshot's name.
+pub(super) async fn create_exported_slot(
+    conn: &mut ReplicationConnection,
+    slot_name: &str,
+) -> Result<(Lsn, String)> {
+    let created = conn
+        .create_logical_slot(slot_name, false, SnapshotAction::Export)
+        .await
+        .map_err(|e| {
+            crate::postgres::process_error(
+                e,
+                &format!("cannot create replication slot {slot_name}: "),
+            )
+        })?;
+    let snapshot = created
+        .snapshot_name
+        .ok_or_else(|| Prerequisite::NoExportedSnapshot {
+            slot: slot_name.to_owned(),
+        })?;
+    Ok((created.consistent_point, snapshot))
 }
 
 /// The backlog publisher: mapper, producer, prepared marks.

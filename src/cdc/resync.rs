@@ -33,8 +33,7 @@ use crate::error::{Error, Result};
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
-use crate::postgres::prerequisite::Prerequisite;
-use crate::postgres::replication::{ReplicationConnection, SnapshotAction};
+use crate::postgres::replication::ReplicationConnection;
 use crate::postgres::slot;
 
 /// Runs steps 1–4 of the module docs; returns what was published.
@@ -55,25 +54,11 @@ pub(crate) async fn resync(
     let mut backlog = Backlog::open(config, metadata, None).await?;
     let mut reader = poller::session(conninfo).await?;
     drop_old_slot(conn, backlog.metadata(), slot_name).await?;
-    let created = conn
-        .create_logical_slot(slot_name, false, SnapshotAction::Export)
-        .await
-        .map_err(|e| {
-            crate::postgres::process_error(
-                e,
-                &format!("cannot create replication slot {slot_name}: "),
-            )
-        })?;
-    let snapshot =
-        created
-            .snapshot_name
-            .clone()
-            .ok_or_else(|| Prerequisite::NoExportedSnapshot {
-                slot: slot_name.clone(),
-            })?;
+    let (consistent_point, snapshot) =
+        crate::cdc::cutover::create_exported_slot(conn, slot_name).await?;
     tracing::error!(
         slot = %slot_name,
-        consistent_point = %created.consistent_point,
+        %consistent_point,
         delivered_xmin,
         "resync: slot created again with an exported snapshot; publishing the rows committed since the recorded position"
     );
@@ -81,7 +66,7 @@ pub(crate) async fn resync(
         .publish(
             &mut reader,
             &snapshot,
-            created.consistent_point,
+            consistent_point,
             BacklogQuery::Undelivered {
                 delivered_xmin: delivered_xmin.unwrap_or(0),
             },
@@ -91,7 +76,7 @@ pub(crate) async fn resync(
         .resynced(
             backlog.metadata(),
             history,
-            created.consistent_point,
+            consistent_point,
             summary.snapshot_xmin,
         )
         .await?;

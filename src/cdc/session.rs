@@ -162,6 +162,17 @@ impl Lost {
     }
 }
 
+/// What one wait of a drain ([`Relay::await_in_flight`]) came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// Something resolved or a timer ran: go on while events are in flight.
+    Progress,
+    /// A channel closed or the producer failed fatally: stop draining.
+    Ended,
+    /// The drain's deadline passed.
+    TimedOut,
+}
+
 /// Resolved events the saved position may not cover yet: each save request notes how
 /// many events had been resolved when it was asked for, and a completed save covers
 /// the requests at or below its position.
@@ -257,6 +268,13 @@ pub async fn run_with_health(
         return Ok(RunSummary::default());
     };
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
+    let positions = PositionTable::new(&config)?;
+    if !positions.exists(&metadata).await? {
+        return Err(Prerequisite::PositionTableMissing {
+            table: positions.name().to_owned(),
+        }
+        .into());
+    }
     tracing::info!(
         server_version = %prerequisites.server_version,
         wal_sender_timeout_ms = millis(prerequisites.wal_sender_timeout),
@@ -297,7 +315,7 @@ pub async fn run_with_health(
         },
         emit: heartbeat_secs > 0,
     })));
-    let positions = crate::outbox::position::PositionTable::new(&config)?;
+
     let status_interval = core_config.status_interval;
     let now = Instant::now();
     let mut relay = Relay {
@@ -501,28 +519,13 @@ impl Relay {
         let deadline = tokio::time::Instant::now() + LOSS_DRAIN_TIMEOUT;
         while self.core.in_flight_events() > 0 && self.producer_fatal.is_none() {
             self.execute_offline_actions();
-            let next = self
-                .core
-                .next_deadline()
-                .map_or(deadline, tokio::time::Instant::from_std)
-                .min(deadline);
-            tokio::select! {
+            let step = tokio::select! {
                 biased;
                 () = &mut *shutdown => return Ok(true),
-                report = self.reports.recv() => match report {
-                    Some(report) => self.on_report(report),
-                    None => break,
-                },
-                outcome = self.outcomes.recv() => match outcome {
-                    Some(outcome) => self.on_poison_outcome(outcome),
-                    None => break,
-                },
-                () = tokio::time::sleep_until(next) => {
-                    if tokio::time::Instant::now() >= deadline {
-                        break;
-                    }
-                    self.core.tick(Instant::now());
-                }
+                step = self.await_in_flight(deadline) => step,
+            };
+            if step != Drain::Progress {
+                break;
             }
         }
         self.execute_offline_actions();
@@ -530,6 +533,46 @@ impl Relay {
         self.resend.confirmed(self.core.confirmed());
         self.resend.session_lost(unresolved);
         Ok(false)
+    }
+
+    /// One wait of a drain without reading the stream (after a lost session, at
+    /// shutdown): a delivery report, a poison outcome, or the core's next timer, at
+    /// the latest `deadline`.
+    async fn await_in_flight(&mut self, deadline: tokio::time::Instant) -> Drain {
+        let next = self
+            .core
+            .next_deadline()
+            .map_or(deadline, tokio::time::Instant::from_std)
+            .min(deadline);
+        tokio::select! {
+            biased;
+            report = self.reports.recv() => match report {
+                Some(report) => {
+                    self.on_report(report);
+                    if self.producer_fatal.is_some() {
+                        Drain::Ended
+                    } else {
+                        Drain::Progress
+                    }
+                }
+                None => Drain::Ended,
+            },
+            outcome = self.outcomes.recv() => match outcome {
+                Some(outcome) => {
+                    self.on_poison_outcome(outcome);
+                    Drain::Progress
+                }
+                None => Drain::Ended,
+            },
+            () = tokio::time::sleep_until(next) => {
+                if tokio::time::Instant::now() >= deadline {
+                    Drain::TimedOut
+                } else {
+                    self.core.tick(Instant::now());
+                    Drain::Progress
+                }
+            }
+        }
     }
 
     /// Executes the core's actions without a replication stream: produce and poison
@@ -578,12 +621,6 @@ impl Relay {
             system_identifier: identity.systemid,
             timeline: identity.timeline,
         };
-        if !self.positions.exists(&metadata).await? {
-            return Err(Prerequisite::PositionTableMissing {
-                table: self.positions.name().to_owned(),
-            }
-            .into());
-        }
         let slot_name = self.config.postgres.slot.clone();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
         if !first {
@@ -1315,35 +1352,15 @@ impl Relay {
             if self.execute_actions(&mut stream).await.is_err() {
                 break;
             }
-            let next = self
-                .core
-                .next_deadline()
-                .map_or(deadline, tokio::time::Instant::from_std)
-                .min(deadline);
-            tokio::select! {
-                biased;
-                report = self.reports.recv() => match report {
-                    Some(report) => {
-                        self.on_report(report);
-                        if self.producer_fatal.is_some() {
-                            break;
-                        }
-                    }
-                    None => break,
-                },
-                outcome = self.outcomes.recv() => match outcome {
-                    Some(outcome) => self.on_poison_outcome(outcome),
-                    None => break,
-                },
-                () = tokio::time::sleep_until(next) => {
-                    if tokio::time::Instant::now() >= deadline {
-                        tracing::warn!(
-                            in_flight = self.core.in_flight_events(),
-                            "shutdown timeout: unconfirmed events will be re-sent on the next start"
-                        );
-                        break;
-                    }
-                    self.core.tick(Instant::now());
+            match self.await_in_flight(deadline).await {
+                Drain::Progress => {}
+                Drain::Ended => break,
+                Drain::TimedOut => {
+                    tracing::warn!(
+                        in_flight = self.core.in_flight_events(),
+                        "shutdown timeout: unconfirmed events will be re-sent on the next start"
+                    );
+                    break;
                 }
             }
         }

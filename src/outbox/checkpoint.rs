@@ -119,7 +119,7 @@ impl CheckpointError {
     #[must_use]
     pub fn is_server_stopping(&self) -> bool {
         matches!(self, CheckpointError::Postgres(e)
-            if e.code().is_some_and(|c| c.code().starts_with("57P")))
+            if crate::postgres::is_server_stopping(e.code().map(tokio_postgres::error::SqlState::code)))
     }
 
     /// Whether retrying can help: a PostgreSQL error without a server error (the
@@ -418,7 +418,8 @@ fn checkpoint_from_row(row: &tokio_postgres::Row) -> Result<Checkpoint> {
     })
 }
 
-fn parse_lsn(text: &str) -> Result<Lsn> {
+/// `text` as an LSN, or the error that names it (shared with `position`).
+pub(super) fn parse_lsn(text: &str) -> Result<Lsn> {
     text.parse().map_err(|source| CheckpointError::InvalidLsn {
         text: text.to_owned(),
         source,

@@ -44,7 +44,7 @@
 
 use tokio_postgres::GenericClient;
 
-use super::checkpoint::CheckpointError;
+use super::checkpoint::{CheckpointError, parse_lsn};
 use crate::config::{self, Config, quote_ident};
 use crate::lsn::Lsn;
 
@@ -323,13 +323,6 @@ impl PositionTable {
 /// near 2^31 of them.
 fn timeline_param(timeline: u32) -> i32 {
     i32::try_from(timeline).unwrap_or(i32::MAX)
-}
-
-fn parse_lsn(text: &str) -> Result<Lsn> {
-    text.parse().map_err(|source| CheckpointError::InvalidLsn {
-        text: text.to_owned(),
-        source,
-    })
 }
 
 #[cfg(test)]

@@ -25,5 +25,5 @@ pub mod replication;
 pub mod slot;
 pub mod tls;
 
-pub use error::{PgError, describe_error, process_error};
+pub use error::{PgError, describe_error, is_server_stopping, process_error};
 pub use metadata::{connect, connect_info, connect_metadata, parse_url};

@@ -71,15 +71,7 @@ async fn all_delivered(db: &TestDb, expected: usize, relay: &RelayProcess) -> us
 async fn walsender(client: &Client, slot: &str) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let pid: Option<i32> = client
-            .query_opt(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .and_then(|r| r.get(0));
-        if let Some(pid) = pid {
+        if let Some(pid) = walsender_if_any(client, slot).await {
             return pid;
         }
         assert!(Instant::now() < deadline, "no walsender on {slot}");
@@ -471,6 +463,7 @@ async fn a_fatally_failed_producer_is_replaced() {
     db.drop_slot().await;
 }
 
+/// The slot's walsender pid, if a process streams from it now.
 async fn walsender_if_any(client: &Client, slot: &str) -> Option<i32> {
     client
         .query_opt(
