@@ -38,6 +38,10 @@
 --   SELECT, INSERT, UPDATE on outbox_relay_position
 --                          `run` saves there how far it has delivered (before it
 --                          confirms it to the server) and heals a lost slot from it.
+--   SELECT, INSERT, UPDATE on outbox_relay_parked_key
+--                          `run` loads the parked keys at start; with
+--                          relay.on_poison = "park-key" it parks keys there
+--                          (`replay` releases them).
 -- Nothing else: no DELETE or UPDATE on the outbox, no superuser, no CREATE.
 -- Cutting over from a poller with a backlog also marks the rows it publishes, as
 -- the poller does: for that one start, also grant
@@ -53,3 +57,4 @@ GRANT SELECT, INSERT ON public.poison_outbox TO outbox_relay_app;
 GRANT UPDATE (replayed_at, replay_count) ON public.poison_outbox TO outbox_relay_app;
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_cutover TO outbox_relay_app;
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_position TO outbox_relay_app;
+GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_parked_key TO outbox_relay_app;

@@ -1,5 +1,6 @@
-//! Command-line interface (clap derive). Every command reads `--config FILE`, whose
-//! keys can be overridden by `OUTBOX_RELAY__SECTION__KEY` environment variables.
+//! Command-line interface (clap derive). Every command reads its configuration from
+//! `--config FILE` (optional: `relay.toml` when present), `OUTBOX_RELAY__SECTION__KEY`
+//! environment variables and `--set` overrides.
 
 use std::path::PathBuf;
 
@@ -13,17 +14,14 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// The config file every command reads.
+/// Where every command's configuration comes from.
 #[derive(Debug, Clone, Args)]
 pub struct ConfigArg {
-    /// Path to the TOML config (see config/relay.example.toml).
-    #[arg(
-        long,
-        short = 'c',
-        env = "OUTBOX_RELAY_CONFIG",
-        default_value = "relay.toml"
-    )]
-    pub config: PathBuf,
+    /// Path to the TOML config (see config/relay.example.toml). Without it,
+    /// `relay.toml` is read when present; with neither, the environment and `--set`
+    /// must give every required key. A file named here that is missing is an error.
+    #[arg(long, short = 'c', env = "OUTBOX_RELAY_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Override one config key, e.g. `--set relay.max_attempts=7` or
     /// `--set kafka.producer.linger.ms=5` (repeatable; wins over file and env).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
@@ -31,9 +29,9 @@ pub struct ConfigArg {
 }
 
 impl ConfigArg {
-    /// Loads the config file with environment and `--set` overrides.
+    /// Loads the config file (if any) with environment and `--set` overrides.
     pub fn load(&self) -> Result<crate::config::Config, crate::config::ConfigError> {
-        crate::config::Config::load_with(&self.config, &self.overrides)
+        crate::config::Config::load_with(self.config.as_deref(), &self.overrides)
     }
 }
 
@@ -48,6 +46,15 @@ pub enum Command {
     Cutover(ConfigArg),
     /// Create the outbox and poison tables and the publication (idempotent).
     Migrate(ConfigArg),
+    /// Check everything a deploy needs (config, PostgreSQL, role, publication, slot,
+    /// migrations, broker, topics): one line per check with its fix; exit 0 when
+    /// ready. `run` makes the same checks at start.
+    Check {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::ops::check::CheckArgs,
+    },
     /// Run the polling relay (no logical replication needed; the benchmark baseline).
     Poll {
         #[command(flatten)]
@@ -91,6 +98,14 @@ pub enum Command {
         config: ConfigArg,
         #[command(flatten)]
         args: crate::tools::bench::BenchArgs,
+    },
+    /// Probe a running relay's /healthz (or /readyz with --ready): exit 0 on 200,
+    /// 1 otherwise. For health checks in images without an HTTP client.
+    Health {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::ops::health::HealthArgs,
     },
     /// Show the slot (confirmed LSN, lag, retained WAL) and the poison backlog.
     Status {

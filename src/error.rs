@@ -115,6 +115,14 @@ pub enum Error {
     NullOutboxId,
 
     // --- ops ---
+    /// `run` at start (the checks of `outbox-relay check`): every check that fails,
+    /// named at once. The exit code is that of the first one's side: 2 config,
+    /// 3 PostgreSQL, 4 Kafka, as when `run` stopped at the first.
+    #[error("not ready to run: {}", render_failed(.failed))]
+    ChecksFailed {
+        failed: Vec<FailedCheck>,
+        exit_code: u8,
+    },
     /// `audit`: the range has more rows than a `u32` rank can number.
     #[error("the range has more than 4294967295 rows: audit it in parts (--since/--until)")]
     AuditRangeTooLarge,
@@ -164,6 +172,31 @@ pub enum Error {
     },
 }
 
+/// One failed start-up check: its name (`postgres.wal_level`), what is wrong and
+/// how to fix it (see `ops::check`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedCheck {
+    pub name: String,
+    pub detail: String,
+    pub fix: Option<String>,
+}
+
+/// `N checks failed:` and one indented line per check.
+fn render_failed(failed: &[FailedCheck]) -> String {
+    let mut out = format!(
+        "{} check{} failed:",
+        failed.len(),
+        if failed.len() == 1 { "" } else { "s" }
+    );
+    for f in failed {
+        out.push_str(&format!("\n  {}: {}", f.name, f.detail));
+        if let Some(fix) = &f.fix {
+            out.push_str(&format!(" (fix: {fix})"));
+        }
+    }
+    out
+}
+
 /// A table name that is not `schema.table` is a configuration error (exit code 2).
 impl From<crate::config::TableNameError> for Error {
     fn from(e: crate::config::TableNameError) -> Self {
@@ -191,6 +224,7 @@ impl Error {
             Error::Checkpoint(e) => e.exit_code(),
             Error::Broker(e) => e.exit_code(),
             Error::AuditBroker { .. } => 4,
+            Error::ChecksFailed { exit_code, .. } => *exit_code,
             Error::Postgres(_)
             | Error::Kafka(_)
             | Error::Io(_)

@@ -7,7 +7,7 @@ use clap::Parser;
 use outbox_relay::cdc::{self, cutover};
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
-use outbox_relay::ops::{audit, migrate, replay};
+use outbox_relay::ops::{audit, check, health, migrate, replay};
 #[cfg(feature = "tools")]
 use outbox_relay::tools::bench::BenchError;
 #[cfg(feature = "tools")]
@@ -109,8 +109,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 )
                 .await?;
             }
-            let summary =
-                cdc::run_with_health(config, Box::pin(termination_signal()), health).await?;
+            let summary = cdc::run_checked(
+                config,
+                Box::pin(termination_signal()),
+                health,
+                &check::RunChecks,
+            )
+            .await?;
             tracing::info!(
                 delivered = summary.delivered,
                 poisoned = summary.poisoned,
@@ -144,12 +149,22 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             init_tracing(&config.log);
             let mut client = postgres::connect(&config.postgres.url).await?;
             let applied = migrate::apply(&mut client, &config).await?;
-            println!(
-                "migrations: {} applied, {} already present",
-                applied.applied.len(),
-                applied.already.len()
-            );
+            print!("{}", applied.render());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { config, args } => {
+            let loaded = config.load();
+            match &loaded {
+                Ok(config) => init_tracing(&config.log),
+                Err(_) => init_tracing(&LogConfig::default()),
+            }
+            let report = check::run(loaded).await;
+            if args.json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{}", report.render());
+            }
+            Ok(report.exit_code())
         }
         Command::Poll { config, poll } => {
             let config = config.load()?;
@@ -213,6 +228,24 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 print!("{}", report.render_table());
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Health { config, args } => {
+            // A health check knows 0 (healthy) and 1 (unhealthy) only: every failure,
+            // a config error included, is 1, with the reason on stderr.
+            let probed = match health::target(&args, || config.load()) {
+                Ok(addr) => health::probe(&addr, &args).await,
+                Err(e) => Err(e),
+            };
+            Ok(match probed {
+                Ok(status) => {
+                    println!("{status}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("outbox-relay health: {e}");
+                    ExitCode::from(1)
+                }
+            })
         }
         Command::Replay { config, args } => {
             let config = config.load()?;

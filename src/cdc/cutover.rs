@@ -684,11 +684,8 @@ fn count(n: u64) -> i64 {
 }
 
 async fn table_exists(client: &Client, quoted: &str) -> Result<bool> {
-    client
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&quoted])
+    crate::postgres::table_exists(client, quoted)
         .await
-        .map_err(poller::pg_error)?
-        .try_get(0)
         .map_err(poller::pg_error)
 }
 

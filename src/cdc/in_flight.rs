@@ -8,10 +8,12 @@
 //! an operator can see why and replay it. A row that cannot be mapped at all keeps its
 //! raw columns and the mapping error for the same reason.
 
+use std::time::Instant;
+
 use crate::cdc::resend_guard::Origin;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, PoisonFields};
-use crate::poison::PoisonRow;
+use crate::poison::{PARKED_KIND, Parking, PoisonRow};
 
 /// One in-flight event: what to produce, and what to write to `poison_outbox` if it
 /// never can be.
@@ -24,10 +26,20 @@ pub(crate) enum InFlight {
         event: OutboxEvent,
         /// Commit time of its transaction (µs since 2000-01-01), for the latency.
         committed_at: i64,
+        /// When its frame was taken off the stream, and when it was last handed to
+        /// the producer (the received time until then): the per-stage latencies.
+        received_at: Instant,
+        produced_at: Instant,
         /// The last delivery failure: librdkafka's error kind and message.
         last_error: Option<(&'static str, String)>,
         /// Its name across resends of its transaction.
         origin: Origin,
+        /// Its key is parked (`relay.on_poison = "park-key"`): it is written to the
+        /// poison table as parked instead of being produced.
+        parked: bool,
+        /// A size error may have been another record's: the next produce sends it
+        /// in a batch of its own.
+        alone: bool,
     },
     Unmappable {
         origin: Origin,
@@ -55,12 +67,35 @@ impl InFlight {
         }
     }
 
-    /// The `poison_outbox` row for this event after `attempts` produces.
-    pub(crate) fn poison_row(&self, attempts: u32) -> PoisonRow {
+    /// The `poison_outbox` row for this event after `attempts` produces; `parking`
+    /// says whether it parks its key (a parked event's row says so by itself).
+    pub(crate) fn poison_row(&self, attempts: u32, parking: Parking) -> PoisonRow {
         let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
         match self {
             InFlight::Event {
-                event, last_error, ..
+                event,
+                origin,
+                parked: true,
+                ..
+            } => PoisonRow {
+                fields: event.poison_fields(),
+                error: format!(
+                    "parked: an earlier event of key {:?} on topic {:?} is poisoned \
+                     (relay.on_poison = \"park-key\"); replay delivers it after that one",
+                    String::from_utf8_lossy(&event.key),
+                    event.topic
+                ),
+                error_kind: PARKED_KIND.to_owned(),
+                attempts: 0,
+                lsn: event.source_lsn,
+                tx_position: Some(origin.ordinal),
+                parking: Parking::Parked,
+            },
+            InFlight::Event {
+                event,
+                last_error,
+                origin,
+                ..
             } => {
                 let (kind, error) = last_error
                     .clone()
@@ -71,6 +106,8 @@ impl InFlight {
                     error_kind: kind.to_owned(),
                     attempts,
                     lsn: event.source_lsn,
+                    tx_position: Some(origin.ordinal),
+                    parking,
                 }
             }
             InFlight::Unmappable {
@@ -78,13 +115,16 @@ impl InFlight {
                 error_kind,
                 reason,
                 lsn,
-                ..
+                origin,
             } => PoisonRow {
                 fields: (**fields).clone(),
                 error: reason.clone(),
                 error_kind: (*error_kind).to_owned(),
                 attempts,
                 lsn: Some(*lsn),
+                tx_position: Some(origin.ordinal),
+                // No record key to park: the row could not be mapped.
+                parking: Parking::None,
             },
         }
     }

@@ -5,8 +5,14 @@
 //! measurable. So the session registers every handle when it starts and keeps the
 //! per-topic counters in a map by topic, created on the first event of each topic.
 //! Names and meanings are in `crate::cdc::metrics`.
+//!
+//! The per-stage latencies cost a few clock reads and histogram records per event and
+//! nothing else: the instants travel in the event's own in-flight entry, and the one
+//! stage that is not per event (acked → confirmed: a status update confirms many
+//! transactions at once) keeps a small ring of "resolved up to here at this instant"
+//! marks, allocated once ([`ConfirmClock`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Instant, SystemTime};
 
 use ::metrics::{Counter, Gauge, Histogram};
@@ -17,6 +23,10 @@ use crate::cdc::progress::Core;
 use crate::lsn::Lsn;
 use crate::postgres::pgoutput::LogicalDecodingMessage;
 use crate::postgres::replication::frames::pg_epoch_micros;
+
+/// Marks of [`ConfirmClock`] kept at most; when statuses lag further (a stuck
+/// position save), the oldest marks are dropped unrecorded rather than grow.
+const MAX_CONFIRM_MARKS: usize = 1024;
 
 /// Topics counted under their own name; the others are counted together.
 const MAX_TOPIC_SERIES: usize = 200;
@@ -31,6 +41,10 @@ pub(crate) struct Instruments {
     received: Gauge,
     confirmed: Gauge,
     latency: Histogram,
+    commit_to_received: Histogram,
+    received_to_produced: Histogram,
+    produced_to_acked: Histogram,
+    confirm: ConfirmClock,
     transient_errors: Counter,
     reconnects: Counter,
     heartbeat_round_trip: Histogram,
@@ -48,6 +62,10 @@ impl Instruments {
             received: ::metrics::gauge!(m::RECEIVED_LSN),
             confirmed: ::metrics::gauge!(m::CONFIRMED_LSN),
             latency: ::metrics::histogram!(m::DELIVERY_LATENCY),
+            commit_to_received: stage(m::STAGE_COMMIT_TO_RECEIVED),
+            received_to_produced: stage(m::STAGE_RECEIVED_TO_PRODUCED),
+            produced_to_acked: stage(m::STAGE_PRODUCED_TO_ACKED),
+            confirm: ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED)),
             transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
             reconnects: ::metrics::counter!(m::RECONNECTS),
             heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
@@ -76,16 +94,49 @@ impl Instruments {
         &self.per_topic[topic]
     }
 
-    /// An event of `topic` was acked; its transaction committed at `committed_at`
-    /// (µs since 2000-01-01).
-    pub(crate) fn delivered(&mut self, topic: &str, committed_at: i64) {
-        let now = pg_epoch_micros(SystemTime::now());
-        let micros = now.saturating_sub(committed_at).max(0);
-        // Lossless enough: latencies are far below 2^53 µs.
-        #[allow(clippy::cast_precision_loss)]
-        let seconds = micros as f64 / 1e6;
-        self.latency.record(seconds);
+    /// An event's frame was taken off the stream; its transaction committed at
+    /// `committed_at` (µs since 2000-01-01, the server's clock).
+    pub(crate) fn received(&self, committed_at: i64) {
+        self.commit_to_received.record(since_commit(committed_at));
+    }
+
+    /// An event received at `received_at` was handed to the producer at `now` for the
+    /// first time.
+    pub(crate) fn produced(&self, received_at: Instant, now: Instant) {
+        self.received_to_produced
+            .record(now.saturating_duration_since(received_at));
+    }
+
+    /// An event of `topic` was acked at `now`, last produced at `produced_at`; its
+    /// transaction committed at `committed_at` (µs since 2000-01-01).
+    pub(crate) fn delivered(
+        &mut self,
+        topic: &str,
+        committed_at: i64,
+        produced_at: Instant,
+        now: Instant,
+    ) {
+        self.latency.record(since_commit(committed_at));
+        self.produced_to_acked
+            .record(now.saturating_duration_since(produced_at));
+        self.confirm.acked();
         self.topic(topic).0.increment(1);
+    }
+
+    /// The commit watermark is `confirmed` at `now` (before any status says so).
+    pub(crate) fn resolved_up_to(&mut self, confirmed: Lsn, now: Instant) {
+        self.confirm.resolved_up_to(confirmed, now);
+    }
+
+    /// A standby status confirming `flush` was sent at `now`.
+    pub(crate) fn status_sent(&mut self, flush: Lsn, now: Instant) {
+        self.confirm.status_sent(flush, now);
+    }
+
+    /// A new session starts at `start`: marks of the old one will never be confirmed
+    /// by a status of this one.
+    pub(crate) fn session_started(&mut self, start: Lsn) {
+        self.confirm.restart(start);
     }
 
     /// An event of `topic` (`""` for a row that has none) was poisoned.
@@ -135,9 +186,146 @@ impl Instruments {
     }
 }
 
+/// The stage histogram labelled `stage`.
+fn stage(stage: &'static str) -> Histogram {
+    ::metrics::histogram!(m::STAGE_LATENCY, "stage" => stage)
+}
+
+/// Seconds from `committed_at` (µs since 2000-01-01) to now, 0 if the clocks disagree.
+fn since_commit(committed_at: i64) -> f64 {
+    let now = pg_epoch_micros(SystemTime::now());
+    let micros = now.saturating_sub(committed_at).max(0);
+    // Lossless enough: latencies are far below 2^53 µs.
+    #[allow(clippy::cast_precision_loss)]
+    let seconds = micros as f64 / 1e6;
+    seconds
+}
+
+/// The acked → confirmed stage. Each time the commit watermark moves, a mark (the
+/// watermark, the instant, the events acked since the previous mark) is queued; a
+/// status update that confirms a mark records its age once per event it covers. The
+/// events of a mark are those acked since the previous one, which may include events
+/// of a later, not yet complete transaction: a close approximation, exact with one
+/// transaction in flight.
+#[derive(Debug)]
+struct ConfirmClock {
+    histogram: Histogram,
+    marks: VecDeque<(Lsn, Instant, usize)>,
+    /// The watermark of the newest mark (or the session start).
+    noted: Lsn,
+    /// Events acked since the newest mark.
+    acked: usize,
+}
+
+impl ConfirmClock {
+    fn new(histogram: Histogram) -> Self {
+        ConfirmClock {
+            histogram,
+            marks: VecDeque::with_capacity(MAX_CONFIRM_MARKS),
+            noted: Lsn::ZERO,
+            acked: 0,
+        }
+    }
+
+    fn acked(&mut self) {
+        self.acked = self.acked.saturating_add(1);
+    }
+
+    fn resolved_up_to(&mut self, confirmed: Lsn, now: Instant) {
+        if confirmed <= self.noted {
+            return;
+        }
+        self.noted = confirmed;
+        if self.acked == 0 {
+            // Keepalive or idle advance: no event waits for this status.
+            return;
+        }
+        if self.marks.len() == MAX_CONFIRM_MARKS {
+            self.marks.pop_front();
+        }
+        self.marks.push_back((confirmed, now, self.acked));
+        self.acked = 0;
+    }
+
+    fn status_sent(&mut self, flush: Lsn, now: Instant) {
+        while let Some(&(lsn, at, events)) = self.marks.front() {
+            if lsn > flush {
+                break;
+            }
+            self.histogram
+                .record_many(now.saturating_duration_since(at), events);
+            self.marks.pop_front();
+        }
+    }
+
+    fn restart(&mut self, start: Lsn) {
+        self.marks.clear();
+        self.noted = start;
+        self.acked = 0;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `_count` of the `acked_to_confirmed` series in a rendered page.
+    fn confirmed_count(page: &str) -> Option<u64> {
+        let prefix = format!(
+            "{}_count{{stage=\"{}\"}} ",
+            m::STAGE_LATENCY,
+            m::STAGE_ACKED_TO_CONFIRMED
+        );
+        page.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    #[test]
+    fn a_status_records_the_events_of_the_marks_it_confirms() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut clock = ::metrics::with_local_recorder(&recorder, || {
+            ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED))
+        });
+        let t0 = Instant::now();
+        clock.restart(Lsn(100));
+        // Two events acked, the watermark moves to 200; one more, then 300.
+        clock.acked();
+        clock.acked();
+        clock.resolved_up_to(Lsn(200), t0);
+        clock.acked();
+        clock.resolved_up_to(Lsn(300), t0);
+        // A keepalive advance with nothing acked makes no mark.
+        clock.resolved_up_to(Lsn(400), t0);
+        assert_eq!(clock.marks.len(), 2);
+        // A status short of 200 confirms nothing; one at 250 the first mark (2
+        // events); one at 400 the second (1 event).
+        clock.status_sent(Lsn(150), t0);
+        assert_eq!(confirmed_count(&handle.render()).unwrap_or(0), 0);
+        clock.status_sent(Lsn(250), t0);
+        assert_eq!(confirmed_count(&handle.render()), Some(2));
+        clock.status_sent(Lsn(400), t0);
+        assert_eq!(confirmed_count(&handle.render()), Some(3));
+        assert!(clock.marks.is_empty());
+        // A new session forgets what the old one did not confirm.
+        clock.acked();
+        clock.resolved_up_to(Lsn(500), t0);
+        clock.restart(Lsn(450));
+        assert!(clock.marks.is_empty());
+    }
+
+    #[test]
+    fn confirm_marks_are_bounded() {
+        let mut clock = ConfirmClock::new(Histogram::noop());
+        let t0 = Instant::now();
+        for i in 1..=MAX_CONFIRM_MARKS as u64 + 10 {
+            clock.acked();
+            clock.resolved_up_to(Lsn(i), t0);
+        }
+        assert_eq!(clock.marks.len(), MAX_CONFIRM_MARKS);
+        assert_eq!(clock.marks.front().map(|m| m.0), Some(Lsn(11)));
+    }
 
     #[test]
     fn topic_labels_are_capped() {

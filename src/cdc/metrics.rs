@@ -11,6 +11,15 @@
 //! latency from the transaction's commit timestamp to the broker's ack. Names are
 //! constants so dashboards, alerts and tests agree on them.
 //!
+//! **Why per-stage latencies.** Commit → ack alone says *that* an event was late, not
+//! *where*: in the walsender, in the relay, in the producer's batching, or at the
+//! broker. So the same way is cut into four stages (`STAGES`, one histogram with a
+//! `stage` label): commit → frame received, received → produced, produced → acked,
+//! acked → confirmed. The first compares the server's commit timestamp with the
+//! relay's clock (one host, or clocks kept in sync); the others use the relay's
+//! monotonic clock. The `bench` command reads them from this endpoint to print its
+//! per-stage table.
+//!
 //! **Why readiness is about progress, not connections.** A relay whose broker is
 //! gone keeps its replication connection and looks healthy to a TCP probe. `/readyz`
 //! is 200 only while the relay streams from the slot *and* either nothing is
@@ -50,6 +59,29 @@ pub(crate) const EVENTS_RELAYED: &str = "outbox_relay_events_relayed_total";
 pub(crate) const EVENTS_POISONED: &str = "outbox_relay_events_poisoned_total";
 /// Histogram (seconds): commit timestamp of the event's transaction to broker ack.
 pub(crate) const DELIVERY_LATENCY: &str = "outbox_relay_delivery_latency_seconds";
+/// Histogram (seconds), label `stage` (one of [`STAGES`]): the time an event spends in
+/// one stage of its way through the relay. The stages add up to commit → confirmed.
+pub(crate) const STAGE_LATENCY: &str = "outbox_relay_stage_latency_seconds";
+/// Transaction commit (its timestamp in pgoutput's `Begin`) → the relay took the
+/// event's XLogData frame off the stream: the walsender's decoding and send cadence,
+/// the network, and any wait of the frame in the socket while the window was full.
+pub(crate) const STAGE_COMMIT_TO_RECEIVED: &str = "commit_to_received";
+/// Frame taken → record handed to librdkafka (first attempt): the relay's own work,
+/// plus waits behind a full window or a held key.
+pub(crate) const STAGE_RECEIVED_TO_PRODUCED: &str = "received_to_produced";
+/// Handed to librdkafka (last attempt) → its delivery report reached the relay's loop:
+/// `linger.ms`, the produce request's round trip with `acks=all`, the report channel.
+pub(crate) const STAGE_PRODUCED_TO_ACKED: &str = "produced_to_acked";
+/// The event's transaction resolved (the commit watermark passed it) → a standby
+/// status confirming it was sent: the status cadence and the position save before it.
+pub(crate) const STAGE_ACKED_TO_CONFIRMED: &str = "acked_to_confirmed";
+/// The `stage` labels of `STAGE_LATENCY`, in the order an event passes them.
+pub(crate) const STAGES: [&str; 4] = [
+    STAGE_COMMIT_TO_RECEIVED,
+    STAGE_RECEIVED_TO_PRODUCED,
+    STAGE_PRODUCED_TO_ACKED,
+    STAGE_ACKED_TO_CONFIRMED,
+];
 /// Gauge: events produced (or being poisoned) and not yet resolved.
 pub(crate) const IN_FLIGHT_EVENTS: &str = "outbox_relay_in_flight_events";
 /// Gauge: payload bytes of the in-flight events.
@@ -92,10 +124,20 @@ pub(crate) const BLOCKED_TOPICS: &str = "outbox_relay_blocked_topics";
 pub(crate) const SAVED_LSN: &str = "outbox_relay_saved_lsn";
 /// Counter: saves of the position table that failed (retried).
 pub(crate) const POSITION_SAVE_FAILURES: &str = "outbox_relay_position_save_failures_total";
+/// Gauge: keys this relay knows to be parked (`relay.on_poison = "park-key"`).
+pub(crate) const PARKED_KEYS: &str = "outbox_relay_parked_keys";
+/// Counter: events written to the poison table as parked behind a poisoned one.
+pub(crate) const EVENTS_PARKED: &str = "outbox_relay_events_parked_total";
+/// Gauge: events that would have been poisoned and hold the relay
+/// (`relay.on_poison = "halt"`).
+pub(crate) const HALTED_EVENTS: &str = "outbox_relay_halted_events";
 
-/// Latency buckets (seconds): 1 ms to 2 min.
+/// Latency buckets (seconds): 100 µs to 2 min, dense between 1 and 100 ms, where
+/// live traffic lands and where a percentile read from the buckets (linear within a
+/// bucket, as `histogram_quantile` does) must be good to a millisecond or two.
 const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 /// Installs the Prometheus recorder as the process-wide `metrics` recorder.
@@ -104,7 +146,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 ///
 /// [`Error::MetricsRecorder`] when a recorder is already installed.
 pub fn install_recorder() -> Result<PrometheusHandle> {
-    let builder = [DELIVERY_LATENCY, HEARTBEAT_ROUND_TRIP]
+    let builder = [DELIVERY_LATENCY, STAGE_LATENCY, HEARTBEAT_ROUND_TRIP]
         .into_iter()
         .try_fold(PrometheusBuilder::new(), |b, name| {
             b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
@@ -124,6 +166,11 @@ fn describe() {
         DELIVERY_LATENCY,
         Unit::Seconds,
         "Transaction commit to broker acknowledgement"
+    );
+    describe_histogram!(
+        STAGE_LATENCY,
+        Unit::Seconds,
+        format!("Time an event spends in one stage: {}", STAGES.join(", "))
     );
     describe_gauge!(IN_FLIGHT_EVENTS, "Events produced and not yet resolved");
     describe_gauge!(IN_FLIGHT_BYTES, Unit::Bytes, "Payload bytes in flight");
@@ -171,6 +218,18 @@ fn describe() {
     describe_counter!(
         POSITION_SAVE_FAILURES,
         "Failed writes of the relay's position table (retried)"
+    );
+    describe_gauge!(
+        PARKED_KEYS,
+        "Keys parked behind a poisoned event until replay releases them"
+    );
+    describe_counter!(
+        EVENTS_PARKED,
+        "Events written to the poison table as parked behind a poisoned event of their key"
+    );
+    describe_gauge!(
+        HALTED_EVENTS,
+        "Events the relay would have poisoned and that hold it (relay.on_poison = halt)"
     );
 }
 

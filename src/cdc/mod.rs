@@ -16,11 +16,14 @@ pub(crate) mod heartbeat;
 mod in_flight;
 mod instruments;
 pub mod metrics;
+mod poison_policy;
 mod position_saver;
 pub mod progress;
 mod resend_guard;
 mod resync;
 pub mod session;
 pub mod start;
+pub mod start_checks;
 
-pub use session::{RunSummary, run, run_with_health};
+pub use session::{RunSummary, run, run_checked, run_with_health};
+pub use start_checks::StartChecks;

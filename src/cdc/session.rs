@@ -39,7 +39,7 @@
 //! again, the row to poison) is in `in_flight.rs`, its metric handles in
 //! `instruments.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -51,20 +51,22 @@ use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
+use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
 use crate::cdc::position_saver::PositionSaver;
 use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate};
 use crate::cdc::resend_guard::ResendGuard;
 use crate::cdc::start::{self, Remembered, SlotLoss, SlotView, StartPlan};
-use crate::config::{Config, SlotLossMode};
+use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
+use crate::config::{Config, PoisonKeyMode, SlotLossMode};
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
-use crate::kafka::{self, DeliveryReport, Publisher};
+use crate::kafka::{self, DeliveryReport, Publisher, TopicLimits};
 use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
-use crate::poison::{PoisonOutcome, PoisonRequest, PoisonWriter};
+use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
 use crate::postgres::prerequisite::Prerequisite;
@@ -110,6 +112,8 @@ pub struct RunSummary {
     pub delivered: u64,
     /// Events written to the poison table in this process.
     pub poisoned: u64,
+    /// Events parked behind a poisoned event of their key in this process.
+    pub parked: u64,
     /// The last confirmed LSN sent to the server.
     pub confirmed: Lsn,
     /// Replication sessions that ended and were reconnected.
@@ -260,13 +264,35 @@ pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
 /// [`run`], reporting streaming state and progress to `health` (for `/readyz`).
 pub async fn run_with_health(
     config: Config,
+    shutdown: Shutdown,
+    health: Health,
+) -> Result<RunSummary> {
+    run_checked(config, shutdown, health, &StartPrerequisites).await
+}
+
+/// [`run_with_health`], making `checks` at start (the binary passes the full
+/// deploy check of `outbox-relay check`, see [`crate::cdc::start_checks`]).
+pub async fn run_checked(
+    config: Config,
     mut shutdown: Shutdown,
     health: Health,
+    checks: &dyn StartChecks,
 ) -> Result<RunSummary> {
     let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
     let Some(metadata) = connect_when_reachable(&conninfo, &mut shutdown).await? else {
         return Ok(RunSummary::default());
     };
+    let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+    let (publisher, reports) = Publisher::new(
+        producer_config.clone(),
+        kafka::report_capacity(&config.relay),
+    )?;
+    let checks_started = Instant::now();
+    checks.check(&metadata, &publisher, &config).await?;
+    tracing::info!(
+        took_ms = millis(checks_started.elapsed()),
+        "start-up checks passed"
+    );
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
     let positions = PositionTable::new(&config)?;
     if !positions.exists(&metadata).await? {
@@ -275,18 +301,16 @@ pub async fn run_with_health(
         }
         .into());
     }
+    let policy = PoisonPolicy::new(
+        config.relay.on_poison,
+        parked_keys(&metadata, &config).await?,
+    );
     tracing::info!(
         server_version = %prerequisites.server_version,
         wal_sender_timeout_ms = millis(prerequisites.wal_sender_timeout),
         "connected to PostgreSQL"
     );
 
-    let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
-    let (publisher, reports) = Publisher::new(
-        producer_config.clone(),
-        kafka::report_capacity(&config.relay),
-    )?;
-    publisher.check_broker(Duration::from_secs(10)).await?;
     tracing::info!(brokers = %config.kafka.brokers, "connected to Kafka");
 
     let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
@@ -317,6 +341,7 @@ pub async fn run_with_health(
     })));
 
     let status_interval = core_config.status_interval;
+    let topic_limits = TopicLimits::new(&producer_config);
     let now = Instant::now();
     let mut relay = Relay {
         config,
@@ -340,6 +365,9 @@ pub async fn run_with_health(
         producer_alerted: false,
         blocked_topics: HashMap::new(),
         streak: FailureStreak::default(),
+        policy,
+        alone: None,
+        topic_limits,
         poison_tx,
         outcomes,
         current_commit_lsn: Lsn::ZERO,
@@ -378,6 +406,55 @@ async fn connect_when_reachable(
             return Ok(None);
         }
     }
+}
+
+/// Why `event` can never be produced: larger than the producer's
+/// `message.max.bytes`, or than the topic's `max.message.bytes` (which bounds a
+/// record batch: the record plus [`BATCH_OVERHEAD`] and the framing of its headers).
+fn too_large(
+    event: &crate::outbox::OutboxEvent,
+    producer_limit: usize,
+    topic_limit: Option<usize>,
+) -> Option<String> {
+    let size = event.byte_size();
+    if size > producer_limit {
+        return Some(format!(
+            "record of {size} bytes (key, value and headers) is larger than the producer's \
+             message.max.bytes = {producer_limit} (kafka.producer)"
+        ));
+    }
+    let limit = topic_limit?;
+    let batch = size + BATCH_OVERHEAD + HEADER_OVERHEAD * event.headers.len();
+    (batch > limit).then(|| {
+        format!(
+            "record of {size} bytes (key, value and headers; about {batch} as a record batch) \
+             is larger than the topic's max.message.bytes = {limit}"
+        )
+    })
+}
+
+/// Bytes a record batch of one record adds to the record's key, value and header
+/// bytes, at most: the batch header (61), and the record's attributes, timestamp
+/// and offset deltas, lengths and header count as varints.
+const BATCH_OVERHEAD: usize = 61 + 1 + 10 + 5 + 5 + 5 + 5 + 5;
+
+/// Bytes each header adds at most (its name and value lengths as varints).
+const HEADER_OVERHEAD: usize = 10;
+
+/// The keys parked when the relay starts (`crate::cdc::poison_policy`). Without the
+/// parked-key table (migration `0009`) there are none, unless `park-key` needs it.
+async fn parked_keys(
+    client: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<HashSet<crate::poison::ParkedKey>> {
+    let table = crate::poison::parked_key_table(&config.outbox);
+    if crate::postgres::table_exists(client, &table).await? {
+        return Ok(crate::poison::load_parked_keys(client, &table).await?);
+    }
+    if config.relay.on_poison == PoisonKeyMode::ParkKey {
+        return Err(Prerequisite::ParkedKeyTableMissing { table }.into());
+    }
+    Ok(HashSet::new())
 }
 
 /// Aborts a background task when dropped (the heartbeat stops with the relay).
@@ -421,6 +498,13 @@ struct Relay {
     /// "block"`), with the error kind; cleared by a delivery to the topic.
     blocked_topics: HashMap<String, &'static str>,
     streak: FailureStreak,
+    /// `relay.on_poison` and the keys it parked.
+    policy: PoisonPolicy,
+    /// Sends records in batches of one, for retries after a size error (see
+    /// [`Relay::retry_alone`]); made on first use.
+    alone: Option<Publisher>,
+    /// The topics' `max.message.bytes` as far as known.
+    topic_limits: TopicLimits,
     poison_tx: mpsc::Sender<PoisonRequest>,
     outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
@@ -517,7 +601,7 @@ impl Relay {
     /// `true` if shutdown came first.
     async fn drain_after_loss(&mut self, shutdown: &mut Shutdown) -> Result<bool> {
         let deadline = tokio::time::Instant::now() + LOSS_DRAIN_TIMEOUT;
-        while self.core.in_flight_events() > 0 && self.producer_fatal.is_none() {
+        while self.core.resolvable_events() > 0 && self.producer_fatal.is_none() {
             self.execute_offline_actions();
             let step = tokio::select! {
                 biased;
@@ -581,7 +665,7 @@ impl Relay {
     fn execute_offline_actions(&mut self) {
         while let Some(action) = self.core.next_action() {
             match action {
-                Action::Produce { id, .. } => self.produce(id),
+                Action::Produce { id, attempt } => self.produce(id, attempt),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::SendStatus(status) => self.request_save(status.flush),
             }
@@ -599,10 +683,11 @@ impl Relay {
         let publisher = publisher
             .with_configuration_errors_poisoned(self.config.relay.on_config_error.poisons());
         let old = std::mem::replace(&mut self.publisher, publisher);
+        let old_alone = self.alone.take();
         self.reports = reports;
         self.producer_fatal = None;
         self.last_report_at = Instant::now();
-        tokio::task::spawn_blocking(move || drop(old));
+        tokio::task::spawn_blocking(move || drop((old, old_alone)));
         ::metrics::counter!(m::PRODUCER_RESTARTS).increment(1);
         Ok(())
     }
@@ -828,6 +913,7 @@ impl Relay {
             }
         };
         self.history = Some(history);
+        self.instruments.session_started(start);
         // The start was saved before the session began: everything resolved before
         // it is covered, and what was resolved past it is streamed again.
         self.unsaved.all_saved();
@@ -1042,13 +1128,18 @@ impl Relay {
                 let id = self
                     .core
                     .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
+                self.instruments.received(self.current_commit_time);
                 self.pending.insert(
                     id,
                     InFlight::Event {
                         event,
                         committed_at: self.current_commit_time,
+                        received_at: now,
+                        produced_at: now,
                         last_error: None,
                         origin,
+                        parked: false,
+                        alone: false,
                     },
                 );
                 if self.resend.already_resolved(origin) {
@@ -1093,10 +1184,12 @@ impl Relay {
                     if let InFlight::Event {
                         event,
                         committed_at,
+                        produced_at,
                         ..
                     } = &pending
                     {
-                        self.instruments.delivered(&event.topic, *committed_at);
+                        self.instruments
+                            .delivered(&event.topic, *committed_at, *produced_at, now);
                         if !self.blocked_topics.is_empty() {
                             let topic = event.topic.clone();
                             self.topic_accepts(&topic);
@@ -1114,6 +1207,17 @@ impl Relay {
                     // Not the event's fault: the producer is replaced and the event
                     // produced again by the next session.
                     self.producer_fatal = Some((code, message));
+                    return;
+                }
+                if self.retry_alone(report.id, code, &message) {
+                    self.record_failure(
+                        report.id,
+                        kafka::error_kind(code),
+                        &message,
+                        Failure::Transient,
+                    );
+                    self.core
+                        .delivery_failed(report.id, Failure::Transient, now);
                     return;
                 }
                 let failure = self.publisher.classify(code);
@@ -1201,13 +1305,27 @@ impl Relay {
     fn on_poison_outcome(&mut self, outcome: PoisonOutcome) {
         let now = Instant::now();
         match outcome.result {
-            Ok(()) => {
+            Ok(Parked::Recorded) => {
                 if let Some(pending) = self.pending.remove(&outcome.id) {
-                    self.summary.poisoned += 1;
                     self.note_resolved();
-                    self.instruments.poisoned(pending.topic());
+                    if let InFlight::Event { parked: true, .. } = pending {
+                        self.summary.parked += 1;
+                        ::metrics::counter!(m::EVENTS_PARKED).increment(1);
+                    } else {
+                        self.summary.poisoned += 1;
+                        self.instruments.poisoned(pending.topic());
+                    }
                 }
                 self.core.poison_committed(outcome.id, now);
+            }
+            Ok(Parked::Released) => {
+                if let Some(InFlight::Event { event, parked, .. }) =
+                    self.pending.get_mut(&outcome.id)
+                {
+                    *parked = false;
+                    self.policy.released(event);
+                }
+                self.core.unpark(outcome.id, now);
             }
             Err(_) => self.core.poison_insert_failed(outcome.id, now),
         }
@@ -1218,9 +1336,11 @@ impl Relay {
         &mut self,
         stream: &mut ReplicationStream,
     ) -> std::result::Result<(), ReplicationError> {
+        self.instruments
+            .resolved_up_to(self.core.confirmed(), Instant::now());
         while let Some(action) = self.core.next_action() {
             match action {
-                Action::Produce { id, .. } => self.produce(id),
+                Action::Produce { id, attempt } => self.produce(id, attempt),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::SendStatus(status) => {
                     self.request_save(status.flush);
@@ -1228,6 +1348,7 @@ impl Relay {
                     let flush = self.confirmable(status.flush);
                     tracing::trace!(flush = %flush, wanted = %status.flush, "standby status");
                     send_status(stream, capped(status, flush)).await?;
+                    self.instruments.status_sent(flush, Instant::now());
                     self.summary.confirmed = flush;
                 }
             }
@@ -1290,23 +1411,27 @@ impl Relay {
             reply_requested: false,
         };
         send_status(stream, status).await?;
+        self.instruments.status_sent(flush, Instant::now());
         self.summary.confirmed = flush;
         Ok(())
     }
 
-    fn produce(&mut self, id: EventId) {
-        let Some(InFlight::Event { event, .. }) = self.pending.get(&id) else {
+    fn produce(&mut self, id: EventId, attempt: u32) {
+        let Some(InFlight::Event { event, parked, .. }) = self.pending.get_mut(&id) else {
             return;
         };
+        if attempt == 1 && self.policy.parks(event) {
+            // Its key waits for `replay` (relay.on_poison = "park-key").
+            *parked = true;
+            self.core.park(id, Instant::now());
+            return;
+        }
         tracing::trace!(%id, topic = %event.topic, "produce");
-        let (size, limit) = (event.byte_size(), self.publisher.max_message_bytes());
-        if size > limit {
+        let now = Instant::now();
+        let topic_limit = self.topic_limits.limit(&event.topic, now);
+        if let Some(why) = too_large(event, self.publisher.max_message_bytes(), topic_limit) {
             // No retry can make it fit: poisoned now, with the limit in the error.
-            let message = format!(
-                "record of {size} bytes (key, value and headers) is larger than the producer's \
-                 message.max.bytes = {limit} (kafka.producer); topic {:?}",
-                event.topic
-            );
+            let message = format!("{why}; topic {:?}", event.topic);
             self.record_failure(
                 id,
                 kafka::error_kind(RDKafkaErrorCode::MessageSizeTooLarge),
@@ -1316,7 +1441,28 @@ impl Relay {
             self.core.refuse(id, Instant::now());
             return;
         }
-        if let Err(rejected) = self.publisher.send_event(id, event) {
+        let publisher = if self.make_alone_publisher(id) {
+            self.alone.as_ref().unwrap_or(&self.publisher)
+        } else {
+            &self.publisher
+        };
+        let Some(InFlight::Event {
+            event,
+            received_at,
+            produced_at,
+            ..
+        }) = self.pending.get_mut(&id)
+        else {
+            return;
+        };
+        let sent = publisher.send_event(id, event);
+        if sent.is_ok() {
+            *produced_at = Instant::now();
+            if attempt == 1 {
+                self.instruments.produced(*received_at, *produced_at);
+            }
+        }
+        if let Err(rejected) = sent {
             if kafka::is_configuration(rejected.code) {
                 self.topic_refuses(id, rejected.code, &rejected.message);
             }
@@ -1327,16 +1473,99 @@ impl Relay {
         }
     }
 
+    /// Whether `id` is to be retried alone; makes the producer that sends records
+    /// alone on first use (when it cannot be made, the shared producer is used).
+    fn make_alone_publisher(&mut self, id: EventId) -> bool {
+        if !matches!(
+            self.pending.get(&id),
+            Some(InFlight::Event { alone: true, .. })
+        ) {
+            return false;
+        }
+        if self.alone.is_none() {
+            match self.publisher.alone(&self.producer_config) {
+                Ok(p) => self.alone = Some(p),
+                Err(e) => tracing::warn!(error = %e, "cannot make the retry-alone producer"),
+            }
+        }
+        true
+    }
+
+    /// A size error for `id` that may belong to another record of its batch: when
+    /// `id` fits every known limit and was not retried alone yet, it is retried
+    /// alone, and the failure does not count against it. `true` when so.
+    fn retry_alone(&mut self, id: EventId, code: RDKafkaErrorCode, message: &str) -> bool {
+        if !kafka::is_size_error(code) {
+            return false;
+        }
+        let producer_limit = self.publisher.max_message_bytes();
+        let Some(InFlight::Event { event, alone, .. }) = self.pending.get_mut(&id) else {
+            return false;
+        };
+        let topic_limit = self.topic_limits.limit(&event.topic, Instant::now());
+        if *alone || too_large(event, producer_limit, topic_limit).is_some() {
+            return false;
+        }
+        *alone = true;
+        tracing::info!(
+            %id,
+            topic = %event.topic,
+            bytes = event.byte_size(),
+            error = message,
+            "the broker refused a batch for its size; retrying this record alone"
+        );
+        true
+    }
+
     fn request_poison(&mut self, id: EventId, attempts: u32) {
         let Some(pending) = self.pending.get(&id) else {
             return;
         };
-        let row = pending.poison_row(attempts);
+        let parking = match self.policy.dispose(pending) {
+            Disposal::Insert(parking) => parking,
+            Disposal::Halt => return self.halt(id, attempts),
+        };
+        let row = pending.poison_row(attempts, parking);
         // The channel holds one request per in-flight event at most, so it is never
         // full; if it were, the core retries after a backoff.
         if self.poison_tx.try_send(PoisonRequest { id, row }).is_err() {
             self.core.poison_insert_failed(id, Instant::now());
         }
+    }
+
+    /// `relay.on_poison = "halt"`: `id` is not poisoned; it holds the relay, with an
+    /// error log and an alert that say which event and why.
+    fn halt(&mut self, id: EventId, attempts: u32) {
+        let Some(pending) = self.pending.get(&id) else {
+            return;
+        };
+        let row = pending.poison_row(attempts, Parking::None);
+        tracing::error!(
+            idempotency_key = row.fields.idempotency_key.as_deref().unwrap_or(""),
+            topic = row.fields.topic.as_deref().unwrap_or(""),
+            key = row.fields.aggregate_id.as_deref().unwrap_or(""),
+            lsn = %row.lsn.unwrap_or(Lsn::ZERO),
+            error_kind = %row.error_kind,
+            error = %row.error,
+            "an event cannot be delivered and relay.on_poison = \"halt\": the relay stops \
+             confirming past it. Fix the cause and restart the relay, or set relay.on_poison \
+             to \"park-key\" or \"skip\" to record it in the poison table"
+        );
+        self.core.halt(id, Instant::now());
+        let halted = self.core.halted_events();
+        // Exact: at most a window of events.
+        #[allow(clippy::cast_precision_loss)]
+        ::metrics::gauge!(m::HALTED_EVENTS).set(halted as f64);
+        self.health.set_alert(
+            "poison",
+            Some(format!(
+                "{halted} event(s) cannot be delivered and relay.on_poison = \"halt\"; first: \
+                 idempotency key {:?}, {}: {}",
+                row.fields.idempotency_key.as_deref().unwrap_or(""),
+                row.error_kind,
+                row.error
+            )),
+        );
     }
 
     /// Stop reading, wait (bounded) for in-flight events to resolve, send the final
@@ -1348,7 +1577,7 @@ impl Relay {
             in_flight = self.core.in_flight_events(),
             "shutting down: waiting for in-flight events"
         );
-        while self.core.in_flight_events() > 0 {
+        while self.core.resolvable_events() > 0 {
             if self.execute_actions(&mut stream).await.is_err() {
                 break;
             }

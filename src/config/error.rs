@@ -10,8 +10,18 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    #[error("config file {path} is not valid: {message}")]
-    Parse { path: String, message: String },
+    /// `origin` names the file, or says there was none.
+    #[error("{origin} is not valid: {message}")]
+    Parse { origin: String, message: String },
+    /// A required key that neither the file nor the environment nor `--set` gave.
+    #[error(
+        "{key} is required: set it in the config file, as {env_name}, or with --set {key}=… ({origin})"
+    )]
+    Missing {
+        key: &'static str,
+        env_name: &'static str,
+        origin: String,
+    },
     #[error("environment variable {name} is not valid: {message}")]
     Env { name: String, message: String },
     #[error("invalid configuration: {0}")]

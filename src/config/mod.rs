@@ -1,11 +1,20 @@
 //! Configuration: a TOML file layered with `OUTBOX_RELAY__SECTION__KEY` environment
-//! variables, then validated.
+//! variables and `--set` overrides, then validated.
+//!
+//! The file is optional because a container's convention is configuration by
+//! environment: without `--config`, `relay.toml` is read when it exists, and when it
+//! does not, the environment and `--set` alone must give the required keys. A file
+//! that is *named* (`--config`, `OUTBOX_RELAY_CONFIG`) and missing stays an error: a
+//! typo in a path must not silently start a relay on defaults.
 //!
 //! Unknown keys are rejected (`deny_unknown_fields`) because a misspelt key that is
 //! silently ignored is how a relay ends up publishing to the wrong topic. The
 //! PostgreSQL URL may carry a password: `Debug`, the serialized config and every
 //! error message about the file or a `--set` only ever show text passed through
-//! [`redact_url`], which hides it even when it breaks the URL's syntax.
+//! [`redact_url`], which hides it even when it breaks the URL's syntax. Secret
+//! librdkafka settings under `kafka.producer` (`sasl.password`, `ssl.key.password`,
+//! an inline `ssl.key.pem`, …: [`is_secret_setting`]) are shown as `***` in `Debug`
+//! and in the serialized config.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,12 +27,21 @@ mod error;
 mod redact;
 
 pub use error::ConfigError;
-pub use redact::redact_url;
+pub use redact::{is_secret_setting, redact_url};
 
 use duration::parse_duration;
 
 /// Prefix of environment variables that override config keys.
 pub const ENV_PREFIX: &str = "OUTBOX_RELAY__";
+
+/// The config file read when none is named, if it exists in the working directory.
+pub const DEFAULT_CONFIG_FILE: &str = "relay.toml";
+
+/// Keys without a default (`section.key`), with the environment variable that sets each.
+const REQUIRED: [(&str, &str); 2] = [
+    ("postgres.url", "OUTBOX_RELAY__POSTGRES__URL"),
+    ("kafka.brokers", "OUTBOX_RELAY__KAFKA__BROKERS"),
+];
 
 /// The whole configuration.
 #[derive(Clone, Deserialize, Serialize)]
@@ -74,7 +92,46 @@ pub struct OutboxConfig {
     pub partition_interval: PartitionInterval,
     /// Partitions kept ready beyond the current one (`migrate` and `retention`).
     pub partitions_ahead: u32,
+    /// A known outbox layout whose column names fill the `[outbox.columns]` keys
+    /// the config does not set (applied while loading, see [`OutboxPreset`]).
+    pub preset: OutboxPreset,
     pub columns: Columns,
+}
+
+/// `outbox.preset`: the column names of a well-known outbox layout, so that
+/// adopting such a table takes one line. Keys set in `[outbox.columns]` (file,
+/// environment or `--set`) win over the preset's.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OutboxPreset {
+    /// This relay's own layout (the `[outbox.columns]` defaults).
+    #[default]
+    None,
+    /// Debezium's outbox event router table: `id uuid, aggregatetype,
+    /// aggregateid, type, payload`, no topic, headers, idempotency key or
+    /// timestamp column (`id` is then the idempotency key).
+    Debezium,
+}
+
+impl OutboxPreset {
+    /// `(columns key, column name)` the preset sets; `""` = the table has none.
+    #[must_use]
+    pub fn columns(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            OutboxPreset::None => &[],
+            OutboxPreset::Debezium => &[
+                ("id", "id"),
+                ("idempotency_key", ""),
+                ("aggregate_type", "aggregatetype"),
+                ("aggregate_id", "aggregateid"),
+                ("event_type", "type"),
+                ("topic", ""),
+                ("headers", ""),
+                ("payload", "payload"),
+                ("created_at", ""),
+            ],
+        }
+    }
 }
 
 /// Width of one partition of a partitioned outbox (a `date_trunc` field).
@@ -140,6 +197,9 @@ impl RetentionConfig {
 
 /// Column names of the outbox table (defaults match our migration; Debezium's
 /// `aggregatetype`, `aggregateid`, `type` are accepted by the mapper as aliases).
+/// An empty name says the table has no such column: allowed for the optional ones
+/// (`topic`, `headers`, `created_at`, `aggregate_type`, `event_type`, and one of
+/// `id` / `idempotency_key`), which are then read as NULL.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Columns {
@@ -168,7 +228,8 @@ pub struct KafkaConfig {
     #[serde(default = "default_partitioner")]
     pub partitioner: String,
     /// Extra librdkafka producer settings passed through verbatim (e.g. SASL/SSL).
-    #[serde(default)]
+    /// Serialized with secret values masked, like `Debug`.
+    #[serde(default, serialize_with = "serialize_settings_redacted")]
     pub producer: BTreeMap<String, String>,
     /// When present, the record value is an envelope around the payload.
     #[serde(default)]
@@ -211,6 +272,11 @@ pub struct RelayConfig {
     /// does to the event: `block` holds it (retried with backoff, alerted) until the
     /// setup is fixed; `poison` treats it like the event's own fault.
     pub on_config_error: ConfigErrorMode,
+    /// What an event the relay poisons does to the later events of its entity (its
+    /// record key within its topic): `skip` lets them flow, `park-key` holds them
+    /// back durably until `replay` releases the poisoned one, `halt` stops
+    /// confirming and alerts. See `docs/architecture.md#poison-key-policy`.
+    pub on_poison: PoisonKeyMode,
     /// Seconds with events in flight and no delivery report from a reachable broker
     /// after which the producer is considered wedged: it is replaced and the
     /// unconfirmed events are produced again. 0 turns the watchdog off.
@@ -291,6 +357,36 @@ impl ConfigErrorMode {
     }
 }
 
+/// `relay.on_poison`: what a poisoned event means for the later events of its key
+/// (see `docs/architecture.md#poison-key-policy`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum PoisonKeyMode {
+    /// The later events of the key are delivered; the poisoned one is out of order
+    /// when it is replayed.
+    #[default]
+    Skip,
+    /// The later events of the key are written to the poison table as *parked*
+    /// (durable, so the slot confirms past them) until `replay` delivers the
+    /// poisoned one; then `replay` delivers them in order and releases the key.
+    ParkKey,
+    /// Nothing is poisoned: the event stays unresolved, the relay stops confirming
+    /// past it and raises an alert until it is fixed and the relay restarted.
+    Halt,
+}
+
+impl PoisonKeyMode {
+    /// The name as written in the config.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoisonKeyMode::Skip => "skip",
+            PoisonKeyMode::ParkKey => "park-key",
+            PoisonKeyMode::Halt => "halt",
+        }
+    }
+}
+
 /// Logging.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -331,8 +427,50 @@ impl Default for OutboxConfig {
             partitioned: false,
             partition_interval: PartitionInterval::Day,
             partitions_ahead: 3,
+            preset: OutboxPreset::None,
             columns: Columns::default(),
         }
+    }
+}
+
+impl Columns {
+    /// Every column as `(config key, configured name)`, in the order of the
+    /// outbox row's fields (`id`, `idempotency_key`, …, `created_at`); an empty
+    /// name means the table has no such column.
+    #[must_use]
+    pub fn by_key(&self) -> [(&'static str, &str); 9] {
+        [
+            ("id", &self.id),
+            ("idempotency_key", &self.idempotency_key),
+            ("aggregate_type", &self.aggregate_type),
+            ("aggregate_id", &self.aggregate_id),
+            ("event_type", &self.event_type),
+            ("topic", &self.topic),
+            ("headers", &self.headers),
+            ("payload", &self.payload),
+            ("created_at", &self.created_at),
+        ]
+    }
+
+    /// An empty name means "no such column"; the mapper cannot do without the key
+    /// and the payload, nor without both the idempotency key and the id.
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (key, name) in [
+            ("aggregate_id", &self.aggregate_id),
+            ("payload", &self.payload),
+        ] {
+            if name.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "outbox.columns.{key} is empty: every outbox needs this column"
+                )));
+            }
+        }
+        if self.id.is_empty() && self.idempotency_key.is_empty() {
+            return Err(ConfigError::Invalid(
+                "outbox.columns.id and idempotency_key are both empty: one must name a column (the idempotency key)".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -376,6 +514,7 @@ impl Default for RelayConfig {
             cutover: CutoverMode::Auto,
             on_slot_loss: SlotLossMode::Resync,
             on_config_error: ConfigErrorMode::Block,
+            on_poison: PoisonKeyMode::Skip,
             producer_stall_secs: 60,
             position_save_interval_ms: 50,
         }
@@ -404,21 +543,19 @@ impl Config {
     /// Reads `path`, overlays `OUTBOX_RELAY__…` variables from the process
     /// environment, and validates the result.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::load_with(path, &[])
+        Config::load_with(Some(path), &[])
     }
 
-    /// Like [`Config::load`], then applies `--set section.key=value` overrides from
-    /// the command line, which win over the file and the environment.
-    pub fn load_with(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+    /// Reads the named file (an error when missing) or, with `None`,
+    /// [`DEFAULT_CONFIG_FILE`] when it exists; overlays the environment, then
+    /// `--set section.key=value` overrides, which win over both.
+    pub fn load_with(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+        let (origin, text) = read_file(path)?;
         let mut sources: Vec<(String, String)> = std::env::vars().collect();
         for set in overrides {
             sources.push(cli_override(set)?);
         }
-        Config::from_sources(&path.display().to_string(), &text, sources)
+        Config::from_sources(&origin, &text, sources)
     }
 
     /// Builds a config from TOML text and `(name, value)` environment pairs.
@@ -429,7 +566,7 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         // TOML errors quote the offending line, which may be the URL's.
         let parse_error = |e: toml::de::Error| ConfigError::Parse {
-            path: origin.to_owned(),
+            origin: origin.to_owned(),
             message: redact_url(&e.to_string()),
         };
         let mut doc: toml::Table = toml::from_str(toml_text).map_err(parse_error)?;
@@ -438,7 +575,17 @@ impl Config {
                 overlay_env(&mut doc, &name, rest, &value)?;
             }
         }
-        let config: Config = doc.try_into().map_err(parse_error)?;
+        apply_preset(&mut doc)?;
+        let config: Config = match doc.clone().try_into() {
+            Ok(config) => config,
+            // Serde would only say "missing field `url`": name the key and its
+            // variable instead. Other errors (an unknown key) come first as they are.
+            Err(e) if e.message().starts_with("missing field") => {
+                require_keys(&doc, origin)?;
+                return Err(parse_error(e));
+            }
+            Err(e) => return Err(parse_error(e)),
+        };
         config.validate()?;
         Ok(config)
     }
@@ -504,8 +651,75 @@ impl Config {
         if self.outbox.partitions_ahead > 1000 {
             return invalid("outbox.partitions_ahead must be at most 1000".into());
         }
+        self.outbox.columns.validate()?;
         Ok(())
     }
+}
+
+/// Fills the `[outbox.columns]` keys that no source set from `outbox.preset`.
+/// Done on the document, before defaults, so "set" means set by the file, the
+/// environment or `--set`, even to the default name.
+fn apply_preset(doc: &mut toml::Table) -> Result<(), ConfigError> {
+    let Some(outbox) = doc.get_mut("outbox").and_then(toml::Value::as_table_mut) else {
+        return Ok(());
+    };
+    let preset = match outbox.get("preset") {
+        None => return Ok(()),
+        Some(value) => OutboxPreset::deserialize(value.clone()).map_err(|e| {
+            ConfigError::Invalid(format!("outbox.preset: {e} (use \"none\" or \"debezium\")"))
+        })?,
+    };
+    let columns = outbox
+        .entry("columns")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .ok_or_else(|| ConfigError::Invalid("outbox.columns is not a section".into()))?;
+    for (key, name) in preset.columns() {
+        columns
+            .entry((*key).to_owned())
+            .or_insert_with(|| toml::Value::String((*name).to_owned()));
+    }
+    Ok(())
+}
+
+/// The origin (for messages) and text of the config file: the named one, which must
+/// exist, else [`DEFAULT_CONFIG_FILE`] if present, else none (empty text).
+fn read_file(path: Option<&Path>) -> Result<(String, String), ConfigError> {
+    let (path, named) = match path {
+        Some(path) => (path, true),
+        None => (Path::new(DEFAULT_CONFIG_FILE), false),
+    };
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok((format!("config file {}", path.display()), text)),
+        Err(e) if !named && e.kind() == std::io::ErrorKind::NotFound => Ok((
+            format!("no config file ({DEFAULT_CONFIG_FILE} absent): environment and --set only"),
+            String::new(),
+        )),
+        Err(source) => Err(ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+/// Names a required key that no source gave, with the variable that would set it
+/// (serde would only say "missing field `url`").
+fn require_keys(doc: &toml::Table, origin: &str) -> Result<(), ConfigError> {
+    for (key, env_name) in REQUIRED {
+        let (section, name) = key.split_once('.').unwrap_or((key, ""));
+        let present = doc
+            .get(section)
+            .and_then(toml::Value::as_table)
+            .is_some_and(|table| table.contains_key(name));
+        if !present {
+            return Err(ConfigError::Missing {
+                key,
+                env_name,
+                origin: origin.to_owned(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Applies one `OUTBOX_RELAY__SECTION__KEY=value` variable to the TOML document.
@@ -627,6 +841,18 @@ pub fn qualified_name(s: &str) -> Result<(String, String), TableNameError> {
     Ok((schema.to_owned(), table.to_owned()))
 }
 
+/// A config for unit tests: the two required keys, then `extra` TOML.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn test_config(extra: &str) -> Config {
+    Config::from_sources(
+        "t",
+        &format!("[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"b\"\n{extra}"),
+        Vec::new(),
+    )
+    .unwrap()
+}
+
 /// Quotes an SQL identifier (`"` doubled), for names that come from config.
 #[must_use]
 pub fn quote_ident(s: &str) -> String {
@@ -656,16 +882,27 @@ impl fmt::Debug for PostgresConfig {
     }
 }
 
+/// librdkafka settings with the values of secret ones replaced by `***`.
+fn redacted_settings(settings: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    settings
+        .iter()
+        .map(|(k, v)| {
+            let shown = if is_secret_setting(k) { "***" } else { v };
+            (k.as_str(), shown)
+        })
+        .collect()
+}
+
+fn serialize_settings_redacted<S: serde::Serializer>(
+    settings: &BTreeMap<String, String>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&redacted_settings(settings), s)
+}
+
 impl fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let producer: BTreeMap<&str, &str> = self
-            .producer
-            .iter()
-            .map(|(k, v)| {
-                let secret = k.contains("password") || k.contains("secret");
-                (k.as_str(), if secret { "***" } else { v.as_str() })
-            })
-            .collect();
+        let producer = redacted_settings(&self.producer);
         f.debug_struct("KafkaConfig")
             .field("brokers", &self.brokers)
             .field("topic_template", &self.topic_template)
@@ -716,6 +953,119 @@ mod tests {
         assert_eq!(c.outbox.table, "public.outbox");
         assert_eq!(c.kafka.partitioner, "murmur2_random");
         assert_eq!(c.relay.max_attempts, 5);
+    }
+
+    #[test]
+    fn env_alone_gives_a_whole_config() {
+        let c = load(
+            "",
+            &[
+                (
+                    "OUTBOX_RELAY__POSTGRES__URL",
+                    "postgresql://relay:s3cret@db/app",
+                ),
+                ("OUTBOX_RELAY__KAFKA__BROKERS", "k:9092"),
+                ("OUTBOX_RELAY__OUTBOX__COLUMNS__TOPIC", ""),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.kafka.brokers, "k:9092");
+        assert_eq!(c.postgres.slot, "outbox_relay");
+        assert_eq!(c.outbox.columns.topic, "");
+    }
+
+    #[test]
+    fn a_missing_required_key_names_its_variable() {
+        let err = load("", &[("OUTBOX_RELAY__KAFKA__BROKERS", "k:9092")]).unwrap_err();
+        let shown = err.to_string();
+        assert!(
+            matches!(
+                err,
+                ConfigError::Missing {
+                    key: "postgres.url",
+                    ..
+                }
+            ),
+            "{shown}"
+        );
+        assert!(shown.contains("OUTBOX_RELAY__POSTGRES__URL"), "{shown}");
+        let err = load("[postgres]\nurl = \"postgresql://h/db\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string().contains("OUTBOX_RELAY__KAFKA__BROKERS"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_named_file_that_is_missing_is_an_error() {
+        let missing = std::env::temp_dir().join("outbox-relay-no-such-dir/relay.toml");
+        let err = read_file(Some(&missing)).unwrap_err();
+        assert!(matches!(err, ConfigError::Read { .. }), "{err}");
+        assert!(err.to_string().contains("no-such-dir"), "{err}");
+    }
+
+    #[test]
+    fn the_debezium_preset_names_the_columns_unless_set() {
+        let c = load(
+            &format!("{MINIMAL}\n[outbox]\npreset = \"debezium\"\n"),
+            &[],
+        )
+        .unwrap();
+        let cols = &c.outbox.columns;
+        assert_eq!(
+            [
+                &cols.id,
+                &cols.aggregate_type,
+                &cols.aggregate_id,
+                &cols.event_type,
+                &cols.payload
+            ],
+            ["id", "aggregatetype", "aggregateid", "type", "payload"]
+        );
+        for absent in [
+            &cols.idempotency_key,
+            &cols.topic,
+            &cols.headers,
+            &cols.created_at,
+        ] {
+            assert_eq!(absent, "");
+        }
+        // A key set anywhere wins over the preset, also when set to the default name.
+        let c = load(
+            &format!(
+                "{MINIMAL}\n[outbox]\npreset = \"debezium\"\n[outbox.columns]\npayload = \"body\"\n"
+            ),
+            &[("OUTBOX_RELAY__OUTBOX__COLUMNS__CREATED_AT", "created_at")],
+        )
+        .unwrap();
+        assert_eq!(c.outbox.columns.payload, "body");
+        assert_eq!(c.outbox.columns.created_at, "created_at");
+        assert_eq!(c.outbox.columns.aggregate_id, "aggregateid");
+        let by_env = load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__PRESET", "debezium")]).unwrap();
+        assert_eq!(by_env.outbox.preset, OutboxPreset::Debezium);
+        assert_eq!(by_env.outbox.columns.event_type, "type");
+        let err = load(MINIMAL, &[("OUTBOX_RELAY__OUTBOX__PRESET", "maxwell")]).unwrap_err();
+        assert!(err.to_string().contains("outbox.preset"), "{err}");
+    }
+
+    #[test]
+    fn only_optional_columns_may_be_absent() {
+        for (key, ok) in [
+            ("TOPIC", true),
+            ("HEADERS", true),
+            ("CREATED_AT", true),
+            ("IDEMPOTENCY_KEY", true),
+            ("PAYLOAD", false),
+            ("AGGREGATE_ID", false),
+        ] {
+            let name = format!("OUTBOX_RELAY__OUTBOX__COLUMNS__{key}");
+            assert_eq!(load(MINIMAL, &[(name.as_str(), "")]).is_ok(), ok, "{key}");
+        }
+        let both = [
+            ("OUTBOX_RELAY__OUTBOX__COLUMNS__ID", ""),
+            ("OUTBOX_RELAY__OUTBOX__COLUMNS__IDEMPOTENCY_KEY", ""),
+        ];
+        assert!(load(MINIMAL, &both).is_err());
     }
 
     #[test]
@@ -803,6 +1153,29 @@ mod tests {
         let serialized = toml::to_string(&c).unwrap();
         assert!(!serialized.contains("s3cret"), "{serialized}");
         assert!(shown.contains("relay:***@db"), "{shown}");
+    }
+
+    #[test]
+    fn kafka_secrets_are_masked_in_debug_and_serialized_form() {
+        let secrets = [
+            ("OUTBOX_RELAY__KAFKA__PRODUCER__sasl.password", "Kx7Sasl"),
+            ("OUTBOX_RELAY__KAFKA__PRODUCER__ssl.key.password", "Kx7Key"),
+            ("OUTBOX_RELAY__KAFKA__PRODUCER__ssl.key.pem", "Kx7Pem"),
+            (
+                "OUTBOX_RELAY__KAFKA__PRODUCER__sasl.oauthbearer.client.secret",
+                "Kx7Oidc",
+            ),
+        ];
+        let mut env = secrets.to_vec();
+        env.push(("OUTBOX_RELAY__KAFKA__PRODUCER__sasl.username", "relay-user"));
+        let c = load(MINIMAL, &env).unwrap();
+        assert_eq!(c.kafka.producer["sasl.password"], "Kx7Sasl", "set from env");
+        let shown = format!("{c:?}\n{}", toml::to_string(&c).unwrap());
+        for (_, secret) in secrets {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("relay-user"), "{shown}");
+        assert!(shown.contains("sasl.password"), "{shown}");
     }
 
     #[test]

@@ -23,6 +23,19 @@
 //!
 //! Both apply line by line, so a multi-line error message is covered as well.
 
+/// Whether a librdkafka setting holds a secret whose value must never be shown:
+/// passwords (`sasl.password`, `ssl.key.password`, `ssl.keystore.password`),
+/// secrets and passphrases (`sasl.oauthbearer.client.secret`, …) and inline private
+/// keys (`ssl.key.pem`, `sasl.oauthbearer.assertion.private.key.pem`). Names are
+/// compared without regard to case.
+#[must_use]
+pub fn is_secret_setting(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ["password", "secret", "passphrase", "key.pem"]
+        .iter()
+        .any(|part| key.contains(part))
+}
+
 /// What stands in for a hidden password.
 const MASK: &str = "***";
 

@@ -60,6 +60,20 @@ pub(crate) fn is_configuration(code: RDKafkaErrorCode) -> bool {
     )
 }
 
+/// Whether the broker refused a record for its size. A broker refuses a whole
+/// batch (a produce request's record set for one partition) when it exceeds the
+/// topic's `max.message.bytes`, and librdkafka reports that error for every record
+/// in it without splitting the batch: the record may be innocent. The relay retries
+/// such a record alone before counting it against the event.
+#[must_use]
+pub(crate) fn is_size_error(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::MessageSizeTooLarge | C::MessageBatchTooLarge | C::InvalidMessageSize
+    )
+}
+
 /// What an operator should do about a configuration error (for the log line).
 #[must_use]
 pub(crate) fn configuration_fix(code: RDKafkaErrorCode) -> &'static str {

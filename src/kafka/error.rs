@@ -85,6 +85,19 @@ pub enum BrokerUnavailable {
         #[source]
         source: KafkaError,
     },
+    /// The broker refused the connection's TLS or SASL handshake (an untrusted
+    /// certificate, a wrong password, a mechanism it does not offer): retrying
+    /// cannot help, the `kafka.producer` security settings must change.
+    #[error(
+        "{brokers} refused the connection's security ({code:?}): {reason}. Check the \
+         security.protocol, ssl.* and sasl.* settings under kafka.producer; nothing was \
+         produced"
+    )]
+    SecurityRefused {
+        brokers: String,
+        code: RDKafkaErrorCode,
+        reason: String,
+    },
     /// The cluster answered, but listed no broker.
     #[error("{brokers} answered with no brokers")]
     NoBrokers { brokers: String },

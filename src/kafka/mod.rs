@@ -46,10 +46,12 @@ mod classify;
 mod config;
 mod error;
 mod publisher;
+mod topic_limits;
 
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
-pub(crate) use classify::{configuration_fix, error_kind, is_configuration};
+pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
 pub use config::{producer_config, report_capacity};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
+pub(crate) use topic_limits::{TopicLimits, read_limits};

@@ -24,8 +24,8 @@
 //! At shutdown, records still queued are purged and reported as `PurgeQueue` /
 //! `PurgeInflight` (transient), delivered to the channel if it has room.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -106,6 +106,10 @@ struct RelayContext {
     broker_down: AtomicBool,
     /// A fatal or authentication error was logged (once).
     fatal_logged: AtomicBool,
+    /// The broker refused the connection's security (TLS or SASL): how often, and
+    /// the latest code and reason, for [`Publisher::check_broker`].
+    security_refusals: AtomicU64,
+    last_security_refusal: Mutex<Option<(RDKafkaErrorCode, String)>>,
     transient_errors: AtomicU64,
     dropped_reports: AtomicU64,
 }
@@ -163,6 +167,12 @@ impl ClientContext for RelayContext {
     fn error(&self, err: KafkaError, reason: &str) {
         self.transient_errors.fetch_add(1, Ordering::Relaxed);
         let code = err.rdkafka_error_code();
+        if let Some(c) = code.filter(|c| is_security_refusal(*c)) {
+            self.security_refusals.fetch_add(1, Ordering::AcqRel);
+            if let Ok(mut last) = self.last_security_refusal.lock() {
+                *last = Some((c, reason.to_owned()));
+            }
+        }
         match code {
             Some(RDKafkaErrorCode::AllBrokersDown) => {
                 if !self.broker_down.swap(true, Ordering::AcqRel) {
@@ -243,6 +253,81 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 const FLUSH_CHECK_INITIAL: Duration = Duration::from_millis(1);
 const FLUSH_CHECK_MAX: Duration = Duration::from_millis(50);
 
+/// How long one metadata request of [`Publisher::check_broker`] may take before the
+/// check looks again for a refused handshake.
+const CHECK_SLICE: Duration = Duration::from_millis(250);
+
+/// How long metadata may still come after the first refused handshake before the
+/// check gives up: one refusal could be a connection that broke during the
+/// handshake, and librdkafka reconnects within `reconnect.backoff.ms` (100 ms at
+/// first). It reports identical errors only once per 30 s, so the check cannot
+/// wait for a second one.
+const REFUSAL_GRACE: Duration = Duration::from_secs(1);
+
+/// Errors that mean the broker refused the connection's security — TLS
+/// (`SSL`: handshake, certificate verification) or SASL (`Authentication`: a wrong
+/// password, an unknown user, a mechanism the broker does not offer) — rather than
+/// being down. Retrying does not help; the configuration must change.
+fn is_security_refusal(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::SSL
+            | C::Authentication
+            | C::SaslAuthenticationFailed
+            | C::UnsupportedSASLMechanism
+            | C::IllegalSASLState
+    )
+}
+
+/// Asks for metadata in short slices until `timeout`; between slices, a broker
+/// that keeps refusing the handshake ends the wait with its reason.
+fn fetch_metadata_or_refusal(
+    producer: &BaseProducer<RelayContext>,
+    brokers: &str,
+    timeout: Duration,
+) -> Result<rdkafka::metadata::Metadata, BrokerError> {
+    let context = producer.context();
+    let refused = || {
+        let (code, reason) = context.last_security_refusal.lock().ok()?.clone()?;
+        Some(BrokerUnavailable::SecurityRefused {
+            brokers: brokers.to_owned(),
+            code,
+            reason,
+        })
+    };
+    let deadline = Instant::now() + timeout;
+    let mut first_refusal: Option<Instant> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match producer
+            .client()
+            .fetch_metadata(None, left.min(CHECK_SLICE))
+        {
+            Ok(metadata) => return Ok(metadata),
+            Err(source) => {
+                if context.security_refusals.load(Ordering::Acquire) > 0 {
+                    first_refusal.get_or_insert_with(Instant::now);
+                }
+                let out_of_time = Instant::now() >= deadline;
+                let refused_for_real =
+                    first_refusal.is_some_and(|at| out_of_time || at.elapsed() >= REFUSAL_GRACE);
+                if refused_for_real && let Some(refusal) = refused() {
+                    return Err(refusal.into());
+                }
+                if out_of_time {
+                    return Err(BrokerUnavailable::NoMetadata {
+                        brokers: brokers.to_owned(),
+                        timeout,
+                        source,
+                    }
+                    .into());
+                }
+            }
+        }
+    }
+}
+
 /// The delivery opaque of an event: its id as a `usize`.
 // Lossless: the assertion at the top of this file rejects targets where usize is
 // narrower than the u64 an EventId holds.
@@ -267,11 +352,36 @@ impl Publisher {
         report_capacity: usize,
     ) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>), BrokerError> {
         let (tx, rx) = mpsc::channel(report_capacity.max(1));
+        Ok((Self::reporting_to(&cfg, tx)?, rx))
+    }
+
+    /// A second producer with the same settings that sends each record in a batch
+    /// of its own, reporting on this publisher's channel: for retrying a record
+    /// alone after the broker refused the batch it was in for its size (the broker
+    /// refuses a whole batch above the topic's `max.message.bytes`, and librdkafka
+    /// reports every record of it; see `crate::kafka::is_size_error`).
+    ///
+    /// # Errors
+    ///
+    /// As for [`Publisher::new`].
+    pub(crate) fn alone(&self, cfg: &ClientConfig) -> Result<Publisher, BrokerError> {
+        let mut cfg = cfg.clone();
+        cfg.set("batch.num.messages", "1").set("linger.ms", "0");
+        let publisher = Self::reporting_to(&cfg, self.producer.context().reports.clone())?;
+        Ok(publisher.with_configuration_errors_poisoned(self.poison_configuration_errors))
+    }
+
+    fn reporting_to(
+        cfg: &ClientConfig,
+        tx: mpsc::Sender<DeliveryReport>,
+    ) -> Result<Publisher, BrokerError> {
         let context = RelayContext {
             reports: tx,
             closing: AtomicBool::new(false),
             broker_down: AtomicBool::new(false),
             fatal_logged: AtomicBool::new(false),
+            security_refusals: AtomicU64::new(0),
+            last_security_refusal: Mutex::new(None),
             transient_errors: AtomicU64::new(0),
             dropped_reports: AtomicU64::new(0),
         };
@@ -299,17 +409,14 @@ impl Publisher {
             .get("message.max.bytes")
             .and_then(|v| v.parse().ok())
             .unwrap_or(LIBRDKAFKA_MESSAGE_MAX_BYTES);
-        Ok((
-            Publisher {
-                producer,
-                stop,
-                poller: Some(poller),
-                brokers,
-                poison_configuration_errors: false,
-                max_message_bytes,
-            },
-            rx,
-        ))
+        Ok(Publisher {
+            producer,
+            stop,
+            poller: Some(poller),
+            brokers,
+            poison_configuration_errors: false,
+            max_message_bytes,
+        })
     }
 
     /// Applies `relay.on_config_error`: with `poison`, a configuration failure
@@ -338,20 +445,17 @@ impl Publisher {
     /// before reading the WAL). Runs on a blocking thread.
     ///
     /// Fails with [`BrokerError::Unavailable`] (exit code 4) when no broker answers, when
-    /// authentication fails, or when the producer hit a fatal error (e.g. missing
-    /// `IDEMPOTENT_WRITE` permission).
+    /// the producer hit a fatal error (e.g. missing `IDEMPOTENT_WRITE` permission), and
+    /// — without waiting for `timeout` — when the broker refuses the connection's
+    /// security: an untrusted certificate, a wrong password, a SASL mechanism it does
+    /// not offer ([`BrokerUnavailable::SecurityRefused`], naming librdkafka's reason).
+    /// librdkafka itself would retry those for ever, and the events would wait
+    /// (never poisoned) without a word about why.
     pub async fn check_broker(&self, timeout: Duration) -> Result<(), BrokerError> {
         let producer = Arc::clone(&self.producer);
         let brokers = self.brokers.clone();
         tokio::task::spawn_blocking(move || {
-            let metadata = producer
-                .client()
-                .fetch_metadata(None, timeout)
-                .map_err(|source| BrokerUnavailable::NoMetadata {
-                    brokers: brokers.clone(),
-                    timeout,
-                    source,
-                })?;
+            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
             if metadata.brokers().is_empty() {
                 return Err(BrokerUnavailable::NoBrokers { brokers }.into());
             }
@@ -359,6 +463,33 @@ impl Publisher {
                 return Err(BrokerUnavailable::ProducerFailed { code, message }.into());
             }
             Ok(())
+        })
+        .await
+        .map_err(BrokerError::CheckTask)?
+    }
+
+    /// The topics the brokers know, with their partition counts, from one metadata
+    /// request for *all* topics (as [`Publisher::check_broker`] makes): asking for a
+    /// named topic instead would let a broker with `auto.create.topics.enable`
+    /// create it, and a check must not change what it checks.
+    ///
+    /// # Errors
+    ///
+    /// As [`Publisher::check_broker`].
+    pub async fn topic_partitions(
+        &self,
+        timeout: Duration,
+    ) -> Result<std::collections::HashMap<String, usize>, BrokerError> {
+        let producer = Arc::clone(&self.producer);
+        let brokers = self.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
+            Ok(metadata
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none())
+                .map(|t| (t.name().to_owned(), t.partitions().len()))
+                .collect())
         })
         .await
         .map_err(BrokerError::CheckTask)?

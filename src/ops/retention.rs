@@ -418,14 +418,7 @@ fn is_lock_conflict(e: &tokio_postgres::Error) -> bool {
 mod tests {
     use super::*;
 
-    fn cfg(extra: &str) -> Config {
-        Config::from_sources(
-            "t",
-            &format!("[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"b\"\n{extra}"),
-            [],
-        )
-        .unwrap()
-    }
+    use crate::config::test_config as cfg;
 
     #[test]
     fn deletes_are_batched_by_ctid_and_guarded_by_the_checkpoint() {

@@ -37,6 +37,11 @@ pub struct Status {
     pub poison_pending: i64,
     /// All poison rows.
     pub poison_total: i64,
+    /// Keys parked behind a poisoned event (`relay.on_poison = "park-key"`).
+    pub parked_keys: i64,
+    /// Events parked behind them, waiting for `replay` (included in
+    /// `poison_pending`).
+    pub parked_events: i64,
     /// The relay's own saved position (`outbox_relay_position`): everything
     /// committed before it was delivered or poisoned. `None` before the first run.
     pub relay_position: Option<String>,
@@ -83,6 +88,12 @@ impl Status {
             "poison rows       {} pending replay, {} in all\n",
             self.poison_pending, self.poison_total
         ));
+        if self.parked_keys > 0 || self.parked_events > 0 {
+            out.push_str(&format!(
+                "parked            {} keys, {} events (outbox-relay replay releases them)\n",
+                self.parked_keys, self.parked_events
+            ));
+        }
         out.push_str(&format!(
             "relay position    {}{}\n",
             opt(&self.relay_position),
@@ -145,10 +156,31 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         wal_status: None,
         poison_pending: counts.get(0),
         poison_total: counts.get(1),
+        parked_keys: 0,
+        parked_events: 0,
         relay_position: None,
         slot_lost: None,
         resyncs: 0,
     };
+    let parked_table = crate::poison::parked_key_table(&config.outbox);
+    if crate::postgres::table_exists(client, &parked_table)
+        .await
+        .map_err(|e| err("cannot look for the parked-key table", e))?
+    {
+        let parked = client
+            .query_one(
+                &format!(
+                    "SELECT (SELECT count(*) FROM {parked_table} WHERE released_at IS NULL),
+                            (SELECT count(*) FROM {poison_table}
+                             WHERE parked AND replayed_at IS NULL)"
+                ),
+                &[],
+            )
+            .await
+            .map_err(|e| err("cannot count parked keys", e))?;
+        status.parked_keys = parked.get(0);
+        status.parked_events = parked.get(1);
+    }
     let positions = crate::outbox::position::PositionTable::new(config)?;
     if positions.exists(client).await?
         && let Some(p) = positions.load(client).await?
@@ -186,6 +218,8 @@ mod tests {
             wal_status: None,
             poison_pending: 2,
             poison_total: 3,
+            parked_keys: 1,
+            parked_events: 1,
             relay_position: Some("0/16B0000".into()),
             slot_lost: Some("replication slot outbox_relay is missing".into()),
             resyncs: 1,

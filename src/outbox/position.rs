@@ -122,10 +122,7 @@ impl PositionTable {
     ///
     /// The query failed.
     pub async fn exists(&self, client: &impl GenericClient) -> Result<bool> {
-        Ok(client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&self.table])
-            .await?
-            .try_get(0)?)
+        Ok(crate::postgres::table_exists(client, &self.table).await?)
     }
 
     /// The slot's row, `None` before the relay first streamed from it.

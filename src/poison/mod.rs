@@ -10,12 +10,20 @@
 //! * `writer.rs`, the CDC relay's writer task (`PoisonWriter`, `run_writer`): the
 //!   relay must not wait for an insert on its replication loop, so its inserts run on a
 //!   connection and a task of their own, a batch of queued requests per statement,
-//!   and report back.
+//!   and report back;
+//! * `parking.rs`, parked keys (`relay.on_poison = "park-key"`): how the writer
+//!   parks the later events of a poisoned event's key and how `replay` releases
+//!   them, without the two interleaving badly.
 //!
 //! Rows are never deleted (a trigger refuses it); `replay` re-publishes them.
 
+mod parking;
 mod table;
 mod writer;
 
-pub(crate) use table::{PoisonRow, insert_rows, insert_statement};
+pub(crate) use parking::{
+    KEY_ORDER, PARKED_KIND, Parked, ParkedKey, load_parked_keys, parked_key_table, release_key,
+    unreplayed_key_rows,
+};
+pub(crate) use table::{Parking, PoisonRow, insert_rows, insert_statement};
 pub(crate) use writer::{PoisonOutcome, PoisonRequest, PoisonWriter, run_writer};

@@ -65,6 +65,24 @@ pub(crate) struct PoisonRow {
     pub(crate) attempts: i32,
     /// Commit LSN of the transaction that inserted the row (`None` outside CDC).
     pub(crate) lsn: Option<Lsn>,
+    /// The row's place among its transaction's outbox rows (`None` outside CDC).
+    pub(crate) tx_position: Option<u32>,
+    /// What the row means for its key under `relay.on_poison = "park-key"`.
+    pub(crate) parking: Parking,
+}
+
+/// A poison row's part in parking its key (`relay.on_poison = "park-key"`, see
+/// `parking.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Parking {
+    /// An event poisoned without parking its key.
+    #[default]
+    None,
+    /// A poisoned event that parks its key: the later events of the key are parked
+    /// until `replay` delivers it.
+    HoldsKey,
+    /// A deliverable event held back because its key is parked.
+    Parked,
 }
 
 impl PoisonRow {
@@ -100,22 +118,23 @@ pub(crate) fn insert_statement(outbox: &OutboxConfig) -> String {
         "INSERT INTO {table} (outbox_id, idempotency_key, aggregate_type, aggregate_id,
              event_type, topic, headers, headers_text, payload, created_at, row_data,
              row_data_text, row_bytes, row_sha256, truncated, error, error_kind, attempts,
-             lsn)
+             lsn, tx_position, parked, holds_key)
          SELECT r.outbox_id, r.idempotency_key, r.aggregate_type, r.aggregate_id,
                 r.event_type, r.topic, c.headers,
                 CASE WHEN c.headers IS NULL THEN r.headers END,
                 r.payload, {schema}.outbox_relay_try_timestamptz(r.created_at), c.row_data,
                 CASE WHEN c.row_data IS NULL THEN r.row_data END,
                 r.row_bytes, r.row_sha256, r.truncated, r.error, r.error_kind, r.attempts,
-                r.lsn::pg_lsn
+                r.lsn::pg_lsn, r.tx_position, r.parked, r.holds_key
          FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
                      $6::text[], $7::text[], $8::bool[], $9::text[], $10::text[],
                      $11::text[], $12::bool[], $13::int8[], $14::text[], $15::bool[],
-                     $16::text[], $17::text[], $18::int4[], $19::text[])
+                     $16::text[], $17::text[], $18::int4[], $19::text[], $20::int4[],
+                     $21::bool[], $22::bool[])
               AS r(outbox_id, idempotency_key, aggregate_type, aggregate_id, event_type,
                    topic, headers, headers_cut, payload, created_at, row_data,
                    row_data_cut, row_bytes, row_sha256, truncated, error, error_kind,
-                   attempts, lsn),
+                   attempts, lsn, tx_position, parked, holds_key),
               LATERAL (SELECT
                   CASE WHEN NOT r.headers_cut THEN {schema}.outbox_relay_try_jsonb(r.headers) END
                       AS headers,
@@ -235,6 +254,9 @@ pub(crate) struct PoisonBatch {
     error_kind: Vec<String>,
     attempts: Vec<i32>,
     lsn: Vec<Option<String>>,
+    tx_position: Vec<Option<i32>>,
+    parked: Vec<bool>,
+    holds_key: Vec<bool>,
 }
 
 impl PoisonBatch {
@@ -274,6 +296,12 @@ impl PoisonBatch {
             .push(storable(&row.error_kind, IDENTIFIER_LIMIT).0.into_owned());
         self.attempts.push(row.attempts);
         self.lsn.push(s.lsn);
+        self.tx_position.push(
+            row.tx_position
+                .map(|p| i32::try_from(p).unwrap_or(i32::MAX)),
+        );
+        self.parked.push(row.parking == Parking::Parked);
+        self.holds_key.push(row.parking == Parking::HoldsKey);
     }
 
     /// Rows in the batch.
@@ -322,6 +350,9 @@ where
                 &b.error_kind,
                 &b.attempts,
                 &b.lsn,
+                &b.tx_position,
+                &b.parked,
+                &b.holds_key,
             ],
         )
         .await
@@ -468,6 +499,7 @@ mod tests {
             error_kind: "message_size_too_large".into(),
             attempts: 5,
             lsn: Some(Lsn::from(0x16_0000)),
+            ..PoisonRow::default()
         }
     }
 

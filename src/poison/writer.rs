@@ -33,7 +33,8 @@ use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::describe_error;
 use crate::postgres::replication::ReplicationError;
 
-use super::table::{PoisonBatch, PoisonRow, insert_batch, insert_rows, insert_statement};
+use super::parking::{Parked, WriterStatements, insert_parking, needs_parking};
+use super::table::{Parking, PoisonBatch, PoisonRow, insert_batch, insert_rows, insert_statement};
 use crate::config::Config;
 
 /// Most rows in one insert statement.
@@ -50,11 +51,12 @@ pub(crate) struct PoisonRequest {
     pub(crate) row: PoisonRow,
 }
 
-/// Outcome of a [`PoisonRequest`]: `Ok` once the row is committed.
+/// Outcome of a [`PoisonRequest`]: `Ok` once the row is committed, or once a
+/// parked event's key turned out released (`parking.rs`).
 #[derive(Debug)]
 pub(crate) struct PoisonOutcome {
     pub(crate) id: EventId,
-    pub(crate) result: Result<(), PoisonInsertError>,
+    pub(crate) result: Result<Parked, PoisonInsertError>,
 }
 
 /// Why a poison row could not be written; the request is asked again later.
@@ -76,6 +78,7 @@ pub(crate) enum PoisonInsertError {
 pub(crate) struct PoisonWriter {
     conninfo: ConnInfo,
     statement: String,
+    parking: WriterStatements,
     copy_limit: usize,
     client: Option<Client>,
 }
@@ -88,6 +91,7 @@ impl PoisonWriter {
         PoisonWriter {
             conninfo,
             statement: insert_statement(&config.outbox),
+            parking: WriterStatements::new(&config.outbox),
             copy_limit: config.relay.poison_copy_limit_bytes,
             client: None,
         }
@@ -104,31 +108,51 @@ impl PoisonWriter {
     }
 
     /// Inserts (or finds already inserted) `rows`, all committed together; the
-    /// connection is dropped on error so the next call reconnects.
-    pub(crate) async fn insert(&mut self, rows: &[&PoisonRow]) -> Result<(), PoisonInsertError> {
+    /// connection is dropped on error so the next call reconnects. Rows that park
+    /// keys or are parked go through the parking transaction (`parking.rs`).
+    pub(crate) async fn insert(
+        &mut self,
+        rows: &[&PoisonRow],
+    ) -> Result<Vec<Parked>, PoisonInsertError> {
+        let mut client = self.client().await?;
+        let answers = if needs_parking(rows) {
+            insert_parking(
+                &mut client,
+                &self.parking,
+                &self.statement,
+                rows,
+                self.copy_limit,
+            )
+            .await
+        } else {
+            insert_rows(&client, self.statement.as_str(), rows, self.copy_limit)
+                .await
+                .map(|_| vec![Parked::Recorded; rows.len()])
+        }
+        .map_err(PoisonInsertError::Insert)?;
+        self.client = Some(client);
+        Ok(answers)
+    }
+
+    /// Inserts a batch: prepared, or through the parking transaction when it parks.
+    async fn insert_prepared(&mut self, batch: &Batch) -> Result<Vec<Parked>, PoisonInsertError> {
+        let rows: Vec<&PoisonRow> = batch.requests.iter().map(|r| &r.row).collect();
+        if needs_parking(&rows) {
+            return self.insert(&rows).await;
+        }
         let client = self.client().await?;
-        insert_rows(&client, self.statement.as_str(), rows, self.copy_limit)
+        insert_batch(&client, self.statement.as_str(), &batch.rows)
             .await
             .map_err(PoisonInsertError::Insert)?;
         self.client = Some(client);
-        Ok(())
+        Ok(vec![Parked::Recorded; rows.len()])
     }
 
     /// Inserts a prepared batch; when the server refuses it, each row on its own.
     /// One result per request, in order.
-    async fn insert_batch(&mut self, batch: &Batch) -> Vec<Result<(), PoisonInsertError>> {
-        let result = match self.client().await {
-            Ok(client) => match insert_batch(&client, self.statement.as_str(), &batch.rows).await {
-                Ok(_) => {
-                    self.client = Some(client);
-                    Ok(())
-                }
-                Err(e) => Err(PoisonInsertError::Insert(e)),
-            },
-            Err(e) => Err(e),
-        };
-        match result {
-            Ok(()) => batch.requests.iter().map(|_| Ok(())).collect(),
+    async fn insert_batch(&mut self, batch: &Batch) -> Vec<Result<Parked, PoisonInsertError>> {
+        match self.insert_prepared(batch).await {
+            Ok(answers) => answers.into_iter().map(Ok).collect(),
             Err(PoisonInsertError::Insert(e))
                 if batch.requests.len() > 1 && e.as_db_error().is_some() =>
             {
@@ -139,7 +163,8 @@ impl PoisonWriter {
                 );
                 let mut results = Vec::with_capacity(batch.requests.len());
                 for request in &batch.requests {
-                    results.push(self.insert(&[&request.row]).await);
+                    let answer = self.insert(&[&request.row]).await;
+                    results.push(answer.map(|a| a.first().copied().unwrap_or(Parked::Recorded)));
                 }
                 results
             }
@@ -160,6 +185,8 @@ impl PoisonWriter {
 #[derive(Debug)]
 struct Batch {
     requests: Vec<PoisonRequest>,
+    /// Empty for a batch that parks: the parking transaction writes only the rows
+    /// whose key is still parked, and prepares those itself.
     rows: PoisonBatch,
 }
 
@@ -183,7 +210,12 @@ pub(crate) async fn run_writer(
             bytes += next.row.approximate_size();
             batch.push(next);
         }
-        let rows = PoisonBatch::new(batch.iter().map(|r| &r.row), copy_limit);
+        let refs: Vec<&PoisonRow> = batch.iter().map(|r| &r.row).collect();
+        let rows = if needs_parking(&refs) {
+            PoisonBatch::default()
+        } else {
+            PoisonBatch::new(refs, copy_limit)
+        };
         let batch = Batch {
             requests: batch,
             rows,
@@ -207,7 +239,16 @@ async fn insert_batches(
         let results = writer.insert_batch(&batch).await;
         for (request, result) in batch.requests.into_iter().zip(results) {
             match &result {
-                Ok(()) => tracing::warn!(
+                Ok(Parked::Released) => tracing::info!(
+                    idempotency_key = request.row.fields.idempotency_key.as_deref().unwrap_or(""),
+                    "key released by replay; the event is produced"
+                ),
+                Ok(_) if request.row.parking == Parking::Parked => tracing::debug!(
+                    idempotency_key = request.row.fields.idempotency_key.as_deref().unwrap_or(""),
+                    key = request.row.fields.aggregate_id.as_deref().unwrap_or(""),
+                    "event parked behind a poisoned event of its key"
+                ),
+                Ok(_) => tracing::warn!(
                     idempotency_key = request.row.fields.idempotency_key.as_deref().unwrap_or(""),
                     error_kind = %request.row.error_kind,
                     error = %request.row.error,

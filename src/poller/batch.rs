@@ -217,6 +217,7 @@ impl Poller {
                     error_kind: ATTEMPTS_EXHAUSTED.to_owned(),
                     attempts: polled.attempts,
                     lsn: None,
+                    ..PoisonRow::default()
                 });
             }
             let batch: Vec<&PoisonRow> = poison.iter().collect();

@@ -9,7 +9,7 @@
 
 use tokio_postgres::Client;
 
-use crate::config::{Columns, OutboxConfig, quote_qualified};
+use crate::config::{OutboxConfig, quote_qualified};
 use crate::error::Result;
 use crate::outbox::PayloadFormat;
 use crate::postgres::prerequisite::Prerequisite;
@@ -19,7 +19,7 @@ use super::pg_error::pg_error;
 /// Columns of the outbox table as the poller reads them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Layout {
-    /// The configured column of each [`OutboxRow`](crate::outbox::OutboxRow) field (in [`field_columns`]
+    /// The configured column of each [`OutboxRow`](crate::outbox::OutboxRow) field (in [`Columns::by_key`](crate::config::Columns::by_key)
     /// order), `None` when the table has no such column (read as NULL).
     pub(super) fields: [Option<String>; FIELDS],
     /// SQL type of the id column (`format_type`), for `text[]::type[]` casts.
@@ -32,21 +32,6 @@ pub(super) const ID: usize = 0;
 pub(super) const IDEMPOTENCY_KEY: usize = 1;
 const PAYLOAD: usize = 7;
 pub(super) const CREATED_AT: usize = 8;
-
-/// `(config key, configured column)` in [`OutboxRow`](crate::outbox::OutboxRow) field order.
-fn field_columns(c: &Columns) -> [(&'static str, &str); FIELDS] {
-    [
-        ("id", &c.id),
-        ("idempotency_key", &c.idempotency_key),
-        ("aggregate_type", &c.aggregate_type),
-        ("aggregate_id", &c.aggregate_id),
-        ("event_type", &c.event_type),
-        ("topic", &c.topic),
-        ("headers", &c.headers),
-        ("payload", &c.payload),
-        ("created_at", &c.created_at),
-    ]
-}
 
 /// Fields without which the poller cannot work (or every row would be poisoned).
 const REQUIRED_FIELDS: [&str; 4] = ["id", "aggregate_id", "payload", "created_at"];
@@ -69,9 +54,12 @@ pub(super) fn resolve_layout(
     let find = |name: &str| columns.iter().find(|c| c.name == name);
     let mut missing = Vec::new();
     let mut fields: [Option<String>; FIELDS] = Default::default();
-    for (slot, (key, name)) in fields.iter_mut().zip(field_columns(&outbox.columns)) {
+    for (slot, (key, name)) in fields.iter_mut().zip(outbox.columns.by_key()) {
         match find(name) {
             Some(column) => *slot = Some(column.name.clone()),
+            None if REQUIRED_FIELDS.contains(&key) && name.is_empty() => {
+                missing.push(format!("for outbox.columns.{key} (configured as none)"));
+            }
             None if REQUIRED_FIELDS.contains(&key) => {
                 missing.push(format!("{name:?} (outbox.columns.{key})"));
             }

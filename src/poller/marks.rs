@@ -112,6 +112,7 @@ pub(crate) async fn write_marks(
                 error_kind: error_kind.to_owned(),
                 attempts,
                 lsn: None,
+                ..PoisonRow::default()
             },
         ));
     }

@@ -604,6 +604,13 @@ fn parse_revealing(url: &str) -> Result<ConnInfo, ConnInfoError> {
         ));
     }
 
+    // `relay:?user=x@db/app` or `relay:5432?user=x@db/app`: a password with a `?`
+    // made the user name a host and the password's tail the query (and the URL may
+    // even parse). A real URL names its database before the query.
+    if userinfo.is_none() && path.is_none() && query.is_some_and(|q| q.contains('@')) {
+        return Err(ConnInfoError::new(UNPARSABLE_PASSWORD));
+    }
+
     let mut params = Params::default();
     if let Some(userinfo) = userinfo {
         params.userinfo(userinfo)?;
@@ -1162,6 +1169,9 @@ mod tests {
             "postgresql://relay:Kx7?Qz9@127.0.0.1:1/app",
             "postgresql://relay:Kx7%zzQz9@127.0.0.1:1/app",
             "postgresql://relay@127.0.0.1:1/app?password=Kx7&Qz9",
+            // These parsed, and showed the password's tail as the user name.
+            "postgresql://relay:?user=Kx7Qz9@127.0.0.1:1/app",
+            "postgresql://relay:5432?user=Kx7Qz9@127.0.0.1:1/app",
         ] {
             let err = reject(url);
             assert!(err.contains("the password (not shown)"), "{url}: {err}");

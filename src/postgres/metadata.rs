@@ -120,6 +120,23 @@ pub async fn connect_metadata(info: &ConnInfo) -> Result<tokio_postgres::Client,
     Ok(client)
 }
 
+/// Whether the table `quoted` (a quoted, qualified name, as
+/// [`quote_qualified`](crate::config::quote_qualified) writes it) exists: the one
+/// catalog question many commands ask before they use a table a migration creates.
+///
+/// # Errors
+///
+/// The query's error.
+pub async fn table_exists(
+    client: &impl tokio_postgres::GenericClient,
+    quoted: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&quoted])
+        .await?
+        .try_get(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

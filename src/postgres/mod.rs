@@ -26,4 +26,4 @@ pub mod slot;
 pub mod tls;
 
 pub use error::{PgError, describe_error, is_server_stopping, process_error};
-pub use metadata::{connect, connect_info, connect_metadata, parse_url};
+pub use metadata::{connect, connect_info, connect_metadata, parse_url, table_exists};

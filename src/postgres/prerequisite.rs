@@ -39,7 +39,9 @@ pub enum Prerequisite {
     /// The outbox table lacks columns the polling relay (or the cutover) needs.
     #[error(
         "outbox table {table} has no column {columns}: the polling relay needs them \
-         (run `outbox-relay migrate`, or set [outbox.columns])"
+         (`outbox-relay migrate` creates them with a new table; on an existing one, add them \
+         or name them in [outbox.columns]; sent_at timestamptz, attempts integer NOT NULL \
+         DEFAULT 0 and last_error text are the poller's own)"
     )]
     PollerColumnsMissing { table: String, columns: String },
     /// The cutover's marker table does not exist (its migration has not run).
@@ -102,6 +104,12 @@ pub enum Prerequisite {
          far it has delivered, so that a PostgreSQL restart or a lost slot re-sends nothing)"
     )]
     PositionTableMissing { table: String },
+    /// `relay.on_poison = "park-key"` and the parked-key table is missing.
+    #[error(
+        "table {table} does not exist and relay.on_poison = \"park-key\" needs it: run \
+         `outbox-relay migrate`"
+    )]
+    ParkedKeyTableMissing { table: String },
     /// The slot the relay recorded progress for is lost and `relay.on_slot_loss` is
     /// `fail`.
     #[error(

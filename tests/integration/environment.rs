@@ -133,6 +133,12 @@ async fn migrate_is_idempotent_and_builds_the_schema() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    // This relay's own table runs every migration's own SQL (checksums unchanged).
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !stdout.contains("adapted") && !stdout.contains("skipped:"),
+        "{stdout}"
+    );
     let publication = db
         .client
         .query_one(
@@ -213,12 +219,7 @@ async fn poison_rows_cannot_be_deleted() {
             .await
             .is_err()
     );
-    let count: i64 = db
-        .client
-        .query_one("SELECT count(*) FROM poison_outbox", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let count: i64 = db.poison_rows().await;
     assert_eq!(count, 1);
 }
 
@@ -251,4 +252,96 @@ async fn dump_topic() {
         *per_partition.entry(r.partition).or_insert(0) += 1;
     }
     eprintln!("{} records: {per_partition:?}", records.len());
+}
+
+/// The binary with `args`, run in `cwd`, with none of the test process's
+/// `OUTBOX_RELAY_…` variables and exactly the given ones.
+fn run_cli_env(
+    cwd: &std::path::Path,
+    args: &[&str],
+    vars: &[(&str, &str)],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    cmd.args(args).current_dir(cwd);
+    for (name, _) in std::env::vars_os() {
+        if name
+            .to_str()
+            .is_some_and(|n| n.starts_with("OUTBOX_RELAY_"))
+        {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.envs(vars.iter().copied());
+    cmd.output().expect("spawn outbox-relay")
+}
+
+/// No config file at all (none named, no `relay.toml` in the working directory):
+/// `migrate` takes every value from `OUTBOX_RELAY__…` variables and `--set`, and
+/// builds the schema; without the required keys it says which variable to set.
+#[tokio::test]
+async fn env_and_set_alone_configure_a_command() {
+    let name = harness::unique("env_only");
+    let admin = harness::connect(&harness::env().pg_url).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let url = harness::database_url(&harness::env().pg_url, &name);
+    let cwd = std::env::temp_dir().join(&name);
+    std::fs::create_dir_all(&cwd).unwrap();
+
+    let out = run_cli_env(&cwd, &["migrate"], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("OUTBOX_RELAY__POSTGRES__URL"), "{stderr}");
+
+    let brokers = format!("kafka.brokers={}", harness::env().brokers);
+    let out = run_cli_env(
+        &cwd,
+        &["migrate", "--set", &brokers],
+        &[("OUTBOX_RELAY__POSTGRES__URL", &url)],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "migrate from env alone: {stderr}");
+    let db = harness::connect(&url).await;
+    let tables: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE tablename IN ('outbox', 'poison_outbox')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 2, "migrate built the schema");
+    drop(db);
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
+}
+
+/// A config file that is named, by `--config` or by `OUTBOX_RELAY_CONFIG`, and is
+/// missing is an error (exit 2), even when the environment gives every value: a
+/// typo in a path must not start a relay on other settings.
+#[test]
+fn a_named_config_file_that_is_missing_is_an_error() {
+    let cwd = std::env::temp_dir();
+    let vars = [
+        ("OUTBOX_RELAY__POSTGRES__URL", "postgresql://h/db"),
+        ("OUTBOX_RELAY__KAFKA__BROKERS", "k:9092"),
+    ];
+    let missing = "/nonexistent/relay.toml";
+    for (args, extra) in [
+        (vec!["migrate", "--config", missing], None),
+        (vec!["migrate"], Some(("OUTBOX_RELAY_CONFIG", missing))),
+    ] {
+        let mut all = vars.to_vec();
+        all.extend(extra);
+        let out = run_cli_env(&cwd, &args, &all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot read config file /nonexistent/relay.toml"),
+            "{stderr}"
+        );
+    }
 }

@@ -22,6 +22,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::{Client, NoTls};
 
@@ -188,6 +189,15 @@ impl TestDb {
             topic,
             config_path,
         }
+    }
+
+    /// Rows in this test's `poison_outbox`.
+    pub async fn poison_rows(&self) -> i64 {
+        self.client
+            .query_one("SELECT count(*) FROM poison_outbox", &[])
+            .await
+            .expect("count poison rows")
+            .get(0)
     }
 
     /// Appends TOML (e.g. a `[kafka.producer]` section) to this test's config file.
@@ -387,8 +397,16 @@ fn consumer() -> BaseConsumer {
 }
 
 fn consumer_for(brokers: &str) -> BaseConsumer {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    consumer_with(brokers, &[])
+}
+
+/// A test consumer with extra librdkafka settings (security, say).
+fn consumer_with(brokers: &str, extra: &[(String, String)]) -> BaseConsumer {
+    let mut cfg = ClientConfig::new();
+    for (key, value) in extra {
+        cfg.set(key, value);
+    }
+    cfg.set("bootstrap.servers", brokers)
         .set("group.id", unique("test_reader"))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
@@ -428,18 +446,48 @@ pub async fn consume(topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
 
 /// [`consume`] from a given broker.
 pub async fn consume_from(brokers: &str, topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
+    consume_with(brokers, &[], topic, n, timeout).await
+}
+
+/// [`consume_from`] with extra consumer settings (e.g. SASL and TLS).
+pub async fn consume_with(
+    brokers: &str,
+    settings: &[(&str, &str)],
+    topic: &str,
+    n: usize,
+    timeout: Duration,
+) -> Vec<Record> {
     let topic = topic.to_owned();
     let brokers = brokers.to_owned();
-    tokio::task::spawn_blocking(move || consume_blocking(&brokers, &topic, n, timeout))
+    let settings: Vec<(String, String)> = settings
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    tokio::task::spawn_blocking(move || consume_blocking(&brokers, &settings, &topic, n, timeout))
         .await
         .expect("consumer task")
 }
 
-fn consume_blocking(brokers: &str, topic: &str, n: usize, timeout: Duration) -> Vec<Record> {
-    let consumer = consumer_for(brokers);
-    let metadata = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .expect("topic metadata");
+fn consume_blocking(
+    brokers: &str,
+    settings: &[(String, String)],
+    topic: &str,
+    n: usize,
+    timeout: Duration,
+) -> Vec<Record> {
+    let consumer = consumer_with(brokers, settings);
+    let deadline = Instant::now() + timeout.max(Duration::from_secs(10));
+    // A broker that just restarted may drop the first connection: ask again.
+    let metadata = loop {
+        match consumer.fetch_metadata(Some(topic), Duration::from_secs(10)) {
+            Ok(metadata) => break metadata,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("topic metadata of {topic}: {e}; asking again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("topic metadata of {topic}: {e}"),
+        }
+    };
     let mut assignment = TopicPartitionList::new();
     for t in metadata.topics().iter().filter(|t| t.name() == topic) {
         for p in t.partitions() {
@@ -482,6 +530,12 @@ fn consume_blocking(brokers: &str, topic: &str, n: usize, timeout: Duration) -> 
                     timestamp_ms: m.timestamp().to_millis(),
                 });
             }
+            // A broker that just restarted (or a connection it dropped) is
+            // reported once as a consumption error; librdkafka reconnects by itself,
+            // as a real consumer would wait for it. The deadline still applies.
+            Some(Err(rdkafka::error::KafkaError::MessageConsumption(
+                RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::BrokerTransportFailure,
+            ))) => {}
             Some(Err(e)) => panic!("consuming {topic} failed: {e}"),
             None => {}
         }
@@ -719,6 +773,11 @@ impl PrivateCluster {
         drop(self);
     }
 
+    /// The CA that signed this cluster's server certificate (for `sslrootcert`).
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("pg/tls/ca.crt")
+    }
+
     /// `pg_ctl restart -m <mode>`: `fast` (clean shutdown) or `immediate` (a crash,
     /// recovered from WAL at the start). Same port and data.
     pub async fn restart(&self, mode: &str) {
@@ -760,29 +819,100 @@ impl Drop for PrivateCluster {
 pub struct PrivateBroker {
     dir: PathBuf,
     port: u16,
+    /// The port the broker names in metadata: its own, or that of a proxy in
+    /// front of it (a TLS terminator).
+    advertised_port: u16,
+    /// `--authentication`: every client must pass SASL (SCRAM) first.
+    authentication: bool,
     child: Option<std::process::Child>,
+}
+
+/// A free loopback port (bound and released at once).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
 }
 
 impl PrivateBroker {
     pub async fn start() -> PrivateBroker {
+        let port = free_port();
+        Self::start_advertising(port, port).await
+    }
+
+    /// A broker listening on `port` that tells clients to connect to
+    /// `advertised_port` (where a proxy in front of it listens).
+    pub async fn start_advertising(port: u16, advertised_port: u16) -> PrivateBroker {
         let dir = repo_root().join(".dev").join(unique("broker"));
         std::fs::create_dir_all(&dir).expect("broker dir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
         let mut broker = PrivateBroker {
             dir,
             port,
+            advertised_port,
+            authentication: false,
             child: None,
         };
         broker.resume().await;
         broker
     }
 
-    /// `host:port` for `bootstrap.servers`.
+    /// `host:port` for `bootstrap.servers` (the broker's own listener).
     pub fn brokers(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's directory (its log, its SQLite storage), for files a test
+    /// keeps beside it.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Creates a SCRAM user with Tansu's own CLI (`tansu user create`).
+    /// `mechanism` is `scram256` or `scram512`. Tansu's CLI cannot authenticate,
+    /// so this works only while authentication is off.
+    pub fn create_user(&self, name: &str, password: &str, mechanism: &str) {
+        assert!(!self.authentication, "create users before requiring them");
+        let out = Command::new(Self::tansu_bin())
+            .args(["user", "create", "--broker"])
+            .arg(format!("tcp://{}", self.brokers()))
+            .args([name, password, "--mechanism", mechanism])
+            .output()
+            .expect("run tansu user create");
+        assert!(
+            out.status.success(),
+            "tansu user create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Creates a topic with Tansu's own CLI, which talks to this listener
+    /// directly (an admin client would follow the advertised address, which may
+    /// be a proxy's). Only while authentication is off.
+    pub fn create_topic(&self, name: &str, partitions: i32) {
+        assert!(
+            !self.authentication,
+            "create topics before requiring logins"
+        );
+        let out = Command::new(Self::tansu_bin())
+            .args(["topic", "create", "--broker"])
+            .arg(format!("tcp://{}", self.brokers()))
+            .args(["--partitions", &partitions.to_string(), name])
+            .output()
+            .expect("run tansu topic create");
+        assert!(
+            out.status.success(),
+            "tansu topic create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Restarts the broker (same port and storage, so users and topics stay) with
+    /// `--authentication`: from then on every client must pass SASL first.
+    pub async fn require_authentication(&mut self) {
+        self.stop_gracefully();
+        self.authentication = true;
+        self.resume().await;
     }
 
     fn tansu_bin() -> PathBuf {
@@ -803,33 +933,50 @@ impl PrivateBroker {
     /// until it answers a metadata request.
     pub async fn resume(&mut self) {
         let url = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = format!("tcp://127.0.0.1:{}", self.advertised_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join("broker.log"))
             .expect("broker log");
-        let child = Command::new(Self::tansu_bin())
-            .current_dir(&self.dir)
+        let mut cmd = Command::new(Self::tansu_bin());
+        cmd.current_dir(&self.dir)
             .args([
                 "broker",
                 "--listener-url",
                 &url,
                 "--advertised-listener-url",
-                &url,
+                &advertised,
             ])
             // Relative: Tansu resolves it against its working directory.
-            .args(["--storage-engine", "sqlite://tansu.db"])
+            .args(["--storage-engine", "sqlite://tansu.db"]);
+        if self.authentication {
+            cmd.arg("--authentication");
+        }
+        let child = cmd
             .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
             .expect("spawn tansu");
         self.child = Some(child);
         let brokers = self.brokers();
+        let authentication = self.authentication;
         // Generous: a restart on a loaded machine (the whole suite) can take a while.
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
             let brokers = brokers.clone();
             let ok = tokio::task::spawn_blocking(move || {
+                if authentication {
+                    // Metadata needs a login now: an open port must do.
+                    let ok = brokers.parse().is_ok_and(|addr| {
+                        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+                            .is_ok()
+                    });
+                    if !ok {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    return ok;
+                }
                 consumer_for(&brokers)
                     .fetch_metadata(None, Duration::from_millis(500))
                     .is_ok()
@@ -929,4 +1076,55 @@ pub fn audit(db: &TestDb) -> serde_json::Value {
             String::from_utf8_lossy(&out.stderr)
         )
     })
+}
+
+/// The relay's library entry point (`outbox_relay::cdc::run`) on a task of this
+/// process: for tests whose broker is librdkafka's mock cluster, which lives in
+/// the test process.
+pub struct InProcessRelay {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<outbox_relay::Result<outbox_relay::cdc::RunSummary>>,
+}
+
+impl InProcessRelay {
+    /// Starts the relay with `config` and waits (30 s at most) until it streams
+    /// from `db`'s slot.
+    pub async fn start(db: &TestDb, config: Config) -> InProcessRelay {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(outbox_relay::cdc::run(
+            config,
+            Box::pin(async move {
+                let _ = stopped.await;
+            }),
+        ));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !db
+            .client
+            .query_one(
+                "SELECT count(*) > 0 FROM pg_replication_slots
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&db.slot],
+            )
+            .await
+            .is_ok_and(|r| r.get::<_, bool>(0))
+        {
+            assert!(
+                !task.is_finished() && Instant::now() < deadline,
+                "the relay did not stream"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        InProcessRelay { stop, task }
+    }
+
+    /// Whether the relay returned (it should not before [`InProcessRelay::stop`]).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Shuts the relay down as SIGTERM would and returns its summary.
+    pub async fn stop(self) -> outbox_relay::cdc::RunSummary {
+        let _ = self.stop.send(());
+        self.task.await.expect("relay task").expect("relay result")
+    }
 }

@@ -7,16 +7,21 @@
 // The harness is `pub` for the test modules; the test crate exports nothing.
 #![allow(unreachable_pub)]
 
+mod adopt;
 mod audit;
 mod bench;
+mod check;
 mod cutover;
 mod demo;
+mod deploy;
 mod enqueue;
 mod environment;
 mod fault_drill;
 mod harness;
 mod kafka_publisher;
+mod kafka_security;
 mod operations;
+mod parking;
 mod poison;
 mod poller;
 mod progress;
@@ -25,3 +30,5 @@ mod replay;
 mod replication_connection;
 mod retention;
 mod secrets;
+mod sizes;
+mod tls_proxy;

@@ -63,6 +63,23 @@ async fn metrics_addr(relay: &RelayProcess) -> String {
     found.unwrap_or_default()
 }
 
+/// Waits until `/readyz` answers 503 with `needle` in its body.
+async fn wait_not_ready(addr: &str, timeout: Duration, what: &str, needle: &str) {
+    harness::wait_until(timeout, what, || async move {
+        let (status, body) = http_get(addr, "/readyz").await;
+        status == 503 && body.contains(needle)
+    })
+    .await;
+}
+
+/// Waits until `/readyz` answers 200.
+async fn wait_ready(addr: &str, timeout: Duration) {
+    harness::wait_until(timeout, "/readyz to recover", || async move {
+        http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+}
+
 async fn metrics_page(addr: &str) -> String {
     let (status, body) = http_get(addr, "/metrics").await;
     assert_eq!(status, 200, "{body}");
@@ -135,17 +152,11 @@ async fn metrics_and_readiness_follow_the_relay() {
     // ready_stall_secs the relay is not ready (while /healthz stays fine).
     broker.stop();
     db.insert_event("e0", "Created", r#"{"i": 20}"#).await;
-    let a = addr.clone();
-    harness::wait_until(
+    wait_not_ready(
+        &addr,
         Duration::from_secs(60),
         "/readyz to report the stall",
-        || {
-            let a = a.clone();
-            async move {
-                let (status, body) = http_get(&a, "/readyz").await;
-                status == 503 && body.contains("events pending")
-            }
-        },
+        "events pending",
     )
     .await;
     assert_eq!(http_get(&addr, "/healthz").await.0, 200);
@@ -156,12 +167,7 @@ async fn metrics_and_readiness_follow_the_relay() {
     );
 
     broker.resume().await;
-    let a = addr.clone();
-    harness::wait_until(Duration::from_secs(90), "/readyz to recover", || {
-        let a = a.clone();
-        async move { http_get(&a, "/readyz").await.0 == 200 }
-    })
-    .await;
+    wait_ready(&addr, Duration::from_secs(90)).await;
     let records = harness::consume_from(&brokers, &db.topic, 21, Duration::from_secs(60)).await;
     assert!(records.len() >= 21, "log:\n{}", relay.log());
     relay.terminate(Duration::from_secs(30)).await;
@@ -342,17 +348,11 @@ async fn a_topic_created_a_minute_late_receives_every_event_in_order() {
         db.insert_event(&entity, "Created", &format!(r#"{{"seq": {seq}}}"#))
             .await;
     }
-    let a = addr.clone();
-    harness::wait_until(
+    wait_not_ready(
+        &addr,
         Duration::from_secs(60),
         "/readyz to name the refused topic",
-        || {
-            let a = a.clone();
-            async move {
-                let (status, body) = http_get(&a, "/readyz").await;
-                status == 503 && body.contains("the broker refuses")
-            }
-        },
+        "the broker refuses",
     )
     .await;
     let log = relay.log();
@@ -371,20 +371,96 @@ async fn a_topic_created_a_minute_late_receives_every_event_in_order() {
     harness::create_topic(&late, 3).await;
     let records = harness::consume_unique(&late, 20, Duration::from_secs(120), &relay).await;
     harness::assert_per_key_order(&records);
-    let poisoned: i64 = db
-        .client
-        .query_one("SELECT count(*) FROM poison_outbox", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let poisoned: i64 = db.poison_rows().await;
     assert_eq!(poisoned, 0, "nothing poisoned; log:\n{}", relay.log());
-    let a = addr.clone();
-    harness::wait_until(Duration::from_secs(60), "/readyz to recover", || {
-        let a = a.clone();
-        async move { http_get(&a, "/readyz").await.0 == 200 }
-    })
-    .await;
+    wait_ready(&addr, Duration::from_secs(60)).await;
     assert!(relay.log().contains("accepts this topic's events again"));
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
+}
+
+/// `relay.on_poison = "halt"`: an event that would be poisoned is not; the relay
+/// stops confirming before it, holds its entity's later events, lets other entities
+/// flow, and says so (`/readyz` 503 naming the event, a gauge, an error log). Fixed
+/// and restarted, it delivers the event and the held ones in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_poison_halt_stops_confirming_and_alerts_until_fixed() {
+    let mut db = TestDb::create_with("ops_halt", 1).await;
+    let original = std::fs::read_to_string(&db.config_path).unwrap();
+    db.append_config(
+        "\n[relay]\non_poison = \"halt\"\nmax_attempts = 2\n\
+         \n[kafka.producer]\n\"message.max.bytes\" = \"100000\"\n",
+    );
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[("OUTBOX_RELAY__METRICS__LISTEN", "127.0.0.1:0")],
+    );
+    let addr = metrics_addr(&relay).await;
+    db.wait_streaming(&relay).await;
+    db.insert_event("a", "Created", r#"{"seq": 0}"#).await;
+    let before_bad = confirmed_flush(&db.client, &db.slot).await;
+    let big = format!(r#"{{"seq": 1, "blob": "{}"}}"#, "x".repeat(200_000));
+    let bad_key = db.insert_event("a", "Created", &big).await;
+    let after_bad: String = db
+        .client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    db.insert_event("a", "Created", r#"{"seq": 2}"#).await;
+    db.insert_event("b", "Created", r#"{"seq": 0}"#).await;
+    wait_not_ready(
+        &addr,
+        Duration::from_secs(60),
+        "/readyz to report the halt",
+        "halt",
+    )
+    .await;
+    let (_, body) = http_get(&addr, "/readyz").await;
+    assert!(body.contains(&bad_key), "the alert names the event: {body}");
+    assert_eq!(
+        sample(&metrics_page(&addr).await, "outbox_relay_halted_events"),
+        Some(1.0)
+    );
+    let records = harness::consume(&db.topic, 3, Duration::from_secs(5)).await;
+    let keys: Vec<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
+    assert_eq!(
+        keys,
+        vec![&b"a"[..], b"b"],
+        "a:0 and b:0 only; log:\n{}",
+        relay.log()
+    );
+    let poisoned: i64 = db.poison_rows().await;
+    assert_eq!(poisoned, 0);
+    // b:0 was delivered after it, yet the slot stays before the halted event.
+    let confirmed = confirmed_flush(&db.client, &db.slot).await;
+    assert!(
+        confirmed >= before_bad && confirmed < parse_lsn(&after_bad),
+        "confirmed {confirmed:#x}, halted event before {after_bad}"
+    );
+    assert!(
+        relay
+            .log()
+            .contains("an event cannot be delivered and relay.on_poison = \"halt\""),
+        "{}",
+        relay.log()
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+
+    // Fixed: the default 1 MB producer limit; the restarted relay delivers a:1, a:2.
+    std::fs::write(
+        &db.config_path,
+        format!("{original}\n[relay]\non_poison = \"halt\"\n"),
+    )
+    .unwrap();
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    let records = harness::consume_unique(&db.topic, 4, Duration::from_secs(60), &relay).await;
+    harness::assert_per_key_order(&records);
+    relay.terminate(Duration::from_secs(30)).await;
+    let audit = harness::audit(&db);
+    assert_eq!(
+        (audit["lost"].as_i64(), audit["poisoned"].as_i64()),
+        (Some(0), Some(0)),
+        "{audit}"
+    );
 }

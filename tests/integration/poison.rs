@@ -75,14 +75,6 @@ fn tail(log: &str) -> &str {
     &log[start..]
 }
 
-async fn poison_rows(db: &TestDb) -> i64 {
-    db.client
-        .query_one("SELECT count(*) FROM poison_outbox", &[])
-        .await
-        .unwrap()
-        .get(0)
-}
-
 /// 10,000 events that all poison drain within twice the time 10,000 deliverable
 /// events take, measured in one run of the real binary. Three rounds of each,
 /// interleaved (normal, poison, normal, …), and the fastest round of each kind
@@ -110,7 +102,7 @@ async fn mass_poisoning_drains_within_twice_the_normal_time() {
     harness::wait_until(
         Duration::from_secs(30),
         "the warm-up poison row",
-        || async { poison_rows(&db).await == 1 },
+        || async { db.poison_rows().await == 1 },
     )
     .await;
 
@@ -124,7 +116,7 @@ async fn mass_poisoning_drains_within_twice_the_normal_time() {
         "{EVENTS} events in {TXS} transactions: normal drain {normal:.2?}, all-poisoned drain {poison:.2?}"
     );
     assert_eq!(
-        poison_rows(&db).await,
+        db.poison_rows().await,
         1 + i64::from(ROUNDS * EVENTS),
         "every poisoned event recorded once"
     );
@@ -189,7 +181,7 @@ async fn unstorable_content_is_recorded_and_the_stream_goes_on() {
     let records = harness::consume_exactly(&db.topic, 2, Duration::from_secs(60), &relay).await;
     assert_eq!(records.len(), 2, "the good events are delivered");
     harness::wait_until(Duration::from_secs(60), "two poison rows", || async {
-        poison_rows(&db).await == 2
+        db.poison_rows().await == 2
     })
     .await;
     harness::wait_until(
@@ -472,5 +464,5 @@ async fn migration_keeps_every_row_of_an_old_poison_table() {
     assert_eq!(insert("o3", Some("0/40")).await, 1);
     assert_eq!(insert("o4", None).await, 1);
     assert_eq!(insert("o4", None).await, 0);
-    assert_eq!(poison_rows(&db).await, 10);
+    assert_eq!(db.poison_rows().await, 10);
 }

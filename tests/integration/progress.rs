@@ -426,18 +426,7 @@ async fn a_fatally_failed_producer_is_replaced() {
     mock.create_topic(&db.topic, 3, 1).expect("mock topic");
     let mut config = db.config();
     config.kafka.brokers = mock.bootstrap_servers();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(outbox_relay::cdc::run(
-        config,
-        Box::pin(async move {
-            let _ = stopped.await;
-        }),
-    ));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while walsender_if_any(&db.client, &db.slot).await.is_none() {
-        assert!(Instant::now() < deadline, "the relay did not stream");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let relay = harness::InProcessRelay::start(&db, config).await;
     mock.request_errors(
         RDKafkaApiKey::Produce,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER],
@@ -451,11 +440,10 @@ async fn a_fatally_failed_producer_is_replaced() {
             break records;
         }
     };
-    assert!(!relay.is_finished(), "the relay exited: {:?}", relay.await);
+    assert!(!relay.is_finished(), "the relay exited");
     assert_eq!(tally(&records).0, 300, "every event delivered");
     assert_per_key_order(&records);
-    let _ = stop.send(());
-    let summary = relay.await.expect("relay task").expect("relay result");
+    let summary = relay.stop().await;
     assert!(
         summary.reconnects >= 1,
         "the producer was replaced: {summary:?}"

@@ -511,12 +511,7 @@ async fn broker_outage_holds_the_slot_and_loses_nothing() {
     );
     eprintln!("broker outage: {} duplicates", keys.len() - unique.len());
     assert_per_key_order(&records);
-    let poisoned: i64 = db
-        .client
-        .query_one("SELECT count(*) FROM poison_outbox", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let poisoned: i64 = db.poison_rows().await;
     assert_eq!(poisoned, 0, "an outage never poisons");
     let client = &db.client;
     harness::wait_until(

@@ -78,14 +78,6 @@ async fn poison_state(db: &TestDb, poison_id: i64) -> (bool, i32, String, String
     (r.get(0), r.get(1), r.get(2), r.get(3))
 }
 
-async fn poison_count(db: &TestDb) -> i64 {
-    db.client
-        .query_one("SELECT count(*) FROM poison_outbox", &[])
-        .await
-        .unwrap()
-        .get(0)
-}
-
 async fn audit(config: &Config) -> AuditReport {
     let args = AuditArgs {
         no_progress: true,
@@ -111,7 +103,7 @@ async fn replay_after_raising_the_size_limit_delivers_the_original_event() {
     let later_key = insert_outbox(&db, "big", r#"{"seq": 2}"#).await;
     consume_exactly(&db.topic, 2, Duration::from_secs(60), &relay).await;
     harness::wait_until(Duration::from_secs(60), "the poison row", || async {
-        poison_count(&db).await == 1
+        db.poison_rows().await == 1
     })
     .await;
     relay.terminate(Duration::from_secs(30)).await;
@@ -219,7 +211,7 @@ async fn replay_after_raising_the_size_limit_delivers_the_original_event() {
         kind.contains("size") || kind.contains("large"),
         "{kind}: {error}"
     );
-    assert_eq!(poison_count(&db).await, 1, "poison rows are never deleted");
+    assert_eq!(db.poison_rows().await, 1, "poison rows are never deleted");
 
     // `audit` counts the replayed event as delivered.
     let after = audit(&fixed).await;
@@ -307,7 +299,7 @@ async fn replay_all_twice_publishes_once_and_id_sends_again() {
         .filter(|r| r.header("idempotency_key") == Some(key))
         .count();
     assert_eq!(copies, 2, "same idempotency key, so consumers dedupe");
-    assert_eq!(poison_count(&db).await, 3);
+    assert_eq!(db.poison_rows().await, 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -82,6 +82,9 @@ pub(super) enum EventState {
     /// Not produced yet: an earlier event of the same key is being retried (see
     /// "Per-key order" in `events.rs`). Released in admission order.
     Held,
+    /// Would have been poisoned, but `relay.on_poison = "halt"`: never resolved by
+    /// this core, so the watermark stops before its transaction.
+    Halted,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -136,6 +139,8 @@ pub struct Core {
     pub(super) blocked_keys: HashMap<u64, u32>,
     /// Events of a blocked key admitted after the block, in admission order.
     pub(super) held: HashMap<u64, VecDeque<EventId>>,
+    /// Events in [`EventState::Halted`] (they never leave it).
+    pub(super) halted: usize,
 }
 
 impl Core {
@@ -162,6 +167,7 @@ impl Core {
             actions: VecDeque::new(),
             blocked_keys: HashMap::new(),
             held: HashMap::new(),
+            halted: 0,
         }
     }
 

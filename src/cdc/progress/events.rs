@@ -200,6 +200,80 @@ impl Core {
         self.poll_status(now);
     }
 
+    /// The shell parks `id` instead of producing it (its key is parked,
+    /// `relay.on_poison = "park-key"`): it is written to the poison table as parked,
+    /// which resolves it like a poisoned event. Ignored unless the first produce of
+    /// `id` is requested (an event produced before cannot be taken back).
+    pub fn park(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get_mut(&id)
+            && event.state == (EventState::Producing { attempt: 1 })
+            && event.attempts == 1
+            && !event.failed
+        {
+            event.state = EventState::Poisoning;
+            self.actions.push_back(Pending::InsertPoison { id });
+        }
+        self.poll_status(now);
+    }
+
+    /// The parked event `id` was not written because `replay` released its key
+    /// meanwhile: it is produced after all (its first produce). Ignored unless a
+    /// poison insert of `id` is outstanding.
+    pub fn unpark(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get_mut(&id)
+            && event.state == EventState::Poisoning
+        {
+            event.state = EventState::Producing { attempt: 1 };
+            self.actions.push_back(Pending::Produce { id, attempt: 1 });
+        }
+        self.poll_status(now);
+    }
+
+    /// The shell will not poison `id` (`relay.on_poison = "halt"`): it stays
+    /// unresolved, so its transaction is never confirmed by this core, and later
+    /// events of its key stay held. Other keys keep flowing until the window is
+    /// full. Ignored unless a poison insert of `id` is requested.
+    pub fn halt(&mut self, id: EventId, now: Instant) {
+        if let Some(event) = self.events.get_mut(&id)
+            && event.state == EventState::Poisoning
+        {
+            event.state = EventState::Halted;
+            self.halted += 1;
+        }
+        self.poll_status(now);
+    }
+
+    /// Events halted (`relay.on_poison = "halt"`); they stay until the core is
+    /// replaced.
+    #[must_use]
+    pub fn halted_events(&self) -> usize {
+        self.halted
+    }
+
+    /// In-flight events that can still resolve: not halted, and not held behind a
+    /// halted event of their key. A drain (shutdown, a lost session) waits for
+    /// these only.
+    #[must_use]
+    pub fn resolvable_events(&self) -> usize {
+        if self.halted == 0 {
+            return self.events.len();
+        }
+        let halted_keys: std::collections::HashSet<u64> = self
+            .events
+            .values()
+            .filter(|e| e.state == EventState::Halted)
+            .filter_map(|e| e.key)
+            .collect();
+        self.events
+            .values()
+            .filter(|e| match e.state {
+                EventState::Halted => false,
+                EventState::Held => e.key.is_none_or(|k| !halted_keys.contains(&k)),
+                _ => true,
+            })
+            .count()
+    }
+
     /// The `poison_outbox` insert for `id` committed: the event is resolved. Ignored
     /// unless a poison insert of `id` is outstanding.
     pub fn poison_committed(&mut self, id: EventId, now: Instant) {

@@ -47,6 +47,12 @@ impl Core {
             .filter(|e| e.state == EventState::Held)
             .count();
         assert_eq!(held, held_states, "held events");
+        let halted = self
+            .events
+            .values()
+            .filter(|e| e.state == EventState::Halted)
+            .count();
+        assert_eq!(halted, self.halted, "halted events");
         for (k, ids) in &self.held {
             assert!(self.blocked_keys.contains_key(k), "held under a free key");
             assert!(ids.iter().is_sorted(), "held out of admission order");

@@ -263,6 +263,105 @@ fn a_refused_event_is_poisoned_at_once_and_holds_its_key() {
 }
 
 #[test]
+fn a_parked_event_is_resolved_by_its_insert_or_produced_when_its_key_was_released() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 1).unwrap();
+    let a = core.admit_keyed(10, Some(7), now).unwrap();
+    let b = core.admit_keyed(10, Some(7), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    assert_eq!(work(&mut core).len(), 2);
+    core.park(a, now);
+    core.park(b, now);
+    assert_eq!(
+        work(&mut core),
+        vec![
+            Action::InsertPoison { id: a, attempts: 1 },
+            Action::InsertPoison { id: b, attempts: 1 }
+        ]
+    );
+    core.poison_committed(a, now);
+    assert_eq!(core.confirmed(), Lsn(50), "b is not resolved yet");
+    // b's key was released by replay meanwhile: b is produced, its first produce.
+    core.unpark(b, now);
+    assert_eq!(work(&mut core), vec![Action::Produce { id: b, attempt: 1 }]);
+    core.poison_committed(b, now);
+    assert_eq!(core.confirmed(), Lsn(50), "b now waits for its ack");
+    core.delivered(b, now);
+    assert_eq!(core.confirmed(), Lsn(110));
+}
+
+#[test]
+fn only_a_first_produce_can_be_parked() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 1).unwrap();
+    let a = core.admit_keyed(10, Some(7), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    work(&mut core);
+    core.delivery_failed(a, Failure::Transient, now);
+    core.tick(now + ms(200));
+    assert_eq!(work(&mut core), vec![Action::Produce { id: a, attempt: 2 }]);
+    core.park(a, now);
+    assert!(
+        work(&mut core).is_empty(),
+        "a produced event is not taken back"
+    );
+    core.delivered(a, now);
+    assert_eq!(core.confirmed(), Lsn(110));
+}
+
+#[test]
+fn a_halted_event_stops_the_watermark_and_holds_its_key_only() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 1).unwrap();
+    let bad = core.admit_keyed(10, Some(7), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    work(&mut core);
+    core.refuse(bad, now);
+    assert_eq!(
+        work(&mut core),
+        vec![Action::InsertPoison {
+            id: bad,
+            attempts: 1
+        }]
+    );
+    core.halt(bad, now);
+    assert_eq!(core.halted_events(), 1);
+    assert_eq!(core.resolvable_events(), 0);
+    core.begin(Lsn(200), 2).unwrap();
+    let same_key = core.admit_keyed(10, Some(7), now).unwrap();
+    let other = core.admit_keyed(10, Some(8), now).unwrap();
+    core.commit(Lsn(200), Lsn(210), now).unwrap();
+    assert_eq!(
+        work(&mut core),
+        vec![Action::Produce {
+            id: other,
+            attempt: 1
+        }],
+        "the halted key's later event is held, the other key flows"
+    );
+    assert_eq!(core.resolvable_events(), 1, "only the other key's event");
+    core.delivered(other, now);
+    assert_eq!(
+        core.resolvable_events(),
+        0,
+        "same_key waits behind the halted one"
+    );
+    core.tick(now + Duration::from_secs(3600));
+    assert!(work(&mut core).is_empty());
+    assert_eq!(
+        core.confirmed(),
+        Lsn(50),
+        "nothing confirms past the halted event"
+    );
+    assert!(core.is_in_flight(same_key) && core.is_in_flight(bad));
+    core.poison_committed(bad, now);
+    assert!(
+        core.is_in_flight(bad),
+        "a halted event is not resolved by a stray report"
+    );
+}
+
+#[test]
 fn unmappable_rows_go_straight_to_poison() {
     let (mut core, now) = core_at(50);
     core.begin(Lsn(100), 1).unwrap();
@@ -738,6 +837,9 @@ mod arbitrary {
         Failed(u64, bool),
         PoisonCommitted(u64),
         PoisonFailed(u64),
+        Park(u64),
+        Unpark(u64),
+        Halt(u64),
         Keepalive(u64, bool),
         Received(u64),
         Tick(u64),
@@ -755,6 +857,9 @@ mod arbitrary {
             (0..24_u64, any::<bool>()).prop_map(|(i, p)| Op::Failed(i, p)),
             (0..24_u64).prop_map(Op::PoisonCommitted),
             (0..24_u64).prop_map(Op::PoisonFailed),
+            (0..24_u64).prop_map(Op::Park),
+            (0..24_u64).prop_map(Op::Unpark),
+            (0..24_u64).prop_map(Op::Halt),
             (0..20_000_u64, any::<bool>()).prop_map(|(l, r)| Op::Keepalive(l, r)),
             (0..20_000_u64).prop_map(Op::Received),
             (0..2_000_u64).prop_map(Op::Tick),
@@ -810,6 +915,9 @@ mod arbitrary {
                     }
                     Op::PoisonCommitted(i) => core.poison_committed(EventId::from_raw(i), now),
                     Op::PoisonFailed(i) => core.poison_insert_failed(EventId::from_raw(i), now),
+                    Op::Park(i) => core.park(EventId::from_raw(i), now),
+                    Op::Unpark(i) => core.unpark(EventId::from_raw(i), now),
+                    Op::Halt(i) => core.halt(EventId::from_raw(i), now),
                     Op::Keepalive(l, r) => core.keepalive(Lsn(l), r, now),
                     Op::Received(l) => core.received(Lsn(l)),
                     Op::Tick(d) => {

@@ -99,6 +99,9 @@ impl Hasher for PassThrough {
 }
 
 const POISONED: u16 = 1;
+/// Its poison row is a parked one (`relay.on_poison = "park-key"`): held back, in
+/// order, behind a poisoned event of its key, so its delivery is order-checked.
+const PARKED: u16 = 2;
 
 /// One outbox row: 8 bytes, 16 with its hash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,6 +182,8 @@ pub(super) struct Counts {
     pub(super) delivered: u64,
     pub(super) lost: u64,
     pub(super) poisoned: u64,
+    /// Of `poisoned`: parked behind a poisoned event of their key.
+    pub(super) parked: u64,
     pub(super) replayed: u64,
 }
 
@@ -224,9 +229,19 @@ impl Ledger {
     /// Marks the event with this key as having a poison row; false when it is not
     /// a row of the range.
     pub(super) fn mark_poisoned(&mut self, idempotency_key: &[u8]) -> bool {
+        self.mark(idempotency_key, POISONED)
+    }
+
+    /// Marks the event with this key as parked (`relay.on_poison = "park-key"`);
+    /// false when it is not a row of the range.
+    pub(super) fn mark_parked(&mut self, idempotency_key: &[u8]) -> bool {
+        self.mark(idempotency_key, POISONED | PARKED)
+    }
+
+    fn mark(&mut self, idempotency_key: &[u8], flags: u16) -> bool {
         match self.find(key_hash(idempotency_key)) {
             Some(i) => {
-                self.rows[i].1.flags |= POISONED;
+                self.rows[i].1.flags |= flags;
                 true
             }
             None => false,
@@ -260,8 +275,9 @@ impl Ledger {
             }
             return Observed::Duplicate;
         }
-        if row.flags & POISONED != 0 {
-            // Replayed after its successors: out of order by design, not a relay bug.
+        if row.flags & (POISONED | PARKED) == POISONED {
+            // Replayed after its successors: out of order by design, not a relay bug
+            // (unless it was parked: then it waited in order, and is checked).
             return Observed::First;
         }
         let position = Position {
@@ -320,7 +336,10 @@ impl Ledger {
                     c.delivered += 1;
                     c.replayed += 1;
                 }
-                (false, true) => c.poisoned += 1,
+                (false, true) => {
+                    c.poisoned += 1;
+                    c.parked += u64::from(s.flags & PARKED != 0);
+                }
                 (false, false) => c.lost += 1,
             }
         }
@@ -410,6 +429,26 @@ mod tests {
         assert!(!l.is_lost(b"k1"));
         assert!(!l.is_lost(b"k0"));
         assert!(!l.is_lost(b"nope"));
+    }
+
+    #[test]
+    fn parked_events_count_as_poisoned_until_delivered() {
+        let mut l = ledger(3);
+        assert!(l.mark_poisoned(b"k0"));
+        assert!(l.mark_parked(b"k1"));
+        assert!(l.mark_parked(b"k2"));
+        let c = l.counts();
+        assert_eq!((c.poisoned, c.parked, c.lost), (3, 2, 0));
+        // Released in order after the replayed k0: checked, and in order.
+        assert_eq!(see(&mut l, "a", "k0", lsn("0/10")), Observed::First);
+        assert_eq!(see(&mut l, "a", "k1", lsn("0/20")), Observed::First);
+        assert_eq!(see(&mut l, "a", "k2", lsn("0/30")), Observed::First);
+        assert_eq!(l.out_of_order_keys, 0);
+        // A parked event delivered before an earlier one of its entity is caught.
+        let mut l = ledger(3);
+        l.mark_parked(b"k1");
+        assert_eq!(see(&mut l, "a", "k2", lsn("0/30")), Observed::First);
+        assert_eq!(see(&mut l, "a", "k1", lsn("0/20")), Observed::OutOfOrder);
     }
 
     #[test]

@@ -87,13 +87,7 @@ impl Columns {
 }
 
 async fn table_exists(client: &Client, table: &str) -> Result<bool, Error> {
-    let row = client
-        .query_one(
-            "SELECT to_regclass($1::text) IS NOT NULL",
-            &[&quote_qualified(table)],
-        )
-        .await?;
-    Ok(row.get(0))
+    Ok(crate::postgres::table_exists(client, &quote_qualified(table)).await?)
 }
 
 pub(super) async fn resolve_columns(client: &Client, config: &Config) -> Result<Columns, Error> {
@@ -360,10 +354,18 @@ pub(super) async fn load(
 
     let mut notes = Vec::new();
     if poison_exists {
-        let sql = format!(
-            "SELECT idempotency_key, outbox_id FROM {}",
-            quote_qualified(&config.outbox.poison_table)
-        );
+        let table = quote_qualified(&config.outbox.poison_table);
+        // Parked rows (migration 0009) are told apart; before it there are none.
+        let parked_column: bool = tx
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)
+                                  AND attname = 'parked' AND NOT attisdropped)",
+                &[&table],
+            )
+            .await?
+            .try_get(0)?;
+        let parked = if parked_column { "parked" } else { "false" };
+        let sql = format!("SELECT idempotency_key, outbox_id, {parked} FROM {table}");
         let statement = tx.prepare(&sql).await?;
         let portal = tx.bind(&statement, &[]).await?;
         loop {
@@ -371,9 +373,17 @@ pub(super) async fn load(
             for row in &batch {
                 let key: Option<&str> = row.try_get(0)?;
                 let outbox_id: Option<&str> = row.try_get(1)?;
-                let matched = key.is_some_and(|k| ledger.mark_poisoned(k.as_bytes()));
+                let parked: bool = row.try_get(2)?;
+                let mut mark = |k: &str| {
+                    if parked {
+                        ledger.mark_parked(k.as_bytes())
+                    } else {
+                        ledger.mark_poisoned(k.as_bytes())
+                    }
+                };
+                let matched = key.is_some_and(&mut mark);
                 if !matched && let Some(id) = outbox_id {
-                    ledger.mark_poisoned(id.as_bytes());
+                    mark(id);
                 }
             }
             if batch.len() < usize::try_from(BATCH_ROWS).unwrap_or(usize::MAX) {

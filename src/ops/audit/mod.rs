@@ -113,6 +113,7 @@ pub async fn run(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error
         duplicates: ledger.duplicates,
         out_of_order_keys: ledger.out_of_order_keys,
         poisoned: counts.poisoned,
+        parked: counts.parked,
         duplicated_events: ledger.duplicated_events,
         replayed: counts.replayed,
         out_of_order_records: ledger.out_of_order_records,

@@ -40,6 +40,9 @@ pub struct AuditReport {
     pub poisoned: u64,
     /// Events delivered more than once.
     pub duplicated_events: u64,
+    /// Of `poisoned`: events parked behind a poisoned event of their key
+    /// (`relay.on_poison = "park-key"`), waiting for `replay`.
+    pub parked: u64,
     /// Poisoned events that were delivered anyway (replayed); counted as delivered.
     pub replayed: u64,
     /// First deliveries that went back in commit order (an entity may have several).
@@ -146,7 +149,13 @@ impl AuditReport {
             },
         );
         line("poisoned", self.poisoned, {
-            if self.poisoned > 0 {
+            if self.parked > 0 {
+                format!(
+                    "in poison_outbox, not delivered (outbox-relay replay); incl. {} parked \
+                     behind a poisoned event of their key",
+                    self.parked
+                )
+            } else if self.poisoned > 0 {
                 "in poison_outbox, not delivered (outbox-relay replay)".into()
             } else {
                 String::new()

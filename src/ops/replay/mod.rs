@@ -15,6 +15,13 @@
 //! [`ReplayReport`] (`report.rs`). Replays of `PROGRESS_MIN_ROWS` rows or more show
 //! progress on stderr (`crate::ops::meter`).
 //!
+//! # Parked keys
+//!
+//! Rows parked behind a poisoned event of their key (`relay.on_poison =
+//! "park-key"`) are not published by the main pass: once the poisoned rows of a key
+//! are delivered, `release.rs` publishes its parked rows in order and releases the
+//! key. `--all` looks at every parked key; `--id` at the keys of the named rows.
+//!
 //! # Concurrency and exit codes
 //!
 //! A replay holds a PostgreSQL advisory lock named after the poison table for its
@@ -38,14 +45,16 @@ mod args;
 #[cfg(test)]
 mod fixtures;
 mod publish;
+mod release;
 mod report;
 mod store;
 
 pub use args::ReplayArgs;
-pub use report::{Outcome, ReplayReport, ReplayedRow};
+pub use report::{KeyOutcome, Outcome, ParkedKeyReport, ReplayReport, ReplayedRow};
 
 use args::Selection;
 use publish::{PAGE_ROWS, Sender, dry_run_page};
+use release::Release;
 use store::{Originals, PoisonStore, payload_format_for_type};
 
 /// Replays of at least this many rows show progress on stderr.
@@ -69,6 +78,7 @@ pub async fn run(config: &Config, args: &ReplayArgs) -> Result<ReplayReport, Err
         client,
         table: quote_qualified(&config.outbox.poison_table),
         name: config.outbox.poison_table.clone(),
+        parked_keys: crate::poison::parked_key_table(&config.outbox),
     };
     store.check_table().await?;
     if !args.dry_run {
@@ -99,7 +109,8 @@ async fn replay(
         already_replayed: counts.already_replayed,
         ..ReplayReport::default()
     };
-    if counts.selected == 0 {
+    let keys = store.parked_keys(selection).await?;
+    if counts.selected == 0 && keys.is_empty() {
         return Ok(report);
     }
     tracing::info!(
@@ -171,6 +182,16 @@ async fn replay(
         }
     }
     meter.finish();
+    if report.aborted.is_none() && !keys.is_empty() {
+        let release = Release {
+            config,
+            mapper,
+            store,
+            payload_format,
+            page_rows,
+        };
+        release.run(&keys, sender.as_mut(), &mut report).await?;
+    }
     tracing::info!(
         published = report.published,
         failed = report.failed,

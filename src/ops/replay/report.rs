@@ -122,8 +122,32 @@ pub struct ReplayReport {
     /// Set when the producer hit a fatal error and the replay stopped early; the
     /// rows not reached are not in `rows` and stay unmarked.
     pub aborted: Option<String>,
-    /// Every processed row, in `poison_id` order.
+    /// Every processed row, in `poison_id` order; then the parked rows released,
+    /// key by key, in the order the relay read them.
     pub rows: Vec<ReplayedRow>,
+    /// The parked keys (`relay.on_poison = "park-key"`) this run looked at.
+    pub keys: Vec<ParkedKeyReport>,
+}
+
+/// A parked key and what this run did with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ParkedKeyReport {
+    pub topic: String,
+    pub key: String,
+    #[serde(flatten)]
+    pub outcome: KeyOutcome,
+}
+
+/// What happened to a parked key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum KeyOutcome {
+    /// Its parked rows were delivered in order and the relay produces its events again.
+    Released { delivered: u64 },
+    /// `--dry-run`: it would be released after publishing this many parked rows.
+    WouldRelease { rows: u64 },
+    /// It stays parked, for this reason.
+    StillParked { reason: String },
 }
 
 impl ReplayReport {
@@ -200,10 +224,44 @@ impl ReplayReport {
                 self.already_replayed
             ));
         }
+        let released = self
+            .keys
+            .iter()
+            .filter(|k| matches!(k.outcome, KeyOutcome::Released { .. }))
+            .count();
+        let would = self
+            .keys
+            .iter()
+            .filter(|k| matches!(k.outcome, KeyOutcome::WouldRelease { .. }))
+            .count();
+        let parked = self.keys.len() - released - would;
+        if released > 0 {
+            line.push_str(&format!("; {released} parked key(s) released"));
+        }
+        if would > 0 {
+            line.push_str(&format!("; {would} parked key(s) would be released"));
+        }
+        if parked > 0 {
+            line.push_str(&format!("; {parked} key(s) stay parked"));
+        }
         if let Some(reason) = &self.aborted {
             line.push_str(&format!("; ABORTED: {reason}"));
         }
         line
+    }
+
+    /// One line per parked key that stays parked, with the reason.
+    fn still_parked(&self) -> String {
+        let mut out = String::new();
+        for k in &self.keys {
+            if let KeyOutcome::StillParked { reason } = &k.outcome {
+                out.push_str(&format!(
+                    "key {:?} on topic {:?} stays parked: {reason}\n",
+                    k.key, k.topic
+                ));
+            }
+        }
+        out
     }
 }
 
@@ -279,7 +337,7 @@ impl fmt::Display for ReplayReport {
                 line(f, row.each_ref().map(String::as_str))?;
             }
         }
-        write!(f, "{}", self.summary())
+        write!(f, "{}{}", self.still_parked(), self.summary())
     }
 }
 

@@ -50,8 +50,10 @@ use crate::config::{ConfigError, OutboxConfig, quote_qualified};
 use crate::error::Error;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxRow, PayloadFormat};
+use crate::poison::{KEY_ORDER, ParkedKey, release_key, unreplayed_key_rows};
 use crate::poller;
 use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::table_exists;
 
 /// Error kind of a truncated row whose original could not be read.
 pub(super) const ORIGINAL_UNAVAILABLE: &str = "original_unavailable";
@@ -165,6 +167,8 @@ pub(super) struct PoisonStore {
     pub(super) table: String,
     /// As configured, for messages.
     pub(super) name: String,
+    /// The parked-key table (`crate::poison::parking`), quoted.
+    pub(super) parked_keys: String,
 }
 
 impl PoisonStore {
@@ -238,7 +242,8 @@ impl PoisonStore {
 
     pub(super) async fn counts(&self, sel: &Selection) -> Result<Counts, Error> {
         let sql = format!(
-            "SELECT count(*) FILTER (WHERE poison_id = ANY($1) OR ($2 AND replayed_at IS NULL)),
+            "SELECT count(*) FILTER (WHERE (poison_id = ANY($1) OR ($2 AND replayed_at IS NULL))
+                                       AND NOT (parked AND replayed_at IS NULL)),
                     count(*) FILTER (WHERE $2 AND replayed_at IS NOT NULL AND poison_id <> ALL($1)),
                     coalesce(max(poison_id), 0)
              FROM {}",
@@ -297,6 +302,7 @@ impl PoisonStore {
                  FROM (SELECT * FROM {}
                        WHERE poison_id > $1 AND poison_id <= $2
                          AND (poison_id = ANY($3) OR ($4 AND replayed_at IS NULL))
+                         AND NOT (parked AND replayed_at IS NULL)
                        ORDER BY poison_id LIMIT $5) AS candidates
              ) AS page
              WHERE running - own < $6
@@ -359,6 +365,71 @@ impl PoisonStore {
             rec.original = Some(original);
         }
         Ok(())
+    }
+
+    /// The parked keys this replay may release: every one with `--all`, else those
+    /// of the named rows; none before migration `0009`.
+    pub(super) async fn parked_keys(&self, sel: &Selection) -> Result<Vec<ParkedKey>, Error> {
+        if !table_exists(&self.client, &self.parked_keys).await? {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "SELECT k.topic, k.record_key FROM {keys} AS k
+             WHERE k.released_at IS NULL
+               AND ($2 OR EXISTS (SELECT 1 FROM {poison} AS p
+                                  WHERE p.poison_id = ANY($1) AND (p.parked OR p.holds_key)
+                                    AND p.topic = k.topic AND p.aggregate_id = k.record_key))
+             ORDER BY k.parked_at, k.topic, k.record_key",
+            keys = self.parked_keys,
+            poison = self.table
+        );
+        let rows = self.client.query(&sql, &[&sel.ids, &sel.all]).await?;
+        Ok(rows
+            .iter()
+            .map(ParkedKey::from_row)
+            .collect::<Result<_, _>>()?)
+    }
+
+    /// The first poisoned row of `key` not delivered yet: the key stays parked
+    /// until it is.
+    pub(super) async fn blocker(&self, key: &ParkedKey) -> Result<Option<i64>, Error> {
+        let sql = format!(
+            "SELECT poison_id FROM {} AND holds_key ORDER BY {KEY_ORDER} LIMIT 1",
+            unreplayed_key_rows(&self.table)
+        );
+        let row = self.client.query_opt(&sql, &[&key.topic, &key.key]).await?;
+        Ok(match row {
+            Some(r) => Some(r.try_get(0)?),
+            None => None,
+        })
+    }
+
+    /// The next `limit` undelivered rows of `key` in delivery order, skipping
+    /// `offset` (a dry run marks nothing, so it pages by offset).
+    pub(super) async fn key_page(
+        &self,
+        key: &ParkedKey,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<PoisonRecord>, Error> {
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM {} ORDER BY {KEY_ORDER} OFFSET $3 LIMIT $4",
+            unreplayed_key_rows(&self.table)
+        );
+        let offset = i64::try_from(offset).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .client
+            .query(&sql, &[&key.topic, &key.key, &offset, &limit])
+            .await?;
+        rows.iter()
+            .map(|r| PoisonRecord::from_row(r).map_err(Error::from))
+            .collect()
+    }
+
+    /// Releases `key` unless rows of it were parked meanwhile (`Ok(false)`).
+    pub(super) async fn release(&self, key: &ParkedKey) -> Result<bool, Error> {
+        Ok(release_key(&self.client, &self.parked_keys, &self.table, key).await?)
     }
 
     /// Marks acknowledged rows; returns how many were updated.

@@ -36,6 +36,38 @@ pub enum WorkloadKind {
     All,
 }
 
+/// One steady-rate point of `--rates`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rate {
+    /// This many events per second.
+    Fixed(f64),
+    /// As fast as the writers go on this machine without a relay (`max`).
+    WritersMax,
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rate::Fixed(rate) => write!(f, "{rate}"),
+            Rate::WritersMax => f.write_str("max"),
+        }
+    }
+}
+
+/// `--rates` items: a positive number of events/s, or `max`.
+fn parse_rate(text: &str) -> Result<Rate, String> {
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("max") {
+        return Ok(Rate::WritersMax);
+    }
+    match text.parse::<f64>() {
+        Ok(rate) if rate.is_finite() && rate > 0.0 => Ok(Rate::Fixed(rate)),
+        _ => Err(format!(
+            "{text:?} is not a rate: give events per second (> 0) or max"
+        )),
+    }
+}
+
 /// Flags of `outbox-relay bench` (besides `--config`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -65,9 +97,24 @@ pub struct BenchArgs {
     /// Measurements of each figure (median and min–max are shown).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
-    /// Seconds each steady-rate run writes.
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds each steady-rate point writes (`--steady-secs` is the old name).
+    #[arg(
+        long = "duration",
+        alias = "steady-secs",
+        value_name = "SECS",
+        default_value_t = 20,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     pub steady_secs: u64,
+    /// Steady-rate points, events/s: numbers, and `max` for the writers' own maximum
+    /// (measured first, without a relay).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1000,5000,20000,50000,max",
+        value_parser = parse_rate
+    )]
+    pub rates: Vec<Rate>,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -108,5 +155,21 @@ impl BenchArgs {
             );
         }
         modes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_numbers_or_max() {
+        assert_eq!(parse_rate("5000"), Ok(Rate::Fixed(5000.0)));
+        assert_eq!(parse_rate(" MAX "), Ok(Rate::WritersMax));
+        assert!(parse_rate("0").is_err());
+        assert!(parse_rate("-3").is_err());
+        assert!(parse_rate("fast").is_err());
+        assert!(parse_rate("inf").is_err());
+        assert_eq!(Rate::Fixed(1000.0).to_string(), "1000");
     }
 }

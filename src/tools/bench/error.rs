@@ -21,8 +21,6 @@ pub enum BenchError {
     Relay(crate::Error),
     #[error("benchmark setup: --modes selects nothing")]
     NoModes,
-    #[error("benchmark setup: no CDC maximum to derive the steady rates from")]
-    NoCdcMaximum,
     #[error("benchmark setup: no steady schedule for {events_per_s} events/s")]
     NoSchedule { events_per_s: f64 },
     #[error("benchmark setup: no latency samples")]

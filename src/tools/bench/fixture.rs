@@ -264,7 +264,18 @@ impl Fixture {
     /// Drops the slot (waiting for its reader to let go), the publication, the
     /// tables, the topic and the config file. Best effort: a failure is logged, not
     /// returned, so that it never hides the run's own error.
-    pub(crate) async fn cleanup(self) {
+    pub(crate) async fn cleanup(mut self) {
+        if self.client.is_closed() {
+            // The server went away during the run (a restart, a crash): its objects
+            // are still there once it is back.
+            // Boxed: a connect future is large, and cleanup is awaited inside every run.
+            match Box::pin(reconnect(&self.config.postgres.url)).await {
+                Ok(client) => self.client = client,
+                Err(e) => {
+                    tracing::warn!(error = %e, name = %self.name, "cannot reconnect to drop the benchmark's slot and tables; drop them by hand");
+                }
+            }
+        }
         if let Err(e) = self.drop_slot().await {
             tracing::warn!(slot = %self.config.postgres.slot, error = %e, "cannot drop the benchmark slot; drop it by hand");
         }
@@ -313,6 +324,25 @@ impl Fixture {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }
+    }
+}
+
+/// How long cleanup keeps trying to reach a server that went away.
+const RECONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A new connection to `url`, retried with backoff for [`RECONNECT_TIMEOUT`] (a
+/// restarted server refuses connections while it recovers).
+async fn reconnect(url: &str) -> Result<Client> {
+    let deadline = Instant::now() + RECONNECT_TIMEOUT;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match crate::postgres::connect(url).await {
+            Ok(client) => return Ok(client),
+            Err(e) if Instant::now() > deadline => return Err(e.into()),
+            Err(_) => {}
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
 

@@ -24,9 +24,11 @@
 //! unsent (it marks only acked rows). Both are then checked by counting the
 //! records on the topic.
 //!
-//! The steady workload writes at a fixed rate (25/50/80% of the CDC maximum just
-//! measured) from open-loop writers and reports the latency from the row's
-//! `created_at` (the record's CreateTime) to the moment a consumer reads it.
+//! The steady workload writes at fixed absolute rates (`--rates`, and the writers'
+//! own maximum) from open-loop writers and reports the latency from the row's
+//! `created_at` (the record's CreateTime) to the moment a consumer reads it, and
+//! for the CDC relay the time spent in each of its stages (see `steady`). A point
+//! that fails is reported with its reason and the run goes on.
 //!
 //! Each figure is measured `--repeat` times, modes interleaved within a repeat so
 //! that machine noise spreads over all of them, and shown as median with min–max.
@@ -45,11 +47,13 @@ mod fixture;
 mod plot;
 mod progress;
 pub mod report;
+mod scrape;
 pub mod stats;
 mod steady;
+mod steady_report;
 mod usage;
 
-pub use self::args::{BenchArgs, ModeGroup, WorkloadKind};
+pub use self::args::{BenchArgs, ModeGroup, Rate, WorkloadKind};
 pub use self::error::BenchError;
 
 use std::time::Duration;
@@ -72,15 +76,11 @@ pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
     let steady = matches!(args.workload, WorkloadKind::Steady | WorkloadKind::All);
     let backlog = matches!(args.workload, WorkloadKind::Backlog | WorkloadKind::All);
     let steady_modes = steady::modes(&modes);
-    let backlog_modes: Vec<Mode> = if backlog {
-        modes.clone()
-    } else {
-        // The steady rates are fractions of the CDC maximum: measure it first.
-        vec![Mode::Cdc]
-    };
+    let backlog_modes: Vec<Mode> = if backlog { modes.clone() } else { Vec::new() };
     let backlog_runs = u64::from(args.repeat) * backlog_modes.len() as u64;
     let steady_runs = if steady {
-        u64::from(args.repeat) * (steady_modes.len() * steady::FRACTIONS.len()) as u64
+        let calibration = u64::from(args.rates.contains(&Rate::WritersMax));
+        u64::from(args.repeat) * (steady_modes.len() * args.rates.len()) as u64 + calibration
     } else {
         0
     };
@@ -108,12 +108,7 @@ pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
         &samples,
     );
     if steady {
-        let cdc_max = report
-            .result("cdc")
-            .map(|r| r.events_per_s.median)
-            .ok_or(BenchError::NoCdcMaximum)?;
-        report.steady =
-            steady::run(config, &workload, &steady_modes, cdc_max, args, &progress).await?;
+        report.steady = steady::run(config, &workload, &steady_modes, args, &progress).await?;
         report.attach_latencies();
     }
     progress.finish();

@@ -6,14 +6,14 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use super::args::BenchArgs;
+use super::args::{BenchArgs, Rate};
 use super::drain::Mode;
-use super::stats::{Latency, Spread};
+use super::stats::{LatencySpread, Spread, spread};
+use super::steady_report::{SteadyResult, render_steady, steady_json};
 use crate::tools::workload::Workload;
 
-/// The steady-rate fraction (of the CDC maximum) whose latencies go into the main
-/// results table.
-pub(crate) const HEADLINE_FRACTION: f64 = 0.5;
+/// The steady rate (events/s) whose latencies go into the main results table.
+pub(crate) const HEADLINE_RATE: f64 = 5000.0;
 
 /// One measured drain.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -43,42 +43,8 @@ pub struct ModeResult {
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
-    /// From the steady run at `HEADLINE_FRACTION` of the CDC maximum.
+    /// From the steady point at `HEADLINE_RATE` events/s.
     pub latency: Option<LatencySpread>,
-}
-
-/// Latency percentiles over repeated runs, in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LatencySpread {
-    pub p50: Spread,
-    pub p95: Spread,
-    pub p99: Spread,
-    pub max: Spread,
-}
-
-impl LatencySpread {
-    /// The spread of each percentile over `runs`.
-    #[must_use]
-    pub fn of(runs: &[Latency]) -> Option<LatencySpread> {
-        let pick = |f: fn(&Latency) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
-        Some(LatencySpread {
-            p50: pick(|l| l.p50)?,
-            p95: pick(|l| l.p95)?,
-            p99: pick(|l| l.p99)?,
-            max: pick(|l| l.max)?,
-        })
-    }
-}
-
-/// One steady-rate measurement point.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SteadyResult {
-    pub mode: String,
-    /// Fraction of the CDC backlog maximum.
-    pub fraction: f64,
-    pub target_events_per_s: f64,
-    pub achieved_events_per_s: Spread,
-    pub latency: LatencySpread,
 }
 
 /// The workload, as run.
@@ -202,8 +168,8 @@ impl Report {
             result.latency = self
                 .steady
                 .iter()
-                .find(|s| s.mode == result.mode && (s.fraction - HEADLINE_FRACTION).abs() < 1e-9)
-                .map(|s| s.latency);
+                .find(|s| s.mode == result.mode && s.rate == Rate::Fixed(HEADLINE_RATE))
+                .and_then(|s| s.latency);
         }
     }
 
@@ -233,18 +199,7 @@ impl Report {
                 "cdc_vs_pg_ceiling_ours": r.cdc_vs_pg_ceiling_ours,
                 "cdc_vs_broker_ceiling": r.cdc_vs_broker_ceiling,
             },
-            "steady": self.steady.iter().map(|s| json!({
-                "mode": s.mode,
-                "fraction_of_cdc_max": s.fraction,
-                "target_events_per_s": s.target_events_per_s,
-                "events_per_s": s.achieved_events_per_s.median,
-                "p50_ms": s.latency.p50.median,
-                "p95_ms": s.latency.p95.median,
-                "p99_ms": s.latency.p99.median,
-                "max_ms": s.latency.max.median,
-                "p99_ms_min": s.latency.p99.min,
-                "p99_ms_max": s.latency.p99.max,
-            })).collect::<Vec<_>>(),
+            "steady": self.steady.iter().map(steady_json).collect::<Vec<_>>(),
         })
     }
 
@@ -315,25 +270,11 @@ impl Report {
             ratio(r.cdc_vs_broker_ceiling),
         );
         if !self.steady.is_empty() {
-            let _ = writeln!(
-                out,
-                "\nsteady rate, {} s per run, latency from created_at to consumer (ms):\n{:<14} {:>6} {:>10} {:>10} {:>18} {:>18} {:>18} {:>18}",
-                w.steady_secs, "mode", "load", "target/s", "achieved/s", "p50", "p95", "p99", "max"
+            let points = format!(
+                "{} s per point, {} rows/tx, {} writers",
+                w.steady_secs, w.rows_per_tx, w.writers
             );
-            for s in &self.steady {
-                let _ = writeln!(
-                    out,
-                    "{:<14} {:>5.0}% {:>10.0} {:>10.0} {:>18} {:>18} {:>18} {:>18}",
-                    s.mode,
-                    s.fraction * 100.0,
-                    s.target_events_per_s,
-                    s.achieved_events_per_s.median,
-                    spread(&s.latency.p50, 1),
-                    spread(&s.latency.p95, 1),
-                    spread(&s.latency.p99, 1),
-                    spread(&s.latency.max, 1),
-                );
-            }
+            out.push_str(&render_steady(&points, &self.steady));
         }
         out
     }
@@ -383,18 +324,6 @@ fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
         "dead_tuples": med(m.dead_tuples.as_ref()),
         "table_growth_bytes": med(m.table_growth_bytes.as_ref()),
     })
-}
-
-/// `median [min–max]`, or just the value when all runs agree.
-fn spread(s: &Spread, decimals: usize) -> String {
-    if (s.max - s.min).abs() < f64::EPSILON {
-        format!("{:.decimals$}", s.median)
-    } else {
-        format!(
-            "{:.decimals$} [{:.decimals$}–{:.decimals$}]",
-            s.median, s.min, s.max
-        )
-    }
 }
 
 fn opt(s: Option<&Spread>, decimals: usize) -> String {

@@ -76,6 +76,41 @@ impl Latency {
     }
 }
 
+/// Latency percentiles over repeated runs, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencySpread {
+    pub p50: Spread,
+    pub p95: Spread,
+    pub p99: Spread,
+    pub max: Spread,
+}
+
+impl LatencySpread {
+    /// The spread of each percentile over `runs`.
+    #[must_use]
+    pub fn of(runs: &[Latency]) -> Option<LatencySpread> {
+        let pick = |f: fn(&Latency) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>());
+        Some(LatencySpread {
+            p50: pick(|l| l.p50)?,
+            p95: pick(|l| l.p95)?,
+            p99: pick(|l| l.p99)?,
+            max: pick(|l| l.max)?,
+        })
+    }
+}
+
+/// `median [min–max]`, or just the value when all runs agree.
+pub(crate) fn spread(s: &Spread, decimals: usize) -> String {
+    if (s.max - s.min).abs() < f64::EPSILON {
+        format!("{:.decimals$}", s.median)
+    } else {
+        format!(
+            "{:.decimals$} [{:.decimals$}–{:.decimals$}]",
+            s.median, s.min, s.max
+        )
+    }
+}
+
 /// An open-loop schedule: transaction `i` is due at `i × interval` after the start,
 /// whatever happened to the transactions before it. A writer that falls behind
 /// sends at once (without waiting) until it is back on schedule, so a slow

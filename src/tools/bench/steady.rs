@@ -1,15 +1,35 @@
-//! The steady-rate workload: open-loop writers at a fixed fraction of the CDC
-//! relay's backlog maximum, and the latency of each event from its `created_at`
-//! (which the relay and the poller both send as the record's CreateTime) to the
-//! moment a consumer of the topic reads it.
+//! The steady-rate workload: open-loop writers at fixed absolute rates
+//! (`--rates`, events/s, and `max`: the writers' own maximum on this machine,
+//! measured first without a relay), and the latency of each event from its
+//! `created_at` (which the relay and the poller both send as the record's
+//! CreateTime) to the moment a consumer of the topic reads it.
 //!
 //! Open loop: each writer's transactions are due on a fixed schedule
 //! ([`Schedule`]) and a late one is sent at once, so a struggling database shows up
-//! as latency rather than as a quietly lower rate. The consumer reads with a short
-//! fetch wait (`fetch.wait.max.ms` 5), so its own delay is a few milliseconds of
-//! every figure; both relays pay it alike.
+//! as latency rather than as a quietly lower rate. Every point is recorded with the
+//! rate the writers achieved. The consumer reads with a short fetch wait
+//! (`fetch.wait.max.ms` 5), so its own delay is a few milliseconds of every figure;
+//! both relays pay it alike.
+//!
+//! # A point that fails does not end the run
+//!
+//! A point fails when the writers cannot keep the schedule (still writing at twice
+//! the duration plus [`WRITE_SLACK`]: the rate is beyond this machine), when not
+//! every event reached the topic within [`DRAIN_GRACE`] after the writers stopped,
+//! or when anything else about it goes wrong (the relay exits, a query fails). It
+//! is reported as failed with that reason, and the next point runs: a long run
+//! that stopped at its first bad point would report nothing. Only Ctrl-C ends the
+//! run early.
+//!
+//! # Where the time goes
+//!
+//! The CDC relay runs with its metrics endpoint on a loopback port; after each
+//! point its per-stage histograms are read (`scrape`), so the report shows, next
+//! to the end-to-end latency, how long events spent between commit and receipt,
+//! receipt and produce, produce and ack, ack and confirmation.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,18 +38,17 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
-use super::args::BenchArgs;
+use super::args::{BenchArgs, Rate};
 use super::drain::{Mode, StopOnDrop, relay_command};
 use super::error::{BenchError, Result};
 use super::fixture::Fixture;
 use super::progress::{Progress, until_interrupted};
-use super::report::{LatencySpread, SteadyResult};
-use super::stats::{Latency, Schedule, Spread, rate, signed_f64};
+use super::scrape::{self, StageLatency};
+use super::stats::{Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
+use super::steady_report::{StageSpread, SteadyResult};
 use crate::config::Config;
 use crate::tools::workload::{Pace, Workload};
 
-/// Offered load as fractions of the CDC backlog maximum.
-pub(crate) const FRACTIONS: [f64; 3] = [0.25, 0.5, 0.8];
 /// Label of the poller in the steady runs: the backlog label of its settings.
 pub(crate) const POLL_LABEL: &str = "poll-b1000-w1";
 /// The poller's settings for the steady runs: one worker keeps per-key order, a
@@ -45,6 +64,8 @@ const POLL_ARGS: [&str; 7] = [
 ];
 /// How long to wait for the last events after the writers stopped.
 const DRAIN_GRACE: Duration = Duration::from_secs(60);
+/// The writers of a point must be done by twice its duration plus this.
+const WRITE_SLACK: Duration = Duration::from_secs(2);
 
 /// Which contenders run the steady workload: the two real relays.
 #[must_use]
@@ -59,72 +80,220 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     out
 }
 
-/// Runs every (mode, fraction) `--repeat` times.
+/// What one run of a point came to.
+#[derive(Debug, Clone, PartialEq)]
+enum Outcome {
+    Measured {
+        achieved: f64,
+        latency: Latency,
+        /// The relay's per-stage figures (CDC only; empty when unreadable).
+        stages: Vec<StageLatency>,
+    },
+    Failed {
+        reason: String,
+        /// The rate the writers reached, when they ran.
+        achieved: Option<f64>,
+    },
+}
+
+/// Runs every (rate, mode) point `--repeat` times; a failed point is recorded and
+/// the run goes on.
 pub(crate) async fn run(
     config: &Config,
     workload: &Workload,
     modes: &[&'static str],
-    cdc_max: f64,
     args: &BenchArgs,
     progress: &Progress,
 ) -> Result<Vec<SteadyResult>> {
     let duration = Duration::from_secs(args.steady_secs);
-    let mut runs: HashMap<(&str, usize), Vec<(f64, Latency)>> = HashMap::new();
+    let writers_max = if args.rates.contains(&Rate::WritersMax) {
+        progress.step(format!("measuring the writers' maximum ({duration:?})"));
+        let max = writers_max(config, workload, duration).await?;
+        progress.done(&match &max {
+            Ok(rate) => format!("writers' maximum: {rate:.0} events/s"),
+            Err(reason) => format!("writers' maximum not measured: {reason}"),
+        });
+        Some(max)
+    } else {
+        None
+    };
+    let target = |rate: Rate| match (rate, &writers_max) {
+        (Rate::Fixed(r), _) => Ok(r),
+        (Rate::WritersMax, Some(Ok(max))) => Ok(*max),
+        (Rate::WritersMax, Some(Err(reason))) => {
+            Err(format!("the writers' maximum was not measured: {reason}"))
+        }
+        (Rate::WritersMax, None) => Err("the writers' maximum was not measured".to_owned()),
+    };
+    let mut runs: HashMap<(&str, usize), Vec<Outcome>> = HashMap::new();
     for repeat in 1..=args.repeat {
-        for (f, fraction) in FRACTIONS.iter().enumerate() {
+        for (r, &rate) in args.rates.iter().enumerate() {
             for &mode in modes {
-                let target = cdc_max * fraction;
-                progress.step(format!(
-                    "{mode} steady {:.0}% ({target:.0} events/s), run {repeat}/{}",
-                    fraction * 100.0,
-                    args.repeat
-                ));
-                let (achieved, latency) = one_run(config, workload, mode, target, duration).await?;
-                progress.done(&format!(
-                    "{mode} steady {:.0}%: {achieved:.0} events/s, p50 {:.1} ms, p99 {:.1} ms",
-                    fraction * 100.0,
-                    latency.p50,
-                    latency.p99
-                ));
-                runs.entry((mode, f)).or_default().push((achieved, latency));
+                let outcome = match target(rate) {
+                    Ok(events_per_s) => {
+                        progress.step(format!(
+                            "{mode} steady {rate} ({events_per_s:.0} events/s), run {repeat}/{}",
+                            args.repeat
+                        ));
+                        one_run(config, workload, mode, events_per_s, duration).await?
+                    }
+                    Err(reason) => Outcome::Failed {
+                        reason,
+                        achieved: None,
+                    },
+                };
+                progress.done(&describe(mode, rate, &outcome));
+                runs.entry((mode, r)).or_default().push(outcome);
             }
         }
     }
     let mut out = Vec::new();
-    for (f, fraction) in FRACTIONS.iter().enumerate() {
+    for (r, &rate) in args.rates.iter().enumerate() {
         for &mode in modes {
-            let Some(samples) = runs.get(&(mode, f)) else {
-                continue;
-            };
-            let achieved: Vec<f64> = samples.iter().map(|(a, _)| *a).collect();
-            let latencies: Vec<Latency> = samples.iter().map(|(_, l)| *l).collect();
-            if let (Some(achieved), Some(latency)) =
-                (Spread::of(&achieved), LatencySpread::of(&latencies))
-            {
-                out.push(SteadyResult {
-                    mode: mode.to_owned(),
-                    fraction: *fraction,
-                    target_events_per_s: cdc_max * fraction,
-                    achieved_events_per_s: achieved,
-                    latency,
-                });
-            }
+            let outcomes = runs.remove(&(mode, r)).unwrap_or_default();
+            out.push(aggregate(mode, rate, target(rate).ok(), &outcomes));
         }
     }
     Ok(out)
 }
 
+/// The progress line of one run.
+fn describe(mode: &str, rate: Rate, outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Measured {
+            achieved, latency, ..
+        } => format!(
+            "{mode} steady {rate}: {achieved:.0} events/s, p50 {:.1} ms, p99 {:.1} ms",
+            latency.p50, latency.p99
+        ),
+        Outcome::Failed { reason, .. } => format!("{mode} steady {rate}: FAILED: {reason}"),
+    }
+}
+
+/// One point's runs, aggregated: spreads over the measured runs, every failure's
+/// reason.
+fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) -> SteadyResult {
+    let mut achieved = Vec::new();
+    let mut latencies = Vec::new();
+    let mut stages: Vec<&StageLatency> = Vec::new();
+    let mut failures = Vec::new();
+    for outcome in outcomes {
+        match outcome {
+            Outcome::Measured {
+                achieved: a,
+                latency,
+                stages: s,
+            } => {
+                achieved.push(*a);
+                latencies.push(*latency);
+                stages.extend(s);
+            }
+            Outcome::Failed {
+                reason,
+                achieved: a,
+            } => {
+                achieved.extend(a);
+                failures.push(reason.clone());
+            }
+        }
+    }
+    SteadyResult {
+        mode: mode.to_owned(),
+        rate,
+        target_events_per_s: target,
+        runs: outcomes.len(),
+        achieved_events_per_s: Spread::of(&achieved),
+        latency: LatencySpread::of(&latencies),
+        stages: stage_spreads(&stages),
+        failures,
+    }
+}
+
+/// Per stage (in the relay's order), the spread of p50 and p99 over the runs.
+fn stage_spreads(stages: &[&StageLatency]) -> Vec<StageSpread> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for s in stages {
+        if !names.contains(&s.stage) {
+            names.push(s.stage);
+        }
+    }
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let mine: Vec<&&StageLatency> = stages.iter().filter(|s| s.stage == name).collect();
+            let p50: Vec<f64> = mine.iter().map(|s| s.p50_ms).collect();
+            let p99: Vec<f64> = mine.iter().map(|s| s.p99_ms).collect();
+            Some(StageSpread {
+                stage: name,
+                p50: Spread::of(&p50)?,
+                p99: Spread::of(&p99)?,
+            })
+        })
+        .collect()
+}
+
+/// The writers' own maximum: unpaced, no relay, no slot, for `duration`. `Ok(Err)`
+/// when it could not be measured (the `max` points then fail with that reason).
+async fn writers_max(
+    config: &Config,
+    workload: &Workload,
+    duration: Duration,
+) -> Result<std::result::Result<f64, String>> {
+    until_interrupted(async {
+        let fixture = match Fixture::create(config).await {
+            Ok(fixture) => fixture,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let timer = {
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                tokio::time::sleep(duration).await;
+                stop.store(true, Ordering::Release);
+            })
+        };
+        let unbounded = Workload {
+            events: u64::MAX / 2,
+            ..workload.clone()
+        };
+        let started = Instant::now();
+        let written = fixture.writers(&unbounded).until(stop).run().await;
+        let elapsed = started.elapsed();
+        timer.abort();
+        fixture.cleanup().await;
+        Ok(match written {
+            Ok(w) if w.events > 0 => Ok(rate(w.events, elapsed)),
+            Ok(_) => Err("the writers wrote nothing".to_owned()),
+            Err(e) => Err(BenchError::from(e).to_string()),
+        })
+    })
+    .await
+}
+
+/// One run of a point in fresh objects; only Ctrl-C is an `Err`, anything else
+/// that goes wrong is a failed [`Outcome`].
 async fn one_run(
     config: &Config,
     workload: &Workload,
     mode: &str,
     events_per_s: f64,
     duration: Duration,
-) -> Result<(f64, Latency)> {
-    let fixture = Fixture::create(config).await?;
-    let result = until_interrupted(run_in(&fixture, workload, mode, events_per_s, duration)).await;
-    fixture.cleanup().await;
-    result
+) -> Result<Outcome> {
+    let result = until_interrupted(async {
+        let fixture = Fixture::create(config).await?;
+        let result = run_in(&fixture, workload, mode, events_per_s, duration).await;
+        fixture.cleanup().await;
+        result
+    })
+    .await;
+    match result {
+        Ok(outcome) => Ok(outcome),
+        Err(BenchError::Interrupted) => Err(BenchError::Interrupted),
+        Err(e) => Ok(Outcome::Failed {
+            reason: e.to_string(),
+            achieved: None,
+        }),
+    }
 }
 
 async fn run_in(
@@ -133,7 +302,7 @@ async fn run_in(
     mode: &str,
     events_per_s: f64,
     duration: Duration,
-) -> Result<(f64, Latency)> {
+) -> Result<Outcome> {
     let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
         .ok_or(BenchError::NoSchedule { events_per_s })?;
     let cdc = mode == "cdc";
@@ -141,20 +310,43 @@ async fn run_in(
     if cdc {
         fixture.create_slot().await?;
     }
-    let mut child = spawn(fixture, cdc)?;
+    let metrics = if cdc {
+        Some(scrape::free_port()?)
+    } else {
+        None
+    };
+    let mut child = spawn(fixture, cdc, metrics)?;
     wait_ready(fixture, cdc, &mut child).await?;
-    let expected = schedule.count() * u64::from(workload.rows_per_tx);
+    let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
     let consumer = {
         let cfg = consumer_config(&fixture.config);
         let topic = fixture.topic.clone();
         let stop = Arc::clone(&stop);
-        tokio::task::spawn_blocking(move || consume_latencies(&cfg, &topic, expected, &stop))
+        tokio::task::spawn_blocking(move || consume_latencies(&cfg, &topic, scheduled, &stop))
     };
     let started = Instant::now();
-    let written = write(fixture, workload, schedule).await;
+    let write_deadline = duration * 2 + WRITE_SLACK;
+    let written = write(fixture, workload, schedule, write_deadline).await?;
     let write_elapsed = started.elapsed();
+    let achieved = rate(written, write_elapsed.max(duration));
+    if written < scheduled {
+        // The consumer and the relay are done with before the run's topic is
+        // dropped.
+        stop.store(true, Ordering::Release);
+        let _ = consumer.await;
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        return Ok(Outcome::Failed {
+            reason: format!(
+                "the writers fell behind: {written} of {scheduled} events written in {:.1} s \
+                 ({achieved:.0} events/s of {events_per_s:.0} targeted)",
+                write_elapsed.as_secs_f64()
+            ),
+            achieved: Some(achieved),
+        });
+    }
     let deadline = tokio::time::Instant::now() + DRAIN_GRACE;
     let mut consumer = consumer;
     let latencies = tokio::select! {
@@ -164,25 +356,51 @@ async fn run_in(
             consumer.await.map_err(BenchError::Task)??
         }
     };
+    let stages = match metrics {
+        Some(addr) => relay_stages(addr).await,
+        None => Vec::new(),
+    };
     let _ = child.start_kill();
     let _ = child.wait().await;
-    let written = written?;
     let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
     if found < written {
-        return Err(BenchError::Undelivered {
-            mode: format!("{mode} (steady)"),
-            found,
-            expected: written,
+        return Ok(Outcome::Failed {
+            reason: format!(
+                "{found} of {written} events on the topic {} s after the writers stopped",
+                DRAIN_GRACE.as_secs()
+            ),
+            achieved: Some(achieved),
         });
     }
     let latency = Latency::of(latencies).ok_or(BenchError::NoLatencySamples)?;
-    // The schedule spans `duration`; writers that fell behind took longer.
-    Ok((rate(written, write_elapsed.max(duration)), latency))
+    Ok(Outcome::Measured {
+        achieved,
+        latency,
+        stages,
+    })
 }
 
-fn spawn(fixture: &Fixture, cdc: bool) -> Result<tokio::process::Child> {
+/// The relay's per-stage figures; none (with a warning) when they cannot be read.
+async fn relay_stages(addr: SocketAddr) -> Vec<StageLatency> {
+    scrape::stages(addr).await.unwrap_or_else(|reason| {
+        tracing::warn!(%reason, "cannot read the relay's stage histograms");
+        Vec::new()
+    })
+}
+
+fn spawn(
+    fixture: &Fixture,
+    cdc: bool,
+    metrics: Option<SocketAddr>,
+) -> Result<tokio::process::Child> {
     let args: &[&str] = if cdc { &["run"] } else { &POLL_ARGS };
     let mut cmd = relay_command(fixture, args)?;
+    if let Some(addr) = metrics {
+        cmd.env(
+            format!("{}METRICS__LISTEN", crate::config::ENV_PREFIX),
+            addr.to_string(),
+        );
+    }
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -237,18 +455,34 @@ async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Ch
 }
 
 /// The open-loop writers; returns how many events they wrote. Writer `w` sends
-/// transactions `w, w + writers, …` on the schedule, each `rows_per_tx` rows.
-async fn write(fixture: &Fixture, workload: &Workload, schedule: Schedule) -> Result<u64> {
+/// transactions `w, w + writers, …` on the schedule, each `rows_per_tx` rows; at
+/// `deadline` (from the start) they stop before their next transaction.
+async fn write(
+    fixture: &Fixture,
+    workload: &Workload,
+    schedule: Schedule,
+    deadline: Duration,
+) -> Result<u64> {
     let workload = Workload {
         events: schedule.count() * u64::from(workload.rows_per_tx),
         ..workload.clone()
     };
+    let stop = Arc::new(AtomicBool::new(false));
+    let timer = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move {
+            tokio::time::sleep(deadline).await;
+            stop.store(true, Ordering::Release);
+        })
+    };
     let written = fixture
         .writers(&workload)
         .pace(Pace::Schedule(schedule))
+        .until(stop)
         .run()
-        .await?;
-    Ok(written.events)
+        .await;
+    timer.abort();
+    Ok(written?.events)
 }
 
 fn consumer_config(config: &Config) -> ClientConfig {
@@ -288,7 +522,8 @@ fn consume_latencies(
     }
     consumer.assign(&assignment)?;
     let mut next: HashMap<i32, i64> = HashMap::new();
-    let mut out = Vec::with_capacity(usize::try_from(expected).unwrap_or(0));
+    // Bounded: a rate beyond the writers schedules far more than they write.
+    let mut out = Vec::with_capacity(usize::try_from(expected.min(1 << 20)).unwrap_or(0));
     while u64::try_from(out.len()).unwrap_or(u64::MAX) < expected && !stop.load(Ordering::Acquire) {
         let Some(Ok(m)) = consumer.poll(Duration::from_millis(50)) else {
             continue;

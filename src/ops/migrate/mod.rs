@@ -12,6 +12,8 @@
 //! `0008` upgrades the poison table in place (de-duplication by occurrence, columns
 //! for content jsonb refuses, see [`crate::poison`]) and keeps every existing row: an
 //! applied migration is never edited, a later one changes what it created.
+//! `0009` adds parked events and keys (`relay.on_poison = "park-key"`, see
+//! `crate::poison`, `parking.rs`).
 //!
 //! Besides the tables, the migrations install the writer helper
 //! `outbox_enqueue(…)` (`0004`, see [`crate::outbox::enqueue`]) and the checkpoint table
@@ -19,6 +21,12 @@
 //! [`crate::outbox::checkpoint`]). With `outbox.partitioned = true` the outbox is created
 //! from `0001_outbox_partitioned.sql` instead (see [`crate::ops::retention`]); that choice
 //! is made at the first `migrate` and is not converted later.
+//!
+//! An outbox table that exists already (a poller's, Debezium's) is adopted as it is:
+//! the two migrations that concern its columns run their own SQL when the table has
+//! what it needs, else an adapted version or nothing, with a note (see `adopt.rs`).
+
+mod adopt;
 
 use tokio_postgres::Client;
 
@@ -51,49 +59,57 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "outbox",
-        sql: include_str!("../../migrations/0001_outbox.sql"),
-        partitioned_sql: Some(include_str!("../../migrations/0001_outbox_partitioned.sql")),
+        sql: include_str!("../../../migrations/0001_outbox.sql"),
+        partitioned_sql: Some(include_str!(
+            "../../../migrations/0001_outbox_partitioned.sql"
+        )),
     },
     Migration {
         version: 2,
         name: "poison_outbox",
-        sql: include_str!("../../migrations/0002_poison_outbox.sql"),
+        sql: include_str!("../../../migrations/0002_poison_outbox.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 3,
         name: "publication",
-        sql: include_str!("../../migrations/0003_publication.sql"),
+        sql: include_str!("../../../migrations/0003_publication.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 4,
         name: "enqueue",
-        sql: include_str!("../../migrations/0004_enqueue.sql"),
+        sql: include_str!("../../../migrations/0004_enqueue.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 5,
         name: "relay_checkpoint",
-        sql: include_str!("../../migrations/0005_relay_checkpoint.sql"),
+        sql: include_str!("../../../migrations/0005_relay_checkpoint.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 6,
         name: "cutover",
-        sql: include_str!("../../migrations/0006_cutover.sql"),
+        sql: include_str!("../../../migrations/0006_cutover.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 7,
         name: "relay_position",
-        sql: include_str!("../../migrations/0007_relay_position.sql"),
+        sql: include_str!("../../../migrations/0007_relay_position.sql"),
         partitioned_sql: None,
     },
     Migration {
         version: 8,
         name: "poison_dedup",
-        sql: include_str!("../../migrations/0008_poison_dedup.sql"),
+        sql: include_str!("../../../migrations/0008_poison_dedup.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 9,
+        name: "parked_keys",
+        sql: include_str!("../../../migrations/0009_parked_keys.sql"),
         partitioned_sql: None,
     },
 ];
@@ -106,6 +122,30 @@ const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78; // "outbox"
 pub struct Applied {
     pub applied: Vec<i32>,
     pub already: Vec<i32>,
+    /// Applied in a version adapted to an existing outbox table, with what differs.
+    pub adapted: Vec<(String, String)>,
+    /// Not applied (not recorded either), with the reason.
+    pub skipped: Vec<(String, String)>,
+}
+
+impl Applied {
+    /// The lines `migrate` prints: the counts, then each adaptation and skip.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut out = format!(
+            "migrations: {} applied, {} already present, {} skipped\n",
+            self.applied.len(),
+            self.already.len(),
+            self.skipped.len()
+        );
+        for (name, note) in &self.adapted {
+            out.push_str(&format!("migration {name} adapted: {note}\n"));
+        }
+        for (name, why) in &self.skipped {
+            out.push_str(&format!("migration {name} skipped: {why}\n"));
+        }
+        out
+    }
 }
 
 /// Fills the `{{placeholders}}` of a migration from the config.
@@ -192,8 +232,24 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
         )
         .await?;
     let mut result = Applied::default();
+    let existing = adopt::inspect(client, cfg).await?;
     for m in MIGRATIONS {
-        let sql = render(m.sql_for(cfg), cfg)?;
+        let label = format!("{:04}_{}", m.version, m.name);
+        let standard = m.sql_for(cfg);
+        let step = match m.version {
+            1 => adopt::outbox_table(cfg, existing.as_ref(), standard)?,
+            4 => adopt::enqueue(cfg, existing.as_ref()),
+            _ => adopt::Step::Standard,
+        };
+        let (sql, adapted) = match step {
+            adopt::Step::Standard => (render(standard, cfg)?, None),
+            adopt::Step::Adapted { sql, note } => (render(&sql, cfg)?, Some(note)),
+            adopt::Step::Skipped(why) => {
+                tracing::warn!(migration = %label, reason = %why, "migration skipped");
+                result.skipped.push((label, why));
+                continue;
+            }
+        };
         let tx = client.transaction().await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
             .await?;
@@ -231,22 +287,53 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
         tx.commit().await?;
         tracing::info!(version = m.version, name = m.name, "migration applied");
         result.applied.push(m.version);
+        if let Some(note) = adapted {
+            result.adapted.push((label, note));
+        }
     }
     Ok(result)
+}
+
+/// The migrations [`apply`] would run now, as `NNNN_name` labels: those not
+/// recorded in `outbox_relay_migrations` (all of them when it does not exist) and
+/// not skipped for the outbox table as it is (`check` and `run` ask this).
+///
+/// # Errors
+///
+/// A failed query (a role without `SELECT` on `outbox_relay_migrations` gets
+/// SQLSTATE 42501), or an existing outbox the config cannot describe.
+pub async fn pending(client: &Client, cfg: &Config) -> Result<Vec<String>> {
+    let recorded: Vec<i32> = match client
+        .query("SELECT version FROM outbox_relay_migrations", &[])
+        .await
+    {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()?,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => Vec::new(),
+        Err(e) => return Err(e.into()),
+    };
+    let existing = adopt::inspect(client, cfg).await?;
+    let mut out = Vec::new();
+    for m in MIGRATIONS.iter().filter(|m| !recorded.contains(&m.version)) {
+        let step = match m.version {
+            1 => adopt::outbox_table(cfg, existing.as_ref(), m.sql_for(cfg))?,
+            4 => adopt::enqueue(cfg, existing.as_ref()),
+            _ => adopt::Step::Standard,
+        };
+        if !matches!(step, adopt::Step::Skipped(_)) {
+            out.push(format!("{:04}_{}", m.version, m.name));
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn cfg(extra: &str) -> Config {
-        Config::from_sources(
-            "t",
-            &format!("[postgres]\nurl = \"postgresql://h/db\"\n[kafka]\nbrokers = \"b\"\n{extra}"),
-            Vec::new(),
-        )
-        .unwrap()
-    }
+    use crate::config::test_config as cfg;
 
     #[test]
     fn every_placeholder_is_known() {

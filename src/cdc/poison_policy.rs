@@ -1,0 +1,130 @@
+//! `relay.on_poison`: what the relay does with an event the core decided to poison,
+//! and with the later events of its key.
+//!
+//! The core (`cdc::progress`) decides *that* an event is undeliverable; this module
+//! decides what that means, because the answer needs the record's key and topic,
+//! which the core does not see (it only keeps a hash for per-key order):
+//!
+//! * `skip`: the event is written to the poison table; later events of its key are
+//!   delivered. Per-key order is broken when the poisoned event is replayed.
+//! * `park-key`: the poison row *parks* the key (`crate::poison::parking` explains
+//!   the protocol). The relay remembers the parked keys — loaded at start, added
+//!   when it parks one, dropped when the writer finds one released — and writes
+//!   every later event of a parked key to the poison table as parked instead of
+//!   producing it. Only first produces are parked: an event already produced
+//!   cannot be taken back.
+//! * `halt`: nothing is written; the event stays unresolved, so the slot is not
+//!   confirmed past it, later events of its key stay held, and `/readyz` turns 503
+//!   with an alert naming the event, until someone fixes the cause (or chooses
+//!   another policy) and restarts the relay, which then tries the event again.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+
+use crate::cdc::in_flight::InFlight;
+use crate::cdc::metrics as m;
+use crate::config::PoisonKeyMode;
+use crate::outbox::OutboxEvent;
+use crate::poison::{ParkedKey, Parking};
+
+/// What to do with an event the core wants poisoned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Disposal {
+    /// Write its poison row with this part in parking.
+    Insert(Parking),
+    /// Do not write it: the relay halts on it.
+    Halt,
+}
+
+/// The policy and the keys it has parked.
+#[derive(Debug)]
+pub(crate) struct PoisonPolicy {
+    mode: PoisonKeyMode,
+    /// Parked record keys by topic (looked up per event without allocating).
+    parked: HashMap<String, HashSet<String>>,
+    count: usize,
+}
+
+impl PoisonPolicy {
+    /// `mode`, with the keys parked when the relay started.
+    #[must_use]
+    pub(crate) fn new(mode: PoisonKeyMode, parked: HashSet<ParkedKey>) -> PoisonPolicy {
+        let mut policy = PoisonPolicy {
+            mode,
+            parked: HashMap::new(),
+            count: 0,
+        };
+        for key in parked {
+            policy.insert(key);
+        }
+        policy.publish();
+        policy
+    }
+
+    /// Whether `event`, about to be produced for the first time, is parked instead.
+    /// Parked keys are honoured whatever the mode: a key parked under `park-key`
+    /// stays parked until `replay` releases it.
+    #[must_use]
+    pub(crate) fn parks(&self, event: &OutboxEvent) -> bool {
+        self.count > 0
+            && self
+                .parked
+                .get(event.topic.as_str())
+                .is_some_and(|keys| keys.contains(key_text(&event.key).as_ref()))
+    }
+
+    /// What to do with `pending`, which the core wants poisoned; under `park-key`
+    /// its key is parked from now on.
+    pub(crate) fn dispose(&mut self, pending: &InFlight) -> Disposal {
+        match (self.mode, pending) {
+            (_, InFlight::Event { parked: true, .. }) => Disposal::Insert(Parking::Parked),
+            (PoisonKeyMode::Halt, _) => Disposal::Halt,
+            (PoisonKeyMode::ParkKey, InFlight::Event { event, .. }) => {
+                if self.insert(key_of(event)) {
+                    self.publish();
+                }
+                Disposal::Insert(Parking::HoldsKey)
+            }
+            _ => Disposal::Insert(Parking::None),
+        }
+    }
+
+    /// `replay` released the key of `event` (the writer found it so).
+    pub(crate) fn released(&mut self, event: &OutboxEvent) {
+        let removed = self
+            .parked
+            .get_mut(event.topic.as_str())
+            .is_some_and(|keys| keys.remove(key_text(&event.key).as_ref()));
+        if removed {
+            self.count -= 1;
+            self.parked.retain(|_, keys| !keys.is_empty());
+            self.publish();
+        }
+    }
+
+    fn insert(&mut self, key: ParkedKey) -> bool {
+        let added = self.parked.entry(key.topic).or_default().insert(key.key);
+        self.count += usize::from(added);
+        added
+    }
+
+    fn publish(&self) {
+        // Exact: far fewer keys than 2^53.
+        #[allow(clippy::cast_precision_loss)]
+        ::metrics::gauge!(m::PARKED_KEYS).set(self.count as f64);
+    }
+}
+
+/// The parked-key identity of an event: its topic and its record key as text (as
+/// the poison table stores it).
+fn key_of(event: &OutboxEvent) -> ParkedKey {
+    ParkedKey {
+        topic: event.topic.clone(),
+        key: key_text(&event.key).into_owned(),
+    }
+}
+
+/// A record key as the poison table's text (lossy for bytes that are not UTF-8).
+fn key_text(key: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(key)
+}

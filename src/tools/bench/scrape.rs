@@ -1,0 +1,210 @@
+//! Where the time goes: the relay's own per-stage histograms, read from its
+//! `/metrics` endpoint at the end of a steady point.
+//!
+//! Only the relay knows when it took a frame, handed a record to librdkafka, got
+//! the delivery report and sent the status that confirmed it; the benchmark cannot
+//! see those moments from outside. So the CDC relay of a steady point runs with its
+//! metrics endpoint on a loopback port, and after the point the benchmark reads the
+//! Prometheus text once and turns each histogram into p50 and p99, interpolating
+//! linearly inside a bucket as Prometheus' `histogram_quantile` does. The buckets
+//! (see `crate::cdc::metrics`) are 1–10 ms wide where live traffic lands, so a
+//! percentile read this way is good to about half a bucket. The relay is a fresh
+//! process per point, so its histograms hold exactly that point's events.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::cdc::metrics as m;
+
+/// Label of the end-to-end commit → ack figure in the stage table.
+pub(crate) const COMMIT_TO_ACK: &str = "commit_to_ack";
+
+/// How long the scrape may take.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// p50 and p99 of one stage, in milliseconds, with the number of samples.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StageLatency {
+    pub(crate) stage: &'static str,
+    pub(crate) p50_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) count: u64,
+}
+
+/// A free loopback port for a child's metrics endpoint (bound, read, released).
+pub(crate) fn free_port() -> std::io::Result<SocketAddr> {
+    std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
+}
+
+/// The stages (in order) and commit → ack from the endpoint at `addr`; `Err` with
+/// the reason when it cannot be read.
+pub(crate) async fn stages(addr: SocketAddr) -> Result<Vec<StageLatency>, String> {
+    let text = tokio::time::timeout(SCRAPE_TIMEOUT, fetch(addr))
+        .await
+        .map_err(|_| format!("no answer from {addr} within {SCRAPE_TIMEOUT:?}"))?
+        .map_err(|e| format!("reading {addr}/metrics: {e}"))?;
+    Ok(stages_of(&text))
+}
+
+/// The stages found in a Prometheus text page (stages without samples left out).
+pub(crate) fn stages_of(text: &str) -> Vec<StageLatency> {
+    let mut out: Vec<StageLatency> = m::STAGES
+        .iter()
+        .filter_map(|&stage| latency(stage, &buckets(text, m::STAGE_LATENCY, Some(stage))))
+        .collect();
+    out.extend(latency(
+        COMMIT_TO_ACK,
+        &buckets(text, m::DELIVERY_LATENCY, None),
+    ));
+    out
+}
+
+fn latency(stage: &'static str, buckets: &[(f64, u64)]) -> Option<StageLatency> {
+    let count = buckets.last().map(|&(_, c)| c).filter(|&c| c > 0)?;
+    Some(StageLatency {
+        stage,
+        p50_ms: quantile(buckets, 0.5)? * 1000.0,
+        p99_ms: quantile(buckets, 0.99)? * 1000.0,
+        count,
+    })
+}
+
+/// One HTTP/1.0 `GET /metrics` (the endpoint closes the connection after it).
+async fn fetch(addr: SocketAddr) -> std::io::Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
+        .await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let text = String::from_utf8_lossy(&response);
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        return Err(std::io::Error::other("no HTTP response"));
+    };
+    if !head.lines().next().is_some_and(|l| l.contains(" 200 ")) {
+        return Err(std::io::Error::other(format!(
+            "answered {:?}",
+            head.lines().next().unwrap_or_default()
+        )));
+    }
+    Ok(body.to_owned())
+}
+
+/// The cumulative buckets `(le, count)` of histogram `name`, ascending, `+Inf` last;
+/// with `stage`, only the series whose `stage` label is that.
+pub(crate) fn buckets(text: &str, name: &str, stage: Option<&str>) -> Vec<(f64, u64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut out: Vec<(f64, u64)> = text
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(&prefix)?;
+            let (labels, value) = rest.split_once("} ")?;
+            if let Some(stage) = stage
+                && label(labels, "stage") != Some(stage)
+            {
+                return None;
+            }
+            let le = match label(labels, "le")? {
+                "+Inf" => f64::INFINITY,
+                le => le.parse().ok()?,
+            };
+            let count = value.trim().parse::<f64>().ok()?;
+            Some((le, super::stats::truncate_u64(count)))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// The value of `key="…"` in a label list (values without escapes, as ours are).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// The `q` quantile (0–1) of cumulative `buckets`, linear inside the bucket it falls
+/// in (from the bucket below, or 0); in the `+Inf` bucket, the highest finite bound.
+/// `None` without samples.
+pub(crate) fn quantile(buckets: &[(f64, u64)], q: f64) -> Option<f64> {
+    let total = super::stats::count_f64(buckets.last()?.1);
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q.clamp(0.0, 1.0) * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for &(le, count) in buckets {
+        let count = super::stats::count_f64(count);
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(lower);
+            }
+            let share = if count > below {
+                (rank - below) / (count - below)
+            } else {
+                0.0
+            };
+            return Some(lower + (le - lower) * share);
+        }
+        (lower, below) = (le, count);
+    }
+    Some(lower)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: &str = "\
+# TYPE outbox_relay_stage_latency_seconds histogram
+outbox_relay_stage_latency_seconds_bucket{stage=\"produced_to_acked\",le=\"0.001\"} 0
+outbox_relay_stage_latency_seconds_bucket{stage=\"produced_to_acked\",le=\"0.005\"} 50
+outbox_relay_stage_latency_seconds_bucket{stage=\"produced_to_acked\",le=\"0.01\"} 99
+outbox_relay_stage_latency_seconds_bucket{stage=\"produced_to_acked\",le=\"+Inf\"} 100
+outbox_relay_stage_latency_seconds_sum{stage=\"produced_to_acked\"} 0.4
+outbox_relay_stage_latency_seconds_count{stage=\"produced_to_acked\"} 100
+outbox_relay_stage_latency_seconds_bucket{stage=\"commit_to_received\",le=\"0.001\"} 0
+outbox_relay_stage_latency_seconds_bucket{stage=\"commit_to_received\",le=\"+Inf\"} 0
+outbox_relay_delivery_latency_seconds_bucket{le=\"0.01\"} 4
+outbox_relay_delivery_latency_seconds_bucket{le=\"0.02\"} 8
+outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
+";
+
+    #[test]
+    fn reads_the_buckets_of_one_stage() {
+        let b = buckets(PAGE, m::STAGE_LATENCY, Some("produced_to_acked"));
+        assert_eq!(
+            b,
+            vec![(0.001, 0), (0.005, 50), (0.01, 99), (f64::INFINITY, 100)]
+        );
+        assert!(buckets(PAGE, m::STAGE_LATENCY, Some("acked_to_confirmed")).is_empty());
+    }
+
+    #[test]
+    fn quantiles_interpolate_inside_a_bucket() {
+        let b = buckets(PAGE, m::STAGE_LATENCY, Some("produced_to_acked"));
+        // Rank 50 is the top of (1 ms, 5 ms]; rank 99 the top of (5, 10].
+        assert!((quantile(&b, 0.5).unwrap() - 0.005).abs() < 1e-12);
+        assert!((quantile(&b, 0.99).unwrap() - 0.01).abs() < 1e-12);
+        // Rank 25 is half-way through (1, 5].
+        assert!((quantile(&b, 0.25).unwrap() - 0.003).abs() < 1e-12);
+        // In +Inf: the highest finite bound.
+        assert!((quantile(&b, 1.0).unwrap() - 0.01).abs() < 1e-12);
+        assert_eq!(quantile(&[(0.001, 0), (f64::INFINITY, 0)], 0.5), None);
+        assert_eq!(quantile(&[], 0.5), None);
+    }
+
+    #[test]
+    fn stages_skip_empty_histograms_and_add_commit_to_ack() {
+        let stages = stages_of(PAGE);
+        let names: Vec<&str> = stages.iter().map(|s| s.stage).collect();
+        assert_eq!(names, ["produced_to_acked", COMMIT_TO_ACK]);
+        assert_eq!(stages[0].count, 100);
+        assert!((stages[0].p50_ms - 5.0).abs() < 1e-9);
+        // Rank 4 of 8 is the top of the first bucket (0, 10 ms].
+        assert!((stages[1].p50_ms - 10.0).abs() < 1e-9);
+    }
+}

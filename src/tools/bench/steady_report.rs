@@ -1,0 +1,235 @@
+//! How the steady points are shown: one row per (rate, mode) with the rate asked
+//! for, the rate achieved and the end-to-end latency, failed points with their
+//! reason; then, for the CDC relay, where the time went (p50 / p99 per stage, from
+//! the relay's own histograms); and the same as JSON.
+
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use super::args::Rate;
+use super::scrape::COMMIT_TO_ACK;
+use super::stats::{LatencySpread, Spread, spread};
+use crate::cdc::metrics as m;
+
+/// Columns of the stage table: the relay's stages, then the end-to-end figure.
+const STAGE_COLUMNS: [(&str, &str); 5] = [
+    (m::STAGE_COMMIT_TO_RECEIVED, "commit→received"),
+    (m::STAGE_RECEIVED_TO_PRODUCED, "received→produced"),
+    (m::STAGE_PRODUCED_TO_ACKED, "produced→acked"),
+    (m::STAGE_ACKED_TO_CONFIRMED, "acked→confirmed"),
+    (COMMIT_TO_ACK, "commit→ack"),
+];
+
+/// The steady tables; `workload` describes the points (duration, rows/tx, writers).
+pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nsteady rate, {workload}; latency from created_at to consumer (ms):\n{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
+        "mode", "rate", "target/s", "achieved/s", "p50", "p95", "p99", "max"
+    );
+    for s in steady {
+        let _ = writeln!(out, "{}", steady_row(s));
+        for failure in &s.failures {
+            let _ = writeln!(out, "{:<14} FAILED: {failure}", "");
+        }
+    }
+    let cdc: Vec<&SteadyResult> = steady
+        .iter()
+        .filter(|s| s.mode == "cdc" && !s.stages.is_empty())
+        .collect();
+    if !cdc.is_empty() {
+        let _ = write!(
+            out,
+            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99):\n{:>6} {:>10}",
+            "rate", "achieved/s"
+        );
+        for (_, title) in STAGE_COLUMNS {
+            let _ = write!(out, " {title:>18}");
+        }
+        out.push('\n');
+        for s in cdc {
+            let _ = write!(out, "{}", stage_row(s));
+        }
+    }
+    out
+}
+
+/// One steady-rate point: a mode at a requested rate, over `--repeat` runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SteadyResult {
+    pub mode: String,
+    /// The rate asked for (`--rates`).
+    pub rate: Rate,
+    /// Events/s scheduled (`None` when `max` could not be measured).
+    pub target_events_per_s: Option<f64>,
+    pub runs: usize,
+    /// What the writers reached, over the runs that wrote.
+    pub achieved_events_per_s: Option<Spread>,
+    /// Over the runs that were measured; `None` when every run failed.
+    pub latency: Option<LatencySpread>,
+    /// The relay's per-stage p50/p99 (CDC), in its order, then commit → ack.
+    pub stages: Vec<StageSpread>,
+    /// Why runs of this point failed (empty when none did).
+    pub failures: Vec<String>,
+}
+
+impl SteadyResult {
+    /// The p50/p99 of `stage`, if measured.
+    #[must_use]
+    pub fn stage(&self, stage: &str) -> Option<&StageSpread> {
+        self.stages.iter().find(|s| s.stage == stage)
+    }
+}
+
+/// p50 and p99 of one stage over repeated runs, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageSpread {
+    pub stage: &'static str,
+    pub p50: Spread,
+    pub p99: Spread,
+}
+
+fn rate_text(s: &SteadyResult) -> String {
+    s.rate.to_string()
+}
+
+fn steady_row(s: &SteadyResult) -> String {
+    let target = s
+        .target_events_per_s
+        .map_or("-".into(), |t| format!("{t:.0}"));
+    let achieved = s
+        .achieved_events_per_s
+        .map_or("-".into(), |a| spread(&a, 0));
+    let latency = s.latency.map_or_else(
+        || vec!["-".to_owned(); 4],
+        |l| {
+            [l.p50, l.p95, l.p99, l.max]
+                .iter()
+                .map(|p| spread(p, 1))
+                .collect()
+        },
+    );
+    format!(
+        "{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
+        s.mode,
+        rate_text(s),
+        target,
+        achieved,
+        latency[0],
+        latency[1],
+        latency[2],
+        latency[3],
+    )
+}
+
+fn stage_row(s: &SteadyResult) -> String {
+    let mut row = format!(
+        "{:>6} {:>10}",
+        rate_text(s),
+        s.achieved_events_per_s
+            .map_or("-".into(), |a| format!("{:.0}", a.median))
+    );
+    for (stage, _) in STAGE_COLUMNS {
+        let cell = s.stage(stage).map_or("-".into(), |st| {
+            format!("{:.1} / {:.1}", st.p50.median, st.p99.median)
+        });
+        let _ = write!(row, " {cell:>18}");
+    }
+    row.push('\n');
+    row
+}
+
+/// One steady point in the `--json` object.
+pub(crate) fn steady_json(s: &SteadyResult) -> Value {
+    let stages: serde_json::Map<String, Value> = s
+        .stages
+        .iter()
+        .map(|st| {
+            (
+                st.stage.to_owned(),
+                json!({"p50_ms": st.p50.median, "p99_ms": st.p99.median,
+                       "p99_ms_min": st.p99.min, "p99_ms_max": st.p99.max}),
+            )
+        })
+        .collect();
+    let l = s.latency;
+    json!({
+        "mode": s.mode,
+        "rate": rate_text(s),
+        "target_events_per_s": s.target_events_per_s,
+        "events_per_s": s.achieved_events_per_s.map(|a| a.median),
+        "runs": s.runs,
+        "failed": !s.failures.is_empty(),
+        "failures": s.failures,
+        "p50_ms": l.map(|l| l.p50.median),
+        "p95_ms": l.map(|l| l.p95.median),
+        "p99_ms": l.map(|l| l.p99.median),
+        "max_ms": l.map(|l| l.max.median),
+        "p99_ms_min": l.map(|l| l.p99.min),
+        "p99_ms_max": l.map(|l| l.p99.max),
+        "stages": stages,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(v: f64) -> Spread {
+        Spread {
+            median: v,
+            min: v,
+            max: v,
+        }
+    }
+
+    fn point(rate: Rate, failures: Vec<String>) -> SteadyResult {
+        let measured = failures.is_empty();
+        SteadyResult {
+            mode: "cdc".into(),
+            rate,
+            target_events_per_s: Some(1000.0),
+            runs: 1,
+            achieved_events_per_s: Some(one(990.0)),
+            latency: measured.then(|| LatencySpread {
+                p50: one(4.0),
+                p95: one(8.0),
+                p99: one(12.0),
+                max: one(30.0),
+            }),
+            stages: if measured {
+                vec![StageSpread {
+                    stage: m::STAGE_PRODUCED_TO_ACKED,
+                    p50: one(2.5),
+                    p99: one(6.0),
+                }]
+            } else {
+                Vec::new()
+            },
+            failures,
+        }
+    }
+
+    #[test]
+    fn failed_points_show_their_reason_and_measured_ones_their_stages() {
+        let ok = point(Rate::Fixed(1000.0), Vec::new());
+        let failed = point(Rate::WritersMax, vec!["the writers fell behind".into()]);
+        let json = steady_json(&failed);
+        assert_eq!(json["failed"], true);
+        assert_eq!(json["rate"], "max");
+        assert_eq!(json["failures"][0], "the writers fell behind");
+        assert!(json["p99_ms"].is_null());
+        let json = steady_json(&ok);
+        assert_eq!(json["failed"], false);
+        assert_eq!(json["stages"]["produced_to_acked"]["p99_ms"], 6.0);
+        let row = stage_row(&ok);
+        assert!(row.contains("2.5 / 6.0"), "{row}");
+        assert!(
+            steady_row(&failed).contains(" - "),
+            "{}",
+            steady_row(&failed)
+        );
+    }
+}
