@@ -217,13 +217,13 @@ pub(crate) async fn prepare(
     let has_marker_table = table_exists(metadata, &marker_table).await?;
     if !has_marker_table {
         // Without the table nothing can be pending: only a new slot needs it.
-        let exists = slot::slot_info(metadata, &config.postgres.slot)
+        let exists = slot::slot_info(metadata, &config.postgres.slot_name())
             .await?
             .is_some();
         return match decide(trigger, exists, Marker::Absent) {
             Decision::Stream => Ok(Outcome::Stream),
             Decision::Refuse => Err(Prerequisite::SlotExistsWithoutCutover {
-                slot: config.postgres.slot.clone(),
+                slot: config.postgres.slot_name(),
             }
             .into()),
             _ => Err(Prerequisite::CutoverTableMissing {
@@ -232,7 +232,7 @@ pub(crate) async fn prepare(
             .into()),
         };
     }
-    let lock = lock_key(&config.postgres.slot);
+    let lock = lock_key(&config.postgres.slot_name());
     metadata
         .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
         .await
@@ -256,7 +256,7 @@ async fn prepare_locked(
     trigger: Trigger,
     marker_table: &str,
 ) -> Result<Outcome> {
-    let slot_name = &config.postgres.slot;
+    let slot_name = &config.postgres.slot_name();
     let info = slot::slot_info(metadata, slot_name).await?;
     let marker = read_marker(metadata, marker_table, slot_name).await?;
     let decision = decide(trigger, info.is_some(), marker);
@@ -319,7 +319,7 @@ async fn cut_over(
     metadata: &mut Client,
     marker_table: &str,
 ) -> Result<CutoverSummary> {
-    let slot_name = &config.postgres.slot;
+    let slot_name = &config.postgres.slot_name();
     // Everything that can fail for lack of a column, a connection or the broker is
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
@@ -438,10 +438,17 @@ impl<'a> Backlog<'a> {
         marker_table: Option<&'a str>,
     ) -> Result<Backlog<'a>> {
         let layout = poller::inspect_tables(metadata, &config.outbox).await?;
+        // A shard's cutover or resync publishes its shard's rows only.
+        let shard_filter = crate::config::shard::row_filter(
+            &config.outbox.columns.aggregate_id,
+            config.postgres.shards,
+            config.postgres.shard,
+        );
         let sql = poller::Sql::new(
             &config.outbox,
             &layout,
             config.relay.poison_copy_limit_bytes,
+            shard_filter.as_deref(),
         );
         let prepared = poller::Prepared::new(metadata, &sql).await?;
         let mapper =
@@ -581,7 +588,7 @@ impl<'a> Backlog<'a> {
                         "UPDATE {marker_table} SET published = $2, poisoned = $3 WHERE slot_name = $1"
                     ),
                     &[
-                        &self.config.postgres.slot,
+                        &self.config.postgres.slot_name(),
                         &count(published),
                         &count(poisoned),
                     ],
@@ -771,7 +778,7 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
 /// The cutover command's one-line report.
 #[must_use]
 pub fn render(config: &Config, outcome: &Outcome) -> String {
-    let slot = &config.postgres.slot;
+    let slot = &config.postgres.slot_name();
     match outcome {
         Outcome::Stream => format!("cutover: nothing to do for slot {slot}"),
         Outcome::AlreadyDone => {

@@ -46,7 +46,7 @@ pub(crate) async fn resync(
     loss: &SlotLoss,
     delivered_xmin: Option<i64>,
 ) -> Result<CutoverSummary> {
-    let slot_name = &config.postgres.slot;
+    let slot_name = &config.postgres.slot_name();
     let positions = PositionTable::new(config)?;
     positions.mark_lost(&*metadata, &loss.to_string()).await?;
     // Everything that can fail for lack of a column, a connection or the broker is

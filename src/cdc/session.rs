@@ -57,11 +57,11 @@ use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate
 use crate::cdc::resend_guard::ResendGuard;
 use crate::cdc::start::{self, Remembered, SlotLoss, SlotView, StartPlan};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
-use crate::config::{Config, PoisonKeyMode, SlotLossMode};
+use crate::config::{Config, PoisonKeyMode, RelayConfig, SlotLossMode};
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
-use crate::kafka::{self, DeliveryReport, Publisher, TopicLimits};
+use crate::kafka::{self, DeliveryReport, IdleGate, Publisher, TopicLimits};
 use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
@@ -283,10 +283,7 @@ pub async fn run_checked(
         return Ok(RunSummary::default());
     };
     let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
-    let (publisher, reports) = Publisher::new(
-        producer_config.clone(),
-        kafka::report_capacity(&config.relay),
-    )?;
+    let (publisher, reports) = relay_publisher(&producer_config, &config.relay)?;
     let checks_started = Instant::now();
     checks.check(&metadata, &publisher, &config).await?;
     tracing::info!(
@@ -331,7 +328,7 @@ pub async fn run_checked(
     let heartbeat_secs = config.relay.heartbeat_interval_secs;
     let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat::run(HeartbeatConfig {
         conninfo: conninfo.clone(),
-        slot: config.postgres.slot.clone(),
+        slot: config.postgres.slot_name(),
         interval: if heartbeat_secs == 0 {
             SLOT_SAMPLE_INTERVAL
         } else {
@@ -342,6 +339,7 @@ pub async fn run_checked(
 
     let status_interval = core_config.status_interval;
     let topic_limits = TopicLimits::new(&producer_config);
+    let linger = kafka::linger(&producer_config);
     let now = Instant::now();
     let mut relay = Relay {
         config,
@@ -368,6 +366,7 @@ pub async fn run_checked(
         policy,
         alone: None,
         topic_limits,
+        idle_gate: IdleGate::new(linger),
         poison_tx,
         outcomes,
         current_commit_lsn: Lsn::ZERO,
@@ -379,6 +378,24 @@ pub async fn run_checked(
         instruments: Instruments::new(),
     };
     relay.run(shutdown).await
+}
+
+/// The relay's producer with the relay's settings: configuration errors poisoned or
+/// not (`relay.on_config_error`), lingering records sent when the stream goes idle
+/// (`relay.flush_when_idle`).
+fn relay_publisher(
+    producer_config: &ClientConfig,
+    relay: &RelayConfig,
+) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>)> {
+    let (publisher, reports) =
+        Publisher::new(producer_config.clone(), kafka::report_capacity(relay))?;
+    let publisher = publisher.with_configuration_errors_poisoned(relay.on_config_error.poisons());
+    let publisher = if relay.flush_when_idle {
+        publisher.with_idle_flush()?
+    } else {
+        publisher
+    };
+    Ok((publisher, reports))
 }
 
 /// Opens the first metadata connection, waiting with backoff while PostgreSQL is
@@ -505,6 +522,9 @@ struct Relay {
     alone: Option<Publisher>,
     /// The topics' `max.message.bytes` as far as known.
     topic_limits: TopicLimits,
+    /// When the stream goes idle between transactions, whether the producer may be
+    /// told to send without lingering (`relay.flush_when_idle`, `kafka::idle_flush`).
+    idle_gate: IdleGate,
     poison_tx: mpsc::Sender<PoisonRequest>,
     outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
@@ -676,12 +696,7 @@ impl Relay {
     /// blocking thread (librdkafka's destroy may wait for its broker connections);
     /// its late reports go nowhere.
     fn replace_producer(&mut self) -> Result<()> {
-        let (publisher, reports) = Publisher::new(
-            self.producer_config.clone(),
-            kafka::report_capacity(&self.config.relay),
-        )?;
-        let publisher = publisher
-            .with_configuration_errors_poisoned(self.config.relay.on_config_error.poisons());
+        let (publisher, reports) = relay_publisher(&self.producer_config, &self.config.relay)?;
         let old = std::mem::replace(&mut self.publisher, publisher);
         let old_alone = self.alone.take();
         self.reports = reports;
@@ -706,7 +721,7 @@ impl Relay {
             system_identifier: identity.systemid,
             timeline: identity.timeline,
         };
-        let slot_name = self.config.postgres.slot.clone();
+        let slot_name = self.config.postgres.slot_name();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
         if !first {
             // On a reconnect the slot may still be held by our own previous
@@ -757,11 +772,9 @@ impl Relay {
             start,
             Duration::from_millis(self.config.relay.position_save_interval_ms),
         ));
-        let publications = crate::postgres::replication::publication_names_option(&[self
-            .config
-            .postgres
-            .publication
-            .as_str()]);
+        let publication = self.config.postgres.publication_name();
+        let publications =
+            crate::postgres::replication::publication_names_option(&[publication.as_str()]);
         let version = PROTO_VERSION.to_string();
         let mut options = vec![
             ("proto_version", version.as_str()),
@@ -793,7 +806,7 @@ impl Relay {
         history: ServerHistory,
         remembered: Option<Remembered>,
     ) -> Result<StartPlan> {
-        let slot_name = &self.config.postgres.slot;
+        let slot_name = &self.config.postgres.slot_name();
         let recorded = self.positions.load(metadata).await?;
         let slot = slot::slot_info(metadata, slot_name)
             .await?
@@ -819,7 +832,7 @@ impl Relay {
         busy_timeout: Duration,
         history: ServerHistory,
     ) -> Result<Lsn> {
-        let slot_name = self.config.postgres.slot.clone();
+        let slot_name = self.config.postgres.slot_name();
         // A missing slot (or an interrupted cutover) first gets the backlog the
         // poller had not sent; then the slot exists and streaming starts at its
         // consistent point.
@@ -853,7 +866,7 @@ impl Relay {
         remembered: Option<Remembered>,
         loss: &SlotLoss,
     ) -> Result<Lsn> {
-        let slot_name = self.config.postgres.slot.clone();
+        let slot_name = self.config.postgres.slot_name();
         ::metrics::counter!(m::SLOT_LOSSES).increment(1);
         tracing::error!(slot = %slot_name, %loss, on_slot_loss = ?self.config.relay.on_slot_loss, "replication slot lost");
         if self.config.relay.on_slot_loss == SlotLossMode::Fail {
@@ -1003,6 +1016,15 @@ impl Relay {
                         Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
                         Err(e) => return Err(replication_error(e)),
                     }
+                }
+                // Last, so it is taken only when nothing above is ready: the stream
+                // has no frame to give right now. `consume_budget` (not `ready`) so
+                // that a task whose cooperative budget ran out, for which every
+                // branch above is pending too, yields instead of taking it for idle.
+                () = tokio::task::coop::consume_budget(), if !self.core.in_transaction()
+                    && self.idle_gate.may_nudge(Instant::now()) => {
+                    self.idle_gate.nudged(Instant::now());
+                    self.publisher.stream_idle();
                 }
             }
         }
@@ -1457,6 +1479,7 @@ impl Relay {
         };
         let sent = publisher.send_event(id, event);
         if sent.is_ok() {
+            self.idle_gate.produced();
             *produced_at = Instant::now();
             if attempt == 1 {
                 self.instruments.produced(*received_at, *produced_at);

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 pub mod duration;
 mod error;
 mod redact;
+pub mod shard;
 
 pub use error::ConfigError;
 pub use redact::{is_secret_setting, redact_url};
@@ -75,6 +76,37 @@ pub struct PostgresConfig {
     /// Publication for the outbox table(s) (created by `migrate`).
     #[serde(default = "default_publication")]
     pub publication: String,
+    /// Shards the outbox is split into by a hash of the entity id, each streamed by
+    /// its own relay through its own publication and slot (`{publication}_shard{i}`,
+    /// `{slot}_shard{i}`); 1 = not sharded. See [`shard`].
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+    /// The shard this relay streams, `0..shards`.
+    #[serde(default)]
+    pub shard: u32,
+}
+
+impl PostgresConfig {
+    /// The slot this relay streams from: `slot`, or its shard's.
+    #[must_use]
+    pub fn slot_name(&self) -> String {
+        shard::shard_name(&self.slot, self.shards, self.shard)
+    }
+
+    /// The publication this relay's slot decodes: `publication`, or its shard's.
+    #[must_use]
+    pub fn publication_name(&self) -> String {
+        shard::shard_name(&self.publication, self.shards, self.shard)
+    }
+
+    /// Every shard's slot, in shard order (just `slot` when not sharded): what
+    /// retention and `status` must consider.
+    #[must_use]
+    pub fn all_slot_names(&self) -> Vec<String> {
+        (0..self.shards.max(1))
+            .map(|i| shard::shard_name(&self.slot, self.shards, i))
+            .collect()
+    }
 }
 
 /// The outbox table, its poison side table, and the column names.
@@ -284,6 +316,10 @@ pub struct RelayConfig {
     /// Least milliseconds between two writes of the relay's position table while
     /// events flow (idle progress is written once per status interval).
     pub position_save_interval_ms: u64,
+    /// When the replication stream has nothing more to read between transactions,
+    /// send the records the producer holds at once instead of waiting out
+    /// `linger.ms`; while frames keep coming, `linger.ms` batches as configured.
+    pub flush_when_idle: bool,
 }
 
 /// The Prometheus and health HTTP endpoint.
@@ -412,6 +448,9 @@ fn default_slot() -> String {
 fn default_publication() -> String {
     "outbox_relay_pub".into()
 }
+fn default_shards() -> u32 {
+    1
+}
 fn default_topic_template() -> String {
     "outbox.event.{aggregate_type}".into()
 }
@@ -517,6 +556,7 @@ impl Default for RelayConfig {
             on_poison: PoisonKeyMode::Skip,
             producer_stall_secs: 60,
             position_save_interval_ms: 50,
+            flush_when_idle: true,
         }
     }
 }
@@ -596,13 +636,31 @@ impl Config {
         if self.postgres.url.trim().is_empty() {
             return invalid("postgres.url is empty".into());
         }
+        if !(1..=shard::MAX_SHARDS).contains(&self.postgres.shards) {
+            return invalid(format!(
+                "postgres.shards = {}: use 1 (not sharded) to {}",
+                self.postgres.shards,
+                shard::MAX_SHARDS
+            ));
+        }
+        if self.postgres.shard >= self.postgres.shards {
+            return invalid(format!(
+                "postgres.shard = {}: shards are numbered 0..{} (postgres.shards = {})",
+                self.postgres.shard,
+                self.postgres.shards - 1,
+                self.postgres.shards
+            ));
+        }
+        let last = self.postgres.shards - 1;
         for (key, name) in [
             ("postgres.slot", &self.postgres.slot),
             ("postgres.publication", &self.postgres.publication),
         ] {
-            if !is_plain_identifier(name) {
+            let longest = shard::shard_name(name, self.postgres.shards, last);
+            if !is_plain_identifier(name) || !is_plain_identifier(&longest) {
                 return invalid(format!(
-                    "{key} = {name:?}: use lowercase letters, digits and underscores (at most 63)"
+                    "{key} = {name:?}: use lowercase letters, digits and underscores (at most 63, \
+                     including a shard suffix such as \"_shard{last}\")"
                 ));
             }
         }
@@ -878,6 +936,8 @@ impl fmt::Debug for PostgresConfig {
             .field("url", &redact_url(&self.url))
             .field("slot", &self.slot)
             .field("publication", &self.publication)
+            .field("shards", &self.shards)
+            .field("shard", &self.shard)
             .finish()
     }
 }
@@ -930,6 +990,31 @@ impl fmt::Debug for Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_name_their_slots_and_publications_and_are_checked() {
+        let base = "[postgres]\nurl = \"postgresql://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n";
+        let load = |extra: &str| {
+            let text = base.replace("[kafka]", &format!("{extra}\n[kafka]"));
+            Config::from_sources("t", &text, Vec::new())
+        };
+        let one = load("").unwrap();
+        assert_eq!(one.postgres.slot_name(), "outbox_relay");
+        assert_eq!(one.postgres.publication_name(), "outbox_relay_pub");
+        assert_eq!(one.postgres.all_slot_names(), ["outbox_relay"]);
+        let third = load("shards = 4\nshard = 2").unwrap();
+        assert_eq!(third.postgres.slot_name(), "outbox_relay_shard2");
+        assert_eq!(third.postgres.publication_name(), "outbox_relay_pub_shard2");
+        assert_eq!(third.postgres.all_slot_names().len(), 4);
+        for bad in ["shards = 0", "shards = 65", "shards = 4\nshard = 4"] {
+            let err = load(bad).unwrap_err().to_string();
+            assert!(err.contains("postgres.shard"), "{bad}: {err}");
+        }
+        // A base name that fits alone but not with its shard suffix.
+        let long = "s".repeat(60);
+        let err = load(&format!("slot = \"{long}\"\nshards = 2")).unwrap_err();
+        assert!(err.to_string().contains("_shard1"), "{err}");
+    }
 
     const MINIMAL: &str = r#"
         [postgres]

@@ -45,6 +45,8 @@
 //!   time goes"): 0 ms lowers the ack median at 1,000 events/s by about 4 ms but raises
 //!   it at 5,000, and 1 ms halves the backlog drain rate, so 5 stays.
 
+use std::time::Duration;
+
 use rdkafka::ClientConfig;
 
 use crate::config::{KafkaConfig, RelayConfig};
@@ -215,9 +217,35 @@ fn check_override(
     }
 }
 
+/// The producer's `linger.ms` (or its alias `queue.buffering.max.ms`; librdkafka
+/// takes fractions), [`DEFAULT_LINGER_MS`] when neither is set or one is unreadable.
+#[must_use]
+pub fn linger(cfg: &ClientConfig) -> Duration {
+    ["linger.ms", "queue.buffering.max.ms"]
+        .iter()
+        .find_map(|key| cfg.get(key))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+        .map_or(Duration::from_millis(u64::from(DEFAULT_LINGER_MS)), |ms| {
+            Duration::from_secs_f64(ms / 1000.0)
+        })
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+
+    #[test]
+    fn linger_reads_the_setting_or_its_alias_and_falls_back_to_the_default() {
+        let mut cfg = ClientConfig::new();
+        assert_eq!(linger(&cfg), Duration::from_millis(5));
+        cfg.set("queue.buffering.max.ms", "0.5");
+        assert_eq!(linger(&cfg), Duration::from_micros(500));
+        cfg.set("linger.ms", "20");
+        assert_eq!(linger(&cfg), Duration::from_millis(20));
+        cfg.set("linger.ms", "soon");
+        assert_eq!(linger(&cfg), Duration::from_millis(5));
+    }
 
     pub(crate) fn kafka(producer: &[(&str, &str)]) -> KafkaConfig {
         // Through serde, so fields added to `KafkaConfig` later keep their defaults.

@@ -12,6 +12,7 @@
 //! | `config.rs` | [`producer_config`]: the guarantees every producer carries, refused pass-through settings | one producer contract for `run`, `poll`, `cutover`, `replay` and the bench |
 //! | `classify.rs` | broker error code → transient / poison / fatal, and its stable name | read by the publisher, the core's caller, the poison table and metrics |
 //! | `publisher.rs` | [`Publisher`], [`DeliveryReport`], [`SendRejected`] | the librdkafka callback plumbing |
+//! | `idle_flush.rs` | ends `linger.ms` early when the relay's stream goes idle | a blocking librdkafka call on a thread of its own |
 //! | `admin.rs` | `create_topic` | for the tools only: the relay never creates topics |
 //! | `error.rs` | [`BrokerError`]: set-up failures with their exit codes | this layer sits below [`crate::error`] |
 //!
@@ -45,13 +46,15 @@ mod admin;
 mod classify;
 mod config;
 mod error;
+mod idle_flush;
 mod publisher;
 mod topic_limits;
 
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
 pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
-pub use config::{producer_config, report_capacity};
+pub use config::{linger, producer_config, report_capacity};
 pub use error::{BrokerError, BrokerUnavailable};
+pub use idle_flush::IdleGate;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
 pub(crate) use topic_limits::{TopicLimits, read_limits};

@@ -45,6 +45,7 @@ use crate::lifecycle::Backoff;
 
 use super::classify::{classify, error_class};
 use super::error::{BrokerError, BrokerUnavailable};
+use super::idle_flush::IdleFlush;
 
 // The delivery opaque is the EventId as a usize: lossless only where usize is 64 bits.
 const _: () = assert!(usize::BITS >= u64::BITS, "EventId must fit in a usize");
@@ -230,6 +231,9 @@ pub struct Publisher {
     poison_configuration_errors: bool,
     /// The producer's `message.max.bytes`: a larger record is refused at send.
     max_message_bytes: usize,
+    /// Sends lingering records at once when the relay's stream goes idle
+    /// (`relay.flush_when_idle`); see [`Publisher::stream_idle`].
+    idle_flush: Option<IdleFlush>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -416,6 +420,7 @@ impl Publisher {
             brokers,
             poison_configuration_errors: false,
             max_message_bytes,
+            idle_flush: None,
         })
     }
 
@@ -584,6 +589,28 @@ impl Publisher {
         }
     }
 
+    /// Turns on sending at once when the relay's stream goes idle (see
+    /// [`Publisher::stream_idle`] and `kafka::idle_flush`).
+    ///
+    /// # Errors
+    ///
+    /// [`BrokerError::DeliveryThread`] when its thread cannot be spawned.
+    pub fn with_idle_flush(mut self) -> Result<Publisher, BrokerError> {
+        self.idle_flush = Some(
+            IdleFlush::start(Arc::clone(&self.producer)).map_err(BrokerError::DeliveryThread)?,
+        );
+        Ok(self)
+    }
+
+    /// The caller has nothing more to produce right now: records lingering in
+    /// librdkafka's queue are sent without waiting out `linger.ms`. Never blocks; a
+    /// no-op unless [`Publisher::with_idle_flush`] turned it on.
+    pub fn stream_idle(&self) {
+        if let Some(idle_flush) = &self.idle_flush {
+            idle_flush.nudge();
+        }
+    }
+
     /// Records handed to librdkafka and not yet reported (its queue length).
     #[must_use]
     pub fn in_flight(&self) -> i32 {
@@ -624,6 +651,8 @@ impl Drop for Publisher {
     /// channel has room) and stops the delivery thread. Call [`Publisher::flush`] first
     /// for a graceful shutdown.
     fn drop(&mut self) {
+        // First, so that its thread lets go of the producer.
+        drop(self.idle_flush.take());
         let context = self.producer.context();
         context.closing.store(true, Ordering::Release);
         self.stop.store(true, Ordering::Release);
@@ -697,6 +726,41 @@ mod tests {
             .await
             .expect("a delivery report in time")
             .expect("channel open")
+    }
+
+    #[tokio::test]
+    async fn mock_idle_nudge_sends_without_waiting_out_the_linger() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("orders", 1, 1).unwrap();
+        // A linger far beyond the test's patience: only a nudge can send the record.
+        let (publisher, mut rx) = mock_publisher(&cluster, &[("linger.ms", "600000")]);
+        let publisher = publisher.with_idle_flush().unwrap();
+        publisher
+            .check_broker(Duration::from_secs(10))
+            .await
+            .unwrap();
+        for raw in 1..=3u64 {
+            let id = EventId::from_raw(raw);
+            publisher.send(id, record("orders", b"k", b"{}")).unwrap();
+            let early = tokio::time::timeout(Duration::from_secs(1), rx.recv()).await;
+            assert!(early.is_err(), "sent without a nudge: {early:?}");
+            publisher.stream_idle();
+            let report = next(&mut rx).await;
+            assert_eq!(report.id, id);
+            assert!(report.result.is_ok(), "{report:?}");
+            // The flush holds librdkafka's flushing state until the record is gone,
+            // which is just after its report: a record produced in that moment would
+            // leave at once too. Let it end before the next one.
+            tokio::time::sleep(crate::kafka::idle_flush::HOLD * 50).await;
+        }
+        // Without idle flushing, a nudge is a no-op and the record keeps lingering.
+        let (plain, mut plain_rx) = mock_publisher(&cluster, &[("linger.ms", "600000")]);
+        plain
+            .send(EventId::from_raw(9), record("orders", b"k", b"{}"))
+            .unwrap();
+        plain.stream_idle();
+        let lingering = tokio::time::timeout(Duration::from_secs(2), plain_rx.recv()).await;
+        assert!(lingering.is_err(), "{lingering:?}");
     }
 
     #[tokio::test]

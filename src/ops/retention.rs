@@ -265,10 +265,14 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
             .await?
             .try_get(0)?;
     }
+    // With shards, a row is delivered once its own shard's slot passed it; the
+    // checkpoints compare with the lowest of them (`checkpoint::progress`).
+    let slots = config.postgres.all_slot_names();
     let has_slot = client
         .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()",
-            &[&config.postgres.slot],
+            "SELECT 1 FROM pg_replication_slots
+              WHERE slot_name = ANY($1::text[]) AND database = current_database() LIMIT 1",
+            &[&slots],
         )
         .await?
         .is_some();
@@ -280,7 +284,7 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
     let progress = checkpoint::progress(&*client, config).await?;
     if progress.slot_missing {
         warn!(
-            slot = %config.postgres.slot,
+            slots = %slots.join(","),
             recorded_confirmed = ?progress.confirmed_flush.map(|l| l.to_string()),
             "no replication slot: using the last confirmed position recorded with a \
              checkpoint, and rows the poller marked sent"

@@ -49,6 +49,22 @@ pub struct Status {
     pub slot_lost: Option<String>,
     /// Lost slots the relay healed so far.
     pub resyncs: i64,
+    /// With `postgres.shards > 1`, every shard's slot (the fields above are this
+    /// config's shard, `postgres.shard`); empty, and left out of the JSON, when the
+    /// outbox is not sharded.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardStatus>,
+}
+
+/// One shard's slot, in `status` of a sharded outbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ShardStatus {
+    pub shard: u32,
+    pub slot: String,
+    pub slot_exists: bool,
+    pub active_pid: Option<i32>,
+    pub confirmed_flush_lsn: Option<String>,
+    pub lag_bytes: Option<i64>,
 }
 
 impl Status {
@@ -106,6 +122,19 @@ impl Status {
         if let Some(reason) = &self.slot_lost {
             out.push_str(&format!("SLOT LOST         {reason}; resync pending\n"));
         }
+        for s in &self.shards {
+            out.push_str(&format!(
+                "shard {:<11} {}: {}, lag {}\n",
+                s.shard,
+                s.slot,
+                match (s.slot_exists, s.active_pid) {
+                    (false, _) => "does not exist yet".to_owned(),
+                    (true, Some(pid)) => format!("streaming (pid {pid})"),
+                    (true, None) => "no relay streaming".to_owned(),
+                },
+                bytes(s.lag_bytes)
+            ));
+        }
         out
     }
 }
@@ -117,7 +146,7 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         detail: describe_error(&source),
         source,
     };
-    let slot = &config.postgres.slot;
+    let slot = &config.postgres.slot_name();
     let current: String = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await
@@ -161,7 +190,13 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         relay_position: None,
         slot_lost: None,
         resyncs: 0,
+        shards: Vec::new(),
     };
+    if config.postgres.shards > 1 {
+        status.shards = shards(client, config)
+            .await
+            .map_err(|e| err("cannot read the shards' slots", e))?;
+    }
     let parked_table = crate::poison::parked_key_table(&config.outbox);
     if crate::postgres::table_exists(client, &parked_table)
         .await
@@ -200,6 +235,35 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
     Ok(status)
 }
 
+/// Every shard's slot, in shard order.
+async fn shards(
+    client: &Client,
+    config: &Config,
+) -> Result<Vec<ShardStatus>, tokio_postgres::Error> {
+    let slots = config.postgres.all_slot_names();
+    let rows = client
+        .query(
+            "SELECT slot_name::text, active_pid, confirmed_flush_lsn::text,
+                    (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+               FROM pg_replication_slots WHERE slot_name = ANY($1::text[])",
+            &[&slots],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(slots.len());
+    for (shard, slot) in (0..).zip(slots) {
+        let row = rows.iter().find(|r| r.get::<_, String>(0) == slot);
+        out.push(ShardStatus {
+            shard,
+            slot_exists: row.is_some(),
+            active_pid: row.and_then(|r| r.get(1)),
+            confirmed_flush_lsn: row.and_then(|r| r.get(2)),
+            lag_bytes: row.and_then(|r| r.get(3)),
+            slot,
+        });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,11 +287,23 @@ mod tests {
             relay_position: Some("0/16B0000".into()),
             slot_lost: Some("replication slot outbox_relay is missing".into()),
             resyncs: 1,
+            shards: vec![ShardStatus {
+                shard: 1,
+                slot: "outbox_relay_shard1".into(),
+                slot_exists: true,
+                active_pid: Some(42),
+                confirmed_flush_lsn: Some("0/16B0000".into()),
+                lag_bytes: Some(10),
+            }],
         };
         let text = s.render();
         assert!(text.contains("does not exist yet"), "{text}");
         assert!(text.contains("0/16B0000 (1 lost slots healed)"), "{text}");
         assert!(text.contains("SLOT LOST"), "{text}");
+        assert!(
+            text.contains("outbox_relay_shard1: streaming (pid 42), lag 10 bytes"),
+            "{text}"
+        );
         assert!(text.contains("2 pending replay, 3 in all"), "{text}");
         let json = serde_json::to_value(&s).unwrap();
         assert_eq!(json["poison_pending"], 2);

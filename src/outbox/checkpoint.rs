@@ -213,14 +213,15 @@ pub fn precedes(row_xmin: u32, horizon: i64, checkpoint_xmin: i64) -> bool {
 pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Checkpoint>> {
     let table = table(cfg)?;
     let slot = &cfg.postgres.slot;
+    let slots = cfg.postgres.all_slot_names();
+    let confirmed = confirmed_sql(2);
     let pending: i64 = client
         .query_one(
             &format!(
                 "SELECT count(*) FROM {table} c WHERE c.slot = $1 AND c.wal_lsn > COALESCE(
-                     (SELECT confirmed_flush_lsn FROM pg_replication_slots
-                       WHERE slot_name = $1::text AND database = current_database()), '0/0')"
+                     {confirmed}, '0/0')"
             ),
-            &[slot],
+            &[slot, &slots],
         )
         .await?
         .try_get(0)?;
@@ -238,12 +239,11 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
             &format!(
                 "INSERT INTO {table} (slot, wal_lsn, snapshot_xmin, slot_confirmed_lsn)
                  SELECT $1::text, pg_current_wal_insert_lsn(), pg_snapshot_xmin(pg_current_snapshot()),
-                        (SELECT confirmed_flush_lsn FROM pg_replication_slots
-                          WHERE slot_name = $1::text AND database = current_database())
+                        {confirmed}
                  ON CONFLICT DO NOTHING
                  RETURNING wal_lsn::text, snapshot_xmin::text::bigint, taken_at"
             ),
-            &[slot],
+            &[slot, &slots],
         )
         .await?;
     row.map(|r| checkpoint_from_row(&r)).transpose()
@@ -264,16 +264,18 @@ pub async fn take(client: &impl GenericClient, cfg: &Config) -> Result<Option<Ch
 pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotProgress> {
     let table = table(cfg)?;
     let slot = &cfg.postgres.slot;
+    let slots = cfg.postgres.all_slot_names();
+    let confirmed = confirmed_sql(2);
     let row = client
         .query_one(
             &format!(
-                "SELECT (SELECT confirmed_flush_lsn::text FROM pg_replication_slots
-                          WHERE slot_name = $1::text AND database = current_database()),
-                        EXISTS (SELECT 1 FROM pg_replication_slots
-                                 WHERE slot_name = $1::text AND database = current_database()),
+                "SELECT ({confirmed})::text,
+                        (SELECT count(*) FROM pg_replication_slots
+                          WHERE slot_name = ANY($2::text[]) AND database = current_database())
+                          = cardinality($2::text[]),
                         (SELECT max(slot_confirmed_lsn)::text FROM {table} WHERE slot = $1)"
             ),
-            &[slot],
+            &[slot, &slots],
         )
         .await?;
     let (live, exists, recorded): (Option<String>, bool, Option<String>) =
@@ -311,13 +313,32 @@ pub async fn progress(client: &impl GenericClient, cfg: &Config) -> Result<SlotP
     })
 }
 
-/// The relay's recorded position, when its table exists and has a row for the slot.
+/// The confirmed position of every slot named in parameter `$n` (a `text[]`: the
+/// shards' slots, or the one slot), as one `pg_lsn`: the lowest, or NULL unless every
+/// one of them exists. A row is delivered when its own shard confirmed it, so the
+/// lowest is a safe stand-in for all of them.
+fn confirmed_sql(n: u8) -> String {
+    format!(
+        "(SELECT CASE WHEN count(*) = cardinality(${n}::text[]) THEN min(confirmed_flush_lsn) END
+            FROM pg_replication_slots
+           WHERE slot_name = ANY(${n}::text[]) AND database = current_database())"
+    )
+}
+
+/// The relay's recorded position, when its table exists and has a row for the slot:
+/// with shards, the lowest of those recorded.
 async fn relay_position(client: &impl GenericClient, cfg: &Config) -> Result<Option<Lsn>> {
-    let positions = super::position::PositionTable::new(cfg)?;
-    if !positions.exists(client).await? {
-        return Ok(None);
+    let mut lowest: Option<Lsn> = None;
+    for slot in cfg.postgres.all_slot_names() {
+        let positions = super::position::PositionTable::for_slot(cfg, slot)?;
+        if !positions.exists(client).await? {
+            return Ok(None);
+        }
+        if let Some(p) = positions.load(client).await? {
+            lowest = Some(lowest.map_or(p.confirmed, |l| l.min(p.confirmed)));
+        }
     }
-    Ok(positions.load(client).await?.map(|p| p.confirmed))
+    Ok(lowest)
 }
 
 /// Deletes the checkpoints older than `newest` (the newest confirmed one suffices).
@@ -369,8 +390,9 @@ pub async fn mark_confirmed_sent(
 ) -> Result<Marked> {
     if client
         .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()",
-            &[&cfg.postgres.slot],
+            "SELECT 1 FROM pg_replication_slots
+              WHERE slot_name = ANY($1::text[]) AND database = current_database() LIMIT 1",
+            &[&cfg.postgres.all_slot_names()],
         )
         .await?
         .is_some()

@@ -103,10 +103,19 @@ impl PositionTable {
     ///
     /// [`CheckpointError::TableName`] for an outbox table that is not `schema.table`.
     pub fn new(cfg: &Config) -> Result<PositionTable> {
+        PositionTable::for_slot(cfg, cfg.postgres.slot_name())
+    }
+
+    /// The table's row for `slot`: another shard's (see `postgres.shards`).
+    ///
+    /// # Errors
+    ///
+    /// As for [`PositionTable::new`].
+    pub fn for_slot(cfg: &Config, slot: String) -> Result<PositionTable> {
         let (schema, _) = config::qualified_name(&cfg.outbox.table)?;
         Ok(PositionTable {
             table: format!("{}.{}", quote_ident(&schema), quote_ident(TABLE_NAME)),
-            slot: cfg.postgres.slot.clone(),
+            slot,
         })
     }
 

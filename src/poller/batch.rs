@@ -89,6 +89,7 @@ impl Poller {
             &config.outbox,
             &layout,
             config.relay.poison_copy_limit_bytes,
+            None,
         );
         let prepared = Prepared::new(&client, &sql).await?;
 

@@ -78,7 +78,16 @@ pub(crate) struct Sql {
 }
 
 impl Sql {
-    pub(crate) fn new(outbox: &OutboxConfig, layout: &Layout, poison_copy_limit: usize) -> Sql {
+    /// `shard_filter`: the row filter of the relay's shard
+    /// ([`crate::config::shard::row_filter`]), which the cutover's and a resync's
+    /// backlog keep to; the poller itself, a fallback for every shard, ignores it.
+    pub(crate) fn new(
+        outbox: &OutboxConfig,
+        layout: &Layout,
+        poison_copy_limit: usize,
+        shard_filter: Option<&str>,
+    ) -> Sql {
+        let in_shard = shard_filter.map_or(String::new(), |f| format!(" AND ({f})"));
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
         let col = |field: usize| match &layout.fields[field] {
@@ -99,7 +108,7 @@ impl Sql {
             backlog: format!(
                 "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)){in_shard}
                  ORDER BY o.{created_at}, o.{id}",
                 col(IDEMPOTENCY_KEY)
             ),
@@ -107,7 +116,7 @@ impl Sql {
                 "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
-                   AND NOT ({})
+                   AND NOT ({}){in_shard}
                  ORDER BY o.{created_at}, o.{id}",
                 col(IDEMPOTENCY_KEY),
                 crate::outbox::checkpoint::precedes_sql("o", 1)
@@ -196,7 +205,7 @@ mod tests {
         );
         set(&mut columns, "id", column("id", "bigint", "int8"));
         let layout = resolve_layout("app.Events", &outbox, &columns).unwrap();
-        let sql = Sql::new(&outbox, &layout, 1024);
+        let sql = Sql::new(&outbox, &layout, 1024, None);
         let select = &sql.select_batch;
         assert!(select.contains("FROM \"app\".\"Events\" o"), "{select}");
         assert!(

@@ -22,6 +22,7 @@ pub mod conninfo;
 pub mod pgoutput;
 pub mod prerequisite;
 pub mod replication;
+pub mod shard_publication;
 pub mod slot;
 pub mod tls;
 

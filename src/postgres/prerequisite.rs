@@ -59,6 +59,25 @@ pub enum Prerequisite {
     /// The server answered `CREATE_REPLICATION_SLOT` without a snapshot name.
     #[error("CREATE_REPLICATION_SLOT {slot} returned no exported snapshot")]
     NoExportedSnapshot { slot: String },
+    /// `postgres.shards > 1` on a server without publication row filters.
+    #[error(
+        "postgres.shards needs PostgreSQL 15 or later (publication row filters); the server \
+         is {server_version}: set postgres.shards = 1"
+    )]
+    ShardingUnsupported { server_version: String },
+    /// A shard's publication was made for another sharding (shard count or id
+    /// column), or not by `migrate`.
+    #[error(
+        "publication {publication} is marked {found:?}, but this config needs {wanted:?}: \
+         the number of shards or the id column changed, or the publication was not made by \
+         `outbox-relay migrate`. Nothing was changed; see \"Sharding\" in docs/operations.md \
+         for how to change the number of shards"
+    )]
+    ShardPublicationMismatch {
+        publication: String,
+        found: String,
+        wanted: String,
+    },
     /// The publication exists but does not publish the outbox table.
     #[error(
         "publication {publication} does not include {table}: \

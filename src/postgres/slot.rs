@@ -71,7 +71,7 @@ pub async fn check_prerequisites(
     if wal_level != "logical" {
         return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
-    let publication = &config.postgres.publication;
+    let publication = &config.postgres.publication_name();
     let (schema, table) = qualified_name(&config.outbox.table)?;
     let row = client
         .query_one(
@@ -122,6 +122,7 @@ pub async fn check_prerequisites(
         }
         .into());
     }
+    super::shard_publication::verify(client, config).await?;
     if !has_poison {
         return Err(Prerequisite::PoisonTableMissing {
             table: config.outbox.poison_table.clone(),

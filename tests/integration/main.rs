@@ -30,5 +30,6 @@ mod replay;
 mod replication_connection;
 mod retention;
 mod secrets;
+mod shards;
 mod sizes;
 mod tls_proxy;

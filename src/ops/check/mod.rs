@@ -295,8 +295,8 @@ fn config_checks(config: &Config) -> (Vec<Check>, Option<rdkafka::ClientConfig>)
             format!(
                 "loaded: outbox {}, publication {}, slot {}, brokers {}",
                 config.outbox.table,
-                config.postgres.publication,
-                config.postgres.slot,
+                config.postgres.publication_name(),
+                config.postgres.slot_name(),
                 config.kafka.brokers
             ),
         )

@@ -15,7 +15,7 @@ const NAME: &str = "postgres.publication";
 
 /// `postgres.publication`.
 pub(super) async fn check(client: &Client, config: &Config) -> Check {
-    let publication = &config.postgres.publication;
+    let publication = &config.postgres.publication_name();
     let outbox = quote_qualified(&config.outbox.table);
     let row = match client
         .query_one(

@@ -108,7 +108,7 @@ pub(super) async fn wal_level(client: &Client) -> Check {
 /// `postgres.replication_slots`: a free slot, unless ours exists.
 pub(super) async fn free_slots(client: &Client, config: &Config) -> Check {
     const NAME: &str = "postgres.replication_slots";
-    let slot = &config.postgres.slot;
+    let slot = &config.postgres.slot_name();
     let row = match client
         .query_one(
             "SELECT current_setting('max_replication_slots')::int8,
@@ -149,7 +149,7 @@ pub(super) async fn free_senders(client: &Client, config: &Config) -> Check {
             "SELECT current_setting('max_wal_senders')::int8,
                     (SELECT count(*) FROM pg_stat_replication),
                     (SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1)",
-            &[&config.postgres.slot],
+            &[&config.postgres.slot_name()],
         )
         .await
     {
@@ -183,11 +183,11 @@ pub(super) async fn free_senders(client: &Client, config: &Config) -> Check {
     }
 }
 
-/// `postgres.slot`: the slot's state when it exists (plugin, database, `wal_status`,
+/// `postgres.slot_name()`: the slot's state when it exists (plugin, database, `wal_status`,
 /// `safe_wal_size`, who streams from it).
 pub(super) async fn slot(client: &Client, config: &Config) -> Check {
-    const NAME: &str = "postgres.slot";
-    let slot = &config.postgres.slot;
+    const NAME: &str = "postgres.slot_name()";
+    let slot = &config.postgres.slot_name();
     let row = match client
         .query_opt(
             "SELECT plugin::text, database::text, current_database()::text, active_pid,
@@ -215,7 +215,8 @@ pub(super) async fn slot(client: &Client, config: &Config) -> Check {
     let wal_status: Option<String> = row.get(4);
     let safe: Option<i64> = row.get(5);
     let retained: Option<i64> = row.get(6);
-    let other_slot = "set postgres.slot to a name of its own, or drop that slot if nothing uses it";
+    let other_slot =
+        "set postgres.slot_name() to a name of its own, or drop that slot if nothing uses it";
     if plugin.as_deref() != Some("pgoutput") {
         return Check::problem(
             NAME,

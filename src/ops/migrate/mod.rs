@@ -13,7 +13,8 @@
 //! for content jsonb refuses, see [`crate::poison`]) and keeps every existing row: an
 //! applied migration is never edited, a later one changes what it created.
 //! `0009` adds parked events and keys (`relay.on_poison = "park-key"`, see
-//! `crate::poison`, `parking.rs`).
+//! `crate::poison`, `parking.rs`). With `postgres.shards > 1`, the shards'
+//! publications are made last (`crate::postgres::shard_publication`).
 //!
 //! Besides the tables, the migrations install the writer helper
 //! `outbox_enqueue(…)` (`0004`, see [`crate::outbox::enqueue`]) and the checkpoint table
@@ -126,6 +127,9 @@ pub struct Applied {
     pub adapted: Vec<(String, String)>,
     /// Not applied (not recorded either), with the reason.
     pub skipped: Vec<(String, String)>,
+    /// Shard publications created (`postgres.shards > 1`, see
+    /// `crate::postgres::shard_publication`).
+    pub shard_publications: Vec<String>,
 }
 
 impl Applied {
@@ -143,6 +147,9 @@ impl Applied {
         }
         for (name, why) in &self.skipped {
             out.push_str(&format!("migration {name} skipped: {why}\n"));
+        }
+        for name in &self.shard_publications {
+            out.push_str(&format!("shard publication {name} created\n"));
         }
         out
     }
@@ -291,6 +298,9 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
             result.adapted.push((label, note));
         }
     }
+    // After the outbox and its base publication: not numbered, because what it
+    // creates depends on `postgres.shards`.
+    result.shard_publications = crate::postgres::shard_publication::ensure(client, cfg).await?;
     Ok(result)
 }
 

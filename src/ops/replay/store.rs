@@ -461,7 +461,7 @@ impl Originals {
         if self.found.is_none() {
             self.found = Some(match poller::inspect_tables(client, outbox).await {
                 Ok(layout) => Ok((
-                    poller::Sql::new(outbox, &layout, 0).by_id,
+                    poller::Sql::new(outbox, &layout, 0, None).by_id,
                     layout.payload_format,
                 )),
                 Err(e) => Err(format!(

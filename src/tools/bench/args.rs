@@ -115,6 +115,10 @@ pub struct BenchArgs {
         value_parser = parse_rate
     )]
     pub rates: Vec<Rate>,
+    /// Shards of the `cdc` backlog drain: one relay process, publication and slot
+    /// each (`postgres.shards`); the ceilings still read one slot.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::config::shard::MAX_SHARDS)))]
+    pub shards: u32,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -104,8 +104,12 @@ impl Mode {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Drained {
     pub(crate) elapsed: Duration,
-    /// CPU and peak RSS of the process doing the work, while it did it.
+    /// CPU and peak RSS of the process doing the work (with shards: of all the
+    /// relays, summed), while it did it.
     pub(crate) usage: Option<Usage>,
+    /// CPU of the walsenders serving it (read from `/proc`, so only with the
+    /// database on this machine), summed over the shards' slots.
+    pub(crate) walsender_cpu: Option<Duration>,
 }
 
 /// Everything a mode needs to know about the backlog.
@@ -125,9 +129,27 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
         Mode::Ours => null_sink(&fixture.config, target).await,
         Mode::BrokerCeiling => broker_ceiling(&fixture.config, target).await,
         Mode::Cdc => {
-            let child = RelayChild::spawn(fixture, &["run"])?;
-            child
-                .watch(target, || async {
+            // One relay per shard (`--shards`), all of them sampled.
+            let mut children = Vec::new();
+            for shard in 0..fixture.config.postgres.shards {
+                let mut cmd = relay_command(fixture, &["run"])?;
+                cmd.env(
+                    format!("{}POSTGRES__SHARD", crate::config::ENV_PREFIX),
+                    shard.to_string(),
+                );
+                children.push(RelayChild::start(
+                    cmd,
+                    "outbox-relay run",
+                    &format!("{}-{shard}", fixture.name),
+                )?);
+            }
+            let mut children = children.into_iter();
+            let Some(first) = children.next() else {
+                return Err(BenchError::NoModes);
+            };
+            first
+                .with_siblings(children.collect())
+                .watch(target, fixture, || async {
                     Ok(fixture.confirmed_flush().await? >= target.end_lsn)
                 })
                 .await
@@ -137,7 +159,9 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
             let args = ["poll", "--batch-size", &batch, "--workers", &workers];
             let child = RelayChild::spawn(fixture, &args)?;
             child
-                .watch(target, || async { Ok(!fixture.any_unsent().await?) })
+                .watch(target, fixture, || async {
+                    Ok(!fixture.any_unsent().await?)
+                })
                 .await
         }
     }
@@ -176,6 +200,8 @@ struct RelayChild {
     log: PathBuf,
     started: Instant,
     what: String,
+    /// The other shards' relays: sampled with this one, stopped with it.
+    siblings: Vec<RelayChild>,
 }
 
 impl RelayChild {
@@ -208,18 +234,38 @@ impl RelayChild {
             log,
             started,
             what: what.to_owned(),
+            siblings: Vec::new(),
         })
+    }
+
+    fn with_siblings(mut self, siblings: Vec<RelayChild>) -> RelayChild {
+        self.siblings = siblings;
+        self
+    }
+
+    /// This child's and its siblings' counters, summed.
+    fn sample(&self, last: Option<Usage>) -> Option<Usage> {
+        let pids: Vec<&str> = std::iter::once(self.pid.as_str())
+            .chain(self.siblings.iter().map(|s| s.pid.as_str()))
+            .collect();
+        sample(&pids, last)
     }
 
     /// Samples the child until `done` says so (then stops it) or it exits: an exit
     /// with success counts as done (`pg_recvlogical --endpos`), any other as a failure.
-    async fn watch<F, Fut>(mut self, target: Target, mut done: F) -> Result<Drained>
+    async fn watch<F, Fut>(
+        mut self,
+        target: Target,
+        fixture: &Fixture,
+        mut done: F,
+    ) -> Result<Drained>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<bool>>,
     {
         let deadline = self.started + deadline_for(target);
         let mut last = None;
+        let mut walsenders = Walsenders::default();
         let mut tick = tokio::time::interval(WATCH_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
@@ -233,10 +279,17 @@ impl RelayChild {
                     };
                 }
                 _ = tick.tick() => {
-                    last = sample(&self.pid, last);
+                    last = self.sample(last);
+                    walsenders.sample(fixture).await;
+                    if let Some(sibling) = self.siblings.iter_mut().find_map(|s| {
+                        s.child.try_wait().ok().flatten().map(|status| (s.what.clone(), status))
+                    }) {
+                        break Err(self.failure(&format!("a sibling {} exited with {}", sibling.0, sibling.1)));
+                    }
                     if done().await? {
                         let elapsed = self.started.elapsed();
-                        last = sample(&self.pid, last);
+                        last = self.sample(last);
+                        walsenders.sample(fixture).await;
                         break Ok(elapsed);
                     }
                     if Instant::now() > deadline {
@@ -246,12 +299,20 @@ impl RelayChild {
             }
         };
         let _ = self.child.start_kill();
+        for sibling in &mut self.siblings {
+            let _ = sibling.child.start_kill();
+            let _ = sibling.child.wait().await;
+        }
         let _ = self.child.wait().await;
         let elapsed = outcome?;
         let _ = std::fs::remove_file(&self.log);
+        for sibling in &self.siblings {
+            let _ = std::fs::remove_file(&sibling.log);
+        }
         Ok(Drained {
             elapsed,
             usage: last,
+            walsender_cpu: walsenders.total(),
         })
     }
 
@@ -290,7 +351,7 @@ async fn recvlogical(fixture: &Fixture, target: Target) -> Result<Drained> {
         .arg("--endpos")
         .arg(target.end_lsn.to_string());
     let child = RelayChild::start(cmd, "pg_recvlogical", &fixture.name)?;
-    child.watch(target, || async { Ok(false) }).await
+    child.watch(target, fixture, || async { Ok(false) }).await
 }
 
 /// A PostgreSQL client tool on `PATH` or in `/usr/lib/postgresql/*/bin` (newest).
@@ -384,6 +445,7 @@ async fn null_sink(config: &Config, target: Target) -> Result<Drained> {
     Ok(Drained {
         elapsed,
         usage: usage_since(before),
+        walsender_cpu: None,
     })
 }
 
@@ -547,6 +609,7 @@ async fn broker_ceiling(config: &Config, target: Target) -> Result<Drained> {
     Ok(Drained {
         elapsed,
         usage: usage_since(before),
+        walsender_cpu: None,
     })
 }
 
@@ -640,11 +703,41 @@ fn count_blocking(
     Ok(seen)
 }
 
-/// A new reading of a child's counters folded into the previous one (the peak is
-/// the highest seen; see [`Usage::then`]); the previous one when the child is gone.
-fn sample(pid: &str, last: Option<Usage>) -> Option<Usage> {
-    match (last, Usage::read(pid)) {
+/// A new reading of the children's counters (summed over `pids`) folded into the
+/// previous one (the peak is the highest seen; see [`Usage::then`]); the previous one
+/// when they are gone.
+fn sample(pids: &[&str], last: Option<Usage>) -> Option<Usage> {
+    let now = pids
+        .iter()
+        .filter_map(|pid| Usage::read(pid))
+        .reduce(|a, b| Usage {
+            cpu: a.cpu + b.cpu,
+            peak_rss_kib: a.peak_rss_kib + b.peak_rss_kib,
+        });
+    match (last, now) {
         (Some(last), Some(now)) => Some(last.then(now)),
         (last, now) => now.or(last),
+    }
+}
+
+/// The CPU time of the walsenders streaming the run's slots, by process: each is
+/// read while it lives, and its last reading counts.
+#[derive(Debug, Default)]
+struct Walsenders {
+    cpu: std::collections::HashMap<String, Duration>,
+}
+
+impl Walsenders {
+    async fn sample(&mut self, fixture: &Fixture) {
+        for pid in fixture.walsender_pids().await {
+            if let Some(usage) = Usage::read(&pid) {
+                let seen = self.cpu.entry(pid).or_default();
+                *seen = (*seen).max(usage.cpu);
+            }
+        }
+    }
+
+    fn total(&self) -> Option<Duration> {
+        (!self.cpu.is_empty()).then(|| self.cpu.values().sum())
     }
 }

@@ -104,7 +104,38 @@ impl Fixture {
                 self.table
             ))
             .await?;
+        // With `--shards`, the shards' publications, as `migrate` makes them.
+        crate::postgres::shard_publication::ensure(&self.client, &self.config).await?;
         create_topic(&self.config.kafka.brokers, &self.topic, TOPIC_PARTITIONS).await
+    }
+
+    /// The run's slots: the shards' (what `cdc` streams) and, when sharded, also the
+    /// configured one, which the single-walsender ceilings read.
+    fn slots(&self) -> Vec<String> {
+        let mut slots = self.config.postgres.all_slot_names();
+        if self.config.postgres.shards > 1 {
+            slots.push(self.config.postgres.slot.clone());
+        }
+        slots
+    }
+
+    /// The processes of the walsenders streaming the run's slots now.
+    pub(crate) async fn walsender_pids(&self) -> Vec<String> {
+        match self
+            .client
+            .query(
+                "SELECT active_pid FROM pg_replication_slots
+                  WHERE slot_name = ANY($1::text[]) AND active_pid IS NOT NULL",
+                &[&self.slots()],
+            )
+            .await
+        {
+            Ok(rows) => rows
+                .iter()
+                .map(|r| r.get::<_, i32>(0).to_string())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// The PostgreSQL client of this run's database.
@@ -116,12 +147,14 @@ impl Fixture {
     /// Creates the run's logical slot (pgoutput) now, so every row inserted from
     /// here on is in its stream.
     pub(crate) async fn create_slot(&self) -> Result<()> {
-        self.client
-            .execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&self.config.postgres.slot],
-            )
-            .await?;
+        for slot in self.slots() {
+            self.client
+                .execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await?;
+        }
         Ok(())
     }
 
@@ -212,16 +245,20 @@ impl Fixture {
         parse_lsn(&lsn)
     }
 
-    /// The slot's `confirmed_flush_lsn`.
+    /// The relay's slot's `confirmed_flush_lsn`; with shards, the lowest of theirs
+    /// (zero while one is missing).
     pub(crate) async fn confirmed_flush(&self) -> Result<Lsn> {
+        let slots = self.config.postgres.all_slot_names();
         let lsn: Option<String> = self
             .client
-            .query_opt(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&self.config.postgres.slot],
+            .query_one(
+                "SELECT CASE WHEN count(*) = cardinality($1::text[])
+                             THEN min(confirmed_flush_lsn)::text END
+                   FROM pg_replication_slots WHERE slot_name = ANY($1::text[])",
+                &[&slots],
             )
             .await?
-            .and_then(|row| row.get(0));
+            .get(0);
         lsn.map_or(Ok(Lsn::ZERO), |l| parse_lsn(&l))
     }
 
@@ -276,12 +313,25 @@ impl Fixture {
                 }
             }
         }
-        if let Err(e) = self.drop_slot().await {
-            tracing::warn!(slot = %self.config.postgres.slot, error = %e, "cannot drop the benchmark slot; drop it by hand");
+        for slot in self.slots() {
+            if let Err(e) = self.drop_slot(&slot).await {
+                tracing::warn!(%slot, error = %e, "cannot drop the benchmark slot; drop it by hand");
+            }
         }
+        let publications: Vec<String> = (0..self.config.postgres.shards)
+            .map(|i| {
+                crate::config::shard::shard_name(
+                    &self.config.postgres.publication,
+                    self.config.postgres.shards,
+                    i,
+                )
+            })
+            .chain(std::iter::once(self.config.postgres.publication.clone()))
+            .map(|p| format!("DROP PUBLICATION IF EXISTS {};", quote_ident(&p)))
+            .collect();
         let sql = format!(
-            "DROP PUBLICATION IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
-            quote_ident(&self.config.postgres.publication),
+            "{} DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
+            publications.join(" "),
             self.table,
             quote_qualified(&self.config.outbox.poison_table),
         );
@@ -292,8 +342,7 @@ impl Fixture {
         let _ = std::fs::remove_file(&self.config_path);
     }
 
-    async fn drop_slot(&self) -> Result<()> {
-        let slot = &self.config.postgres.slot;
+    async fn drop_slot(&self, slot: &str) -> Result<()> {
         let deadline = Instant::now() + SLOT_RELEASE_TIMEOUT;
         let mut pause = Duration::from_millis(10);
         loop {
@@ -301,7 +350,7 @@ impl Fixture {
                 .client
                 .query_opt(
                     "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                    &[slot],
+                    &[&slot],
                 )
                 .await?;
             let Some(row) = row else { return Ok(()) };
@@ -309,7 +358,7 @@ impl Fixture {
             match active {
                 None => {
                     self.client
-                        .execute("SELECT pg_drop_replication_slot($1)", &[slot])
+                        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
                         .await?;
                     return Ok(());
                 }
@@ -353,8 +402,8 @@ fn parse_lsn(text: &str) -> Result<Lsn> {
     })
 }
 
-/// The config of one run: the user's connection and producer settings, this run's
-/// names.
+/// The config of one run: the user's connection, producer and relay settings, this
+/// run's names.
 fn relay_toml(base: &Config, name: &str) -> Result<String> {
     use toml::{Table, Value};
     let (schema, _) = crate::config::qualified_name(&base.outbox.table)?;
@@ -362,6 +411,10 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
     postgres.insert("url".into(), Value::String(base.postgres.url.clone()));
     postgres.insert("slot".into(), Value::String(format!("{name}_slot")));
     postgres.insert("publication".into(), Value::String(format!("{name}_pub")));
+    postgres.insert(
+        "shards".into(),
+        Value::Integer(i64::from(base.postgres.shards)),
+    );
     let mut outbox = Table::new();
     outbox.insert(
         "table".into(),
@@ -388,27 +441,16 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
         .map(|(k, v)| (k.clone(), Value::String(v.clone())))
         .collect();
     kafka.insert("producer".into(), Value::Table(producer));
-    let int = |n: u64| Value::Integer(i64::try_from(n).unwrap_or(i64::MAX));
-    let mut relay = Table::new();
-    relay.insert(
-        "max_in_flight_events".into(),
-        int(u64::try_from(base.relay.max_in_flight_events).unwrap_or(u64::MAX)),
-    );
-    relay.insert(
-        "max_in_flight_bytes".into(),
-        int(u64::try_from(base.relay.max_in_flight_bytes).unwrap_or(u64::MAX)),
-    );
-    relay.insert(
-        "max_attempts".into(),
-        int(u64::from(base.relay.max_attempts)),
-    );
+    // Every relay setting of the user's config (window, attempts, idle flushing, …),
+    // so that a bench config compares them.
+    let relay = Value::try_from(&base.relay).map_err(BenchError::RunConfig)?;
     let mut log = Table::new();
     log.insert("level".into(), Value::String("warn".into()));
     let mut doc = Table::new();
     doc.insert("postgres".into(), Value::Table(postgres));
     doc.insert("outbox".into(), Value::Table(outbox));
     doc.insert("kafka".into(), Value::Table(kafka));
-    doc.insert("relay".into(), Value::Table(relay));
+    doc.insert("relay".into(), relay);
     doc.insert("log".into(), Value::Table(log));
     toml::to_string(&doc).map_err(BenchError::RunConfig)
 }
@@ -466,7 +508,7 @@ mod tests {
     fn base() -> Config {
         Config::from_sources(
             "t",
-            "[postgres]\nurl = \"postgresql://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[kafka.producer]\n\"linger.ms\" = \"20\"\n",
+            "[postgres]\nurl = \"postgresql://u@h/db\"\n[kafka]\nbrokers = \"k:9092\"\n[kafka.producer]\n\"linger.ms\" = \"20\"\n[relay]\nflush_when_idle = false\nmax_attempts = 7\n",
             Vec::new(),
         )
         .unwrap()
@@ -483,5 +525,7 @@ mod tests {
         assert_eq!(c.outbox.poison_table, "public.bench_abc_poison");
         assert_eq!(c.kafka.topic_template, "outbox-relay-bench-abc");
         assert_eq!(c.kafka.producer["linger.ms"], "20");
+        assert!(!c.relay.flush_when_idle);
+        assert_eq!(c.relay.max_attempts, 7);
     }
 }

@@ -68,6 +68,11 @@ use crate::tools::workload::Workload;
 
 /// Runs the benchmark and returns its report (printing is the caller's).
 pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
+    // `--shards`: every run's config is sharded; `cdc` then runs one relay per shard.
+    let mut sharded = config.clone();
+    sharded.postgres.shards = args.shards;
+    sharded.postgres.shard = 0;
+    let config = &sharded;
     let workload = args.workload();
     let modes = args.modes();
     if modes.is_empty() {
@@ -208,6 +213,7 @@ fn sample_of(
     Sample {
         events_per_s: stats::rate(events, drained.elapsed),
         cpu_s_per_1m: drained.usage.map(|u| u.cpu.as_secs_f64() * 1e6 / n),
+        walsender_cpu_s_per_1m: drained.walsender_cpu.map(|c| c.as_secs_f64() * 1e6 / n),
         rss_mib: drained
             .usage
             .map(|u| stats::count_f64(u.peak_rss_kib) / 1024.0),

@@ -29,6 +29,8 @@ pub struct Sample {
     pub drain_wal_bytes_per_event: Option<f64>,
     pub dead_tuples: Option<i64>,
     pub table_growth_bytes: Option<i64>,
+    /// CPU of the walsenders that served the mode, per million events.
+    pub walsender_cpu_s_per_1m: Option<f64>,
 }
 
 /// The aggregated figures of one mode.
@@ -39,6 +41,7 @@ pub struct ModeResult {
     pub runs: usize,
     pub events_per_s: Spread,
     pub cpu_s_per_1m: Option<Spread>,
+    pub walsender_cpu_s_per_1m: Option<Spread>,
     pub rss_mib: Option<Spread>,
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
@@ -59,6 +62,8 @@ pub struct WorkloadInfo {
     pub entities: u32,
     pub repeat: u32,
     pub steady_secs: u64,
+    /// Relays (and slots) the `cdc` mode ran with (`--shards`).
+    pub shards: u32,
     pub wal_bytes_per_event: Option<Spread>,
     pub insert_events_per_s: Option<Spread>,
 }
@@ -83,6 +88,7 @@ impl WorkloadInfo {
             entities: workload.entities,
             repeat: args.repeat,
             steady_secs: args.steady_secs,
+            shards: args.shards,
             wal_bytes_per_event: all(|s| s.insert_wal_bytes_per_event),
             insert_events_per_s: all(|s| s.insert_events_per_s),
         }
@@ -220,6 +226,13 @@ impl Report {
             w.entities,
             w.repeat,
         );
+        if w.shards > 1 {
+            let _ = writeln!(
+                out,
+                "cdc: {} shards, one relay process and one slot each (CPU and RSS summed)",
+                w.shards
+            );
+        }
         if let (Some(wal), Some(rate)) = (w.wal_bytes_per_event, w.insert_events_per_s) {
             let _ = writeln!(
                 out,
@@ -230,10 +243,11 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "\n{:<24} {:>28} {:>13} {:>13} {:>14} {:>12} {:>12}  settings",
+            "\n{:<24} {:>28} {:>13} {:>15} {:>13} {:>14} {:>12} {:>12}  settings",
             "mode",
             "events/s",
             "CPU s/1M ev",
+            "walsender s/1M",
             "peak RSS MiB",
             "drain WAL B/ev",
             "dead tuples",
@@ -247,10 +261,11 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "{:<24} {:>28} {:>13} {:>13} {:>14} {:>12} {:>12}  {}{best}",
+                "{:<24} {:>28} {:>13} {:>15} {:>13} {:>14} {:>12} {:>12}  {}{best}",
                 m.mode,
                 spread(&m.events_per_s, 0),
                 opt(m.cpu_s_per_1m.as_ref(), 1),
+                opt(m.walsender_cpu_s_per_1m.as_ref(), 1),
                 opt(m.rss_mib.as_ref(), 0),
                 opt(m.drain_wal_bytes_per_event.as_ref(), 0),
                 opt(m.dead_tuples.as_ref(), 0),
@@ -296,6 +311,7 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
         runs: mine.len(),
         events_per_s: spread_of(&|s| Some(s.events_per_s))?,
         cpu_s_per_1m: spread_of(&|s| s.cpu_s_per_1m),
+        walsender_cpu_s_per_1m: spread_of(&|s| s.walsender_cpu_s_per_1m),
         rss_mib: spread_of(&|s| s.rss_mib),
         drain_wal_bytes_per_event: spread_of(&|s| s.drain_wal_bytes_per_event),
         dead_tuples: spread_of(&|s| as_f64(s.dead_tuples)),
@@ -319,6 +335,7 @@ fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
         "p99_ms": m.latency.map(|l| l.p99.median),
         "max_ms": m.latency.map(|l| l.max.median),
         "cpu_s_per_1m": med(m.cpu_s_per_1m.as_ref()),
+        "walsender_cpu_s_per_1m": med(m.walsender_cpu_s_per_1m.as_ref()),
         "rss_mib": med(m.rss_mib.as_ref()),
         "drain_wal_bytes_per_event": med(m.drain_wal_bytes_per_event.as_ref()),
         "dead_tuples": med(m.dead_tuples.as_ref()),
@@ -353,6 +370,7 @@ mod tests {
             entities: 1,
             repeat: 2,
             steady_secs: 1,
+            shards: 1,
             wal_bytes_per_event: None,
             insert_events_per_s: None,
         }

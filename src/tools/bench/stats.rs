@@ -76,6 +76,47 @@ impl Latency {
     }
 }
 
+/// Whether latency drifted during one run: the median of the first quarter of the
+/// events (in the order the consumer read them) against that of the last quarter.
+/// A relay that slowly falls behind, leaks, or fragments shows here even when the
+/// run's overall percentiles look fine.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Drift {
+    pub first_quarter_p50: f64,
+    pub last_quarter_p50: f64,
+}
+
+impl Drift {
+    /// From samples in arrival order; `None` with fewer than four.
+    #[must_use]
+    pub fn of(samples_in_order: &[f64]) -> Option<Drift> {
+        let quarter = samples_in_order.len() / 4;
+        if quarter == 0 {
+            return None;
+        }
+        let p50 = |part: &[f64]| {
+            let mut part = part.to_vec();
+            part.retain(|v| !v.is_nan());
+            part.sort_by(f64::total_cmp);
+            percentile(&part, 50.0)
+        };
+        Some(Drift {
+            first_quarter_p50: p50(&samples_in_order[..quarter])?,
+            last_quarter_p50: p50(&samples_in_order[samples_in_order.len() - quarter..])?,
+        })
+    }
+
+    /// The last quarter's median relative to the first's, in percent (+10 = 10 %
+    /// slower at the end).
+    #[must_use]
+    pub fn change_pct(&self) -> f64 {
+        if self.first_quarter_p50 <= 0.0 {
+            return f64::NAN;
+        }
+        (self.last_quarter_p50 / self.first_quarter_p50 - 1.0) * 100.0
+    }
+}
+
 /// Latency percentiles over repeated runs, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatencySpread {
@@ -219,6 +260,20 @@ pub(crate) fn truncate_u64(v: f64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drift_compares_the_first_and_last_quarters_in_arrival_order() {
+        // 8 samples: first quarter [10, 12], last quarter [20, 22].
+        let samples = [10.0, 12.0, 5.0, 5.0, 5.0, 5.0, 20.0, 22.0];
+        let drift = Drift::of(&samples).expect("enough samples");
+        assert_eq!(drift.first_quarter_p50, 10.0);
+        assert_eq!(drift.last_quarter_p50, 20.0);
+        assert!((drift.change_pct() - 100.0).abs() < 1e-9);
+        // Sorted input would hide it: order matters, not the distribution.
+        let steady = [10.0, 20.0, 5.0, 5.0, 5.0, 5.0, 10.0, 20.0];
+        assert_eq!(Drift::of(&steady).map(|d| d.change_pct()), Some(0.0));
+        assert_eq!(Drift::of(&[1.0, 2.0, 3.0]), None);
+    }
 
     #[test]
     fn spread_of_odd_and_even_counts() {

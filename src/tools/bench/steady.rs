@@ -44,7 +44,7 @@ use super::error::{BenchError, Result};
 use super::fixture::Fixture;
 use super::progress::{Progress, until_interrupted};
 use super::scrape::{self, StageLatency};
-use super::stats::{Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
+use super::stats::{Drift, Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
 use super::steady_report::{StageSpread, SteadyResult};
 use crate::config::Config;
 use crate::tools::workload::{Pace, Workload};
@@ -88,6 +88,8 @@ enum Outcome {
         latency: Latency,
         /// The relay's per-stage figures (CDC only; empty when unreadable).
         stages: Vec<StageLatency>,
+        /// First against last quarter of the run (`None` under four events).
+        drift: Option<Drift>,
     },
     Failed {
         reason: String,
@@ -176,6 +178,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
     let mut achieved = Vec::new();
     let mut latencies = Vec::new();
     let mut stages: Vec<&StageLatency> = Vec::new();
+    let mut drifts = Vec::new();
     let mut failures = Vec::new();
     for outcome in outcomes {
         match outcome {
@@ -183,10 +186,12 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
                 achieved: a,
                 latency,
                 stages: s,
+                drift,
             } => {
                 achieved.push(*a);
                 latencies.push(*latency);
                 stages.extend(s);
+                drifts.extend(drift.map(|d| d.change_pct()));
             }
             Outcome::Failed {
                 reason,
@@ -205,6 +210,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
         achieved_events_per_s: Spread::of(&achieved),
         latency: LatencySpread::of(&latencies),
         stages: stage_spreads(&stages),
+        drift_pct: Spread::of(&drifts),
         failures,
     }
 }
@@ -372,11 +378,13 @@ async fn run_in(
             achieved: Some(achieved),
         });
     }
+    let drift = Drift::of(&latencies);
     let latency = Latency::of(latencies).ok_or(BenchError::NoLatencySamples)?;
     Ok(Outcome::Measured {
         achieved,
         latency,
         stages,
+        drift,
     })
 }
 

@@ -26,8 +26,8 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nsteady rate, {workload}; latency from created_at to consumer (ms):\n{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
-        "mode", "rate", "target/s", "achieved/s", "p50", "p95", "p99", "max"
+        "\nsteady rate, {workload}; latency from created_at to consumer (ms), drift = p50 of the last quarter against the first:\n{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
+        "mode", "rate", "target/s", "achieved/s", "p50", "p95", "p99", "max", "drift"
     );
     for s in steady {
         let _ = writeln!(out, "{}", steady_row(s));
@@ -71,6 +71,9 @@ pub struct SteadyResult {
     pub latency: Option<LatencySpread>,
     /// The relay's per-stage p50/p99 (CDC), in its order, then commit → ack.
     pub stages: Vec<StageSpread>,
+    /// Latency drift within a run: last quarter's p50 against the first's, in %
+    /// (over the measured runs).
+    pub drift_pct: Option<Spread>,
     /// Why runs of this point failed (empty when none did).
     pub failures: Vec<String>,
 }
@@ -111,8 +114,11 @@ fn steady_row(s: &SteadyResult) -> String {
                 .collect()
         },
     );
+    let drift = s
+        .drift_pct
+        .map_or("-".into(), |d| format!("{:+.0}%", d.median));
     format!(
-        "{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
+        "{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         s.mode,
         rate_text(s),
         target,
@@ -121,6 +127,7 @@ fn steady_row(s: &SteadyResult) -> String {
         latency[1],
         latency[2],
         latency[3],
+        drift,
     )
 }
 
@@ -170,6 +177,7 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
         "p99_ms_min": l.map(|l| l.p99.min),
         "p99_ms_max": l.map(|l| l.p99.max),
         "stages": stages,
+        "drift_pct": s.drift_pct.map(|d| d.median),
     })
 }
 
@@ -208,6 +216,7 @@ mod tests {
             } else {
                 Vec::new()
             },
+            drift_pct: measured.then(|| one(-3.0)),
             failures,
         }
     }
@@ -224,6 +233,8 @@ mod tests {
         let json = steady_json(&ok);
         assert_eq!(json["failed"], false);
         assert_eq!(json["stages"]["produced_to_acked"]["p99_ms"], 6.0);
+        assert_eq!(json["drift_pct"], -3.0);
+        assert!(steady_row(&ok).ends_with("-3%"), "{}", steady_row(&ok));
         let row = stage_row(&ok);
         assert!(row.contains("2.5 / 6.0"), "{row}");
         assert!(

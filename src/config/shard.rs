@@ -1,0 +1,81 @@
+//! Sharding the outbox across several walsenders: names and the row filter.
+//!
+//! # Why shards
+//!
+//! One logical replication slot is served by one walsender process, which decodes
+//! the whole WAL on one core; that is the ceiling of one relay (`docs/benchmarks.md`).
+//! With `postgres.shards = N`, the outbox is split by a hash of the entity id into N
+//! publications, each with a row filter (PostgreSQL 15, [CREATE PUBLICATION … WHERE][rf]),
+//! each streamed through its own slot by its own relay process (`postgres.shard = i`).
+//! Every event of one entity lands in the same shard, so per-key order holds; the
+//! shards progress independently.
+//!
+//! # The filter
+//!
+//! `(hashtext(coalesce((id)::text, '')) & 2147483647) % N = i`, over the configured
+//! entity-id column (the record key). Each part is what a row filter allows: built-in
+//! immutable functions and operators, no user-defined ones. `hashtext` is the hash
+//! PostgreSQL's own hash indexes use for text; `& 2147483647` drops the sign bit
+//! instead of `abs()`, which fails on `-2147483648`; `coalesce` puts rows with a
+//! NULL id (which the relay poisons as unmappable) into exactly one shard, where a
+//! NULL filter result would publish them to none. The cast to text covers ids of type
+//! text, bigint and uuid alike.
+//!
+//! # What sharding does not remove
+//!
+//! Every walsender still reads and decodes *all* the WAL; the row filter only drops
+//! the other shards' rows before they are sent. Decoding is what costs the walsender
+//! its CPU, so N shards use up to N cores of the database server for the same WAL,
+//! and help only while a single walsender, not the WAL volume or the disk, is the
+//! limit. See `docs/benchmarks.md`, "Sharding".
+//!
+//! [rf]: https://www.postgresql.org/docs/15/sql-createpublication.html
+
+use super::quote_ident;
+
+/// Most shards a config may ask for: each costs a replication slot, a walsender and a
+/// core's worth of decoding on the database server.
+pub const MAX_SHARDS: u32 = 64;
+
+/// The name of shard `shard`'s slot or publication, from the configured base name;
+/// the base name itself when the outbox is not sharded.
+#[must_use]
+pub fn shard_name(base: &str, shards: u32, shard: u32) -> String {
+    if shards <= 1 {
+        base.to_owned()
+    } else {
+        format!("{base}_shard{shard}")
+    }
+}
+
+/// The row filter of shard `shard` of `shards` over the entity-id column `id_column`
+/// (unquoted), or `None` when the outbox is not sharded.
+#[must_use]
+pub fn row_filter(id_column: &str, shards: u32, shard: u32) -> Option<String> {
+    (shards > 1).then(|| {
+        format!(
+            "(hashtext(coalesce(({})::text, '')) & 2147483647) % {shards} = {shard}",
+            quote_ident(id_column)
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_shard_keeps_the_configured_names_and_filters_nothing() {
+        assert_eq!(shard_name("outbox_relay", 1, 0), "outbox_relay");
+        assert_eq!(row_filter("aggregate_id", 1, 0), None);
+    }
+
+    #[test]
+    fn shards_get_their_own_names_and_a_hash_filter() {
+        assert_eq!(shard_name("outbox_relay", 4, 3), "outbox_relay_shard3");
+        assert_eq!(
+            row_filter("aggregateId", 4, 3).as_deref(),
+            Some("(hashtext(coalesce((\"aggregateId\")::text, '')) & 2147483647) % 4 = 3")
+        );
+    }
+}
