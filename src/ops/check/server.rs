@@ -183,10 +183,10 @@ pub(super) async fn free_senders(client: &Client, config: &Config) -> Check {
     }
 }
 
-/// `postgres.slot_name()`: the slot's state when it exists (plugin, database, `wal_status`,
+/// `postgres.slot`: the slot's state when it exists (plugin, database, `wal_status`,
 /// `safe_wal_size`, who streams from it).
 pub(super) async fn slot(client: &Client, config: &Config) -> Check {
-    const NAME: &str = "postgres.slot_name()";
+    const NAME: &str = "postgres.slot";
     let slot = &config.postgres.slot_name();
     let row = match client
         .query_opt(
@@ -216,7 +216,7 @@ pub(super) async fn slot(client: &Client, config: &Config) -> Check {
     let safe: Option<i64> = row.get(5);
     let retained: Option<i64> = row.get(6);
     let other_slot =
-        "set postgres.slot_name() to a name of its own, or drop that slot if nothing uses it";
+        "set postgres.slot to a name of its own, or drop that slot if nothing uses it";
     if plugin.as_deref() != Some("pgoutput") {
         return Check::problem(
             NAME,
