@@ -1021,8 +1021,9 @@ impl Relay {
                 // has no frame to give right now. `consume_budget` (not `ready`) so
                 // that a task whose cooperative budget ran out, for which every
                 // branch above is pending too, yields instead of taking it for idle.
-                () = tokio::task::coop::consume_budget(), if !self.core.in_transaction()
-                    && self.idle_gate.may_nudge(Instant::now()) => {
+                () = tokio::task::coop::consume_budget(), if self.idle_gate.pending()
+                    && !self.core.in_transaction()
+                    && self.idle_gate.may_nudge(Instant::now(), self.publisher.queued()) => {
                     self.idle_gate.nudged(Instant::now());
                     self.publisher.stream_idle();
                 }

@@ -617,6 +617,12 @@ impl Publisher {
         self.producer.in_flight_count()
     }
 
+    /// [`Publisher::in_flight`] as a count (0 if librdkafka ever said less).
+    #[must_use]
+    pub fn queued(&self) -> u64 {
+        u64::try_from(self.in_flight()).unwrap_or(0)
+    }
+
     /// Transient errors seen so far (client errors and transient delivery failures).
     #[must_use]
     pub(crate) fn transient_errors(&self) -> u64 {

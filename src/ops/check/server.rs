@@ -215,8 +215,7 @@ pub(super) async fn slot(client: &Client, config: &Config) -> Check {
     let wal_status: Option<String> = row.get(4);
     let safe: Option<i64> = row.get(5);
     let retained: Option<i64> = row.get(6);
-    let other_slot =
-        "set postgres.slot to a name of its own, or drop that slot if nothing uses it";
+    let other_slot = "set postgres.slot to a name of its own, or drop that slot if nothing uses it";
     if plugin.as_deref() != Some("pgoutput") {
         return Check::problem(
             NAME,
