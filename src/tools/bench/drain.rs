@@ -540,6 +540,7 @@ fn usage_since(before: Option<Usage>) -> Option<Usage> {
     Some(Usage {
         cpu: after.cpu.saturating_sub(before.cpu),
         peak_rss_kib: after.peak_rss_kib,
+        io_calls: after.io_calls.saturating_sub(before.io_calls),
     })
 }
 
@@ -713,6 +714,7 @@ fn sample(pids: &[&str], last: Option<Usage>) -> Option<Usage> {
         .reduce(|a, b| Usage {
             cpu: a.cpu + b.cpu,
             peak_rss_kib: a.peak_rss_kib + b.peak_rss_kib,
+            io_calls: a.io_calls + b.io_calls,
         });
     match (last, now) {
         (Some(last), Some(now)) => Some(last.then(now)),

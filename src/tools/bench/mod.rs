@@ -214,6 +214,10 @@ fn sample_of(
         events_per_s: stats::rate(events, drained.elapsed),
         cpu_s_per_1m: drained.usage.map(|u| u.cpu.as_secs_f64() * 1e6 / n),
         walsender_cpu_s_per_1m: drained.walsender_cpu.map(|c| c.as_secs_f64() * 1e6 / n),
+        io_calls_per_event: drained
+            .usage
+            .filter(|u| u.io_calls > 0)
+            .map(|u| stats::count_f64(u.io_calls) / n),
         rss_mib: drained
             .usage
             .map(|u| stats::count_f64(u.peak_rss_kib) / 1024.0),

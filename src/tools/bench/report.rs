@@ -31,6 +31,8 @@ pub struct Sample {
     pub table_growth_bytes: Option<i64>,
     /// CPU of the walsenders that served the mode, per million events.
     pub walsender_cpu_s_per_1m: Option<f64>,
+    /// Read and write system calls of the mode's process, per event.
+    pub io_calls_per_event: Option<f64>,
 }
 
 /// The aggregated figures of one mode.
@@ -42,6 +44,7 @@ pub struct ModeResult {
     pub events_per_s: Spread,
     pub cpu_s_per_1m: Option<Spread>,
     pub walsender_cpu_s_per_1m: Option<Spread>,
+    pub io_calls_per_event: Option<Spread>,
     pub rss_mib: Option<Spread>,
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
@@ -194,6 +197,7 @@ impl Report {
                 "entities": self.workload.entities,
                 "repeat": self.workload.repeat,
                 "steady_secs": self.workload.steady_secs,
+                "shards": self.workload.shards,
                 "wal_bytes_per_event": self.workload.wal_bytes_per_event.map(|s| s.median),
                 "insert_events_per_s": self.workload.insert_events_per_s.map(|s| s.median),
             },
@@ -243,11 +247,12 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "\n{:<24} {:>28} {:>13} {:>15} {:>13} {:>14} {:>12} {:>12}  settings",
+            "\n{:<24} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>12}  settings",
             "mode",
             "events/s",
             "CPU s/1M ev",
             "walsender s/1M",
+            "I/O calls/ev",
             "peak RSS MiB",
             "drain WAL B/ev",
             "dead tuples",
@@ -261,11 +266,12 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "{:<24} {:>28} {:>13} {:>15} {:>13} {:>14} {:>12} {:>12}  {}{best}",
+                "{:<24} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>12}  {}{best}",
                 m.mode,
                 spread(&m.events_per_s, 0),
                 opt(m.cpu_s_per_1m.as_ref(), 1),
                 opt(m.walsender_cpu_s_per_1m.as_ref(), 1),
+                opt(m.io_calls_per_event.as_ref(), 2),
                 opt(m.rss_mib.as_ref(), 0),
                 opt(m.drain_wal_bytes_per_event.as_ref(), 0),
                 opt(m.dead_tuples.as_ref(), 0),
@@ -312,6 +318,7 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
         events_per_s: spread_of(&|s| Some(s.events_per_s))?,
         cpu_s_per_1m: spread_of(&|s| s.cpu_s_per_1m),
         walsender_cpu_s_per_1m: spread_of(&|s| s.walsender_cpu_s_per_1m),
+        io_calls_per_event: spread_of(&|s| s.io_calls_per_event),
         rss_mib: spread_of(&|s| s.rss_mib),
         drain_wal_bytes_per_event: spread_of(&|s| s.drain_wal_bytes_per_event),
         dead_tuples: spread_of(&|s| as_f64(s.dead_tuples)),
@@ -336,6 +343,7 @@ fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
         "max_ms": m.latency.map(|l| l.max.median),
         "cpu_s_per_1m": med(m.cpu_s_per_1m.as_ref()),
         "walsender_cpu_s_per_1m": med(m.walsender_cpu_s_per_1m.as_ref()),
+        "io_calls_per_event": med(m.io_calls_per_event.as_ref()),
         "rss_mib": med(m.rss_mib.as_ref()),
         "drain_wal_bytes_per_event": med(m.drain_wal_bytes_per_event.as_ref()),
         "dead_tuples": med(m.dead_tuples.as_ref()),

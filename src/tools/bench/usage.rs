@@ -7,6 +7,11 @@
 //! shutdown is not counted. In-process modes read `/proc/self` before and after, and
 //! reset the peak first (`5` written to `/proc/self/clear_refs`), so one mode's peak
 //! is not another's. Off Linux the figures are simply absent.
+//!
+//! It also counts the process's read and write system calls (`syscr` + `syscw` in
+//! `/proc/<pid>/io`, all threads): per event, they show how finely the work was cut —
+//! a relay that reads the replication socket in small pieces and produces small
+//! batches makes more of them for the same events, and pays for it in CPU.
 
 use std::time::Duration;
 
@@ -21,6 +26,8 @@ pub(crate) struct Usage {
     pub(crate) cpu: Duration,
     /// Peak resident set size so far, in KiB (`VmHWM`).
     pub(crate) peak_rss_kib: u64,
+    /// Read and write system calls so far (`syscr` + `syscw`); 0 when unreadable.
+    pub(crate) io_calls: u64,
 }
 
 impl Usage {
@@ -30,9 +37,11 @@ impl Usage {
     pub(crate) fn read(pid: &str) -> Option<Usage> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
         Some(Usage {
             cpu: cpu_from_stat(&stat)?,
             peak_rss_kib: peak_from_status(&status).unwrap_or(0),
+            io_calls: io_calls_from_io(&io).unwrap_or(0),
         })
     }
 
@@ -45,6 +54,7 @@ impl Usage {
         Usage {
             cpu: self.cpu.max(newer.cpu),
             peak_rss_kib: self.peak_rss_kib.max(newer.peak_rss_kib),
+            io_calls: self.io_calls.max(newer.io_calls),
         }
     }
 
@@ -74,6 +84,18 @@ fn cpu_from_stat(stat: &str) -> Option<Duration> {
     ))
 }
 
+/// `syscr` + `syscw` from the text of `/proc/<pid>/io`.
+fn io_calls_from_io(io: &str) -> Option<u64> {
+    let field = |name: &str| -> Option<u64> {
+        io.lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some(field("syscr:")? + field("syscw:")?)
+}
+
 /// `VmHWM` in KiB from the text of `/proc/<pid>/status`.
 fn peak_from_status(status: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -89,16 +111,19 @@ mod tests {
         let running = Usage {
             cpu: Duration::from_millis(300),
             peak_rss_kib: 12_288,
+            io_calls: 500,
         };
         let zombie = Usage {
             cpu: Duration::from_millis(320),
             peak_rss_kib: 0,
+            io_calls: 0,
         };
         assert_eq!(
             running.then(zombie),
             Usage {
                 cpu: Duration::from_millis(320),
                 peak_rss_kib: 12_288,
+                io_calls: 500,
             }
         );
     }
@@ -109,6 +134,13 @@ mod tests {
         assert_eq!(cpu_from_stat(stat), Some(Duration::from_secs(3)));
         assert_eq!(cpu_from_stat("garbage"), None);
         assert_eq!(cpu_from_stat("1 (x) S 1"), None);
+    }
+
+    #[test]
+    fn parses_io_calls() {
+        let io = "rchar: 10\nwchar: 20\nsyscr: 7\nsyscw: 5\nread_bytes: 0\n";
+        assert_eq!(io_calls_from_io(io), Some(12));
+        assert_eq!(io_calls_from_io("rchar: 1\n"), None);
     }
 
     #[test]
