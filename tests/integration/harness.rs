@@ -262,6 +262,11 @@ impl TestDb {
     /// slot exists are not in its stream (that is what a cutover is for), so tests
     /// that start a relay on a fresh database wait for this before writing.
     pub async fn wait_streaming(&self, relay: &RelayProcess) {
+        self.wait_streaming_on(relay, &self.slot).await;
+    }
+
+    /// [`TestDb::wait_streaming`] for another slot of this database (a shard's).
+    pub async fn wait_streaming_on(&self, relay: &RelayProcess, slot: &str) {
         // An active slot alone is not enough: while CREATE_REPLICATION_SLOT waits
         // for its consistent point the creating walsender holds it too, and a row
         // committed then is before the slot's start, so it is never decoded (and a
@@ -275,18 +280,17 @@ impl TestDb {
                     "SELECT count(*) FROM pg_replication_slots s
                      JOIN pg_stat_replication r ON r.pid = s.active_pid
                      WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')",
-                    &[&self.slot],
+                    &[&slot],
                 )
                 .await
                 .expect("read pg_replication_slots")
                 .get(0);
-            if active == 1 && relay.log().contains("streaming slot=") {
+            if active == 1 && relay.log().contains(&format!("streaming slot={slot}")) {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "relay did not start streaming from {}; log:\n{}",
-                self.slot,
+                "relay did not start streaming from {slot}; log:\n{}",
                 relay.log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -6,7 +6,7 @@
 //! slot, and `migrate` refusing a change of the shard count.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use outbox_relay::tools::workload::Workload;
 
@@ -38,33 +38,10 @@ fn start_shard(db: &TestDb, shard: u32) -> RelayProcess {
     RelayProcess::start(&db.config_path, &env)
 }
 
-/// Waits until the relay streams from shard `shard`'s slot (see
-/// `TestDb::wait_streaming` for why the walsender state and the log line).
+/// Waits until the relay streams from shard `shard`'s slot.
 async fn wait_streaming(db: &TestDb, relay: &RelayProcess, shard: u32) {
-    let slot = format!("{}_shard{shard}", db.slot);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let active: i64 = db
-            .client
-            .query_one(
-                "SELECT count(*) FROM pg_replication_slots s
-                 JOIN pg_stat_replication r ON r.pid = s.active_pid
-                 WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')",
-                &[&slot],
-            )
-            .await
-            .expect("read pg_replication_slots")
-            .get(0);
-        if active == 1 && relay.log().contains(&format!("slot={slot}")) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the relay of shard {shard} did not start streaming; log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    db.wait_streaming_on(relay, &format!("{}_shard{shard}", db.slot))
+        .await;
 }
 
 /// The idempotency keys of the outbox rows in shard `shard`, by the same hash the
