@@ -218,7 +218,7 @@ fn check_override(
 }
 
 /// The producer's `linger.ms` (or its alias `queue.buffering.max.ms`; librdkafka
-/// takes fractions), [`DEFAULT_LINGER_MS`] when neither is set or one is unreadable.
+/// takes fractions), 5 ms (the default this crate sets) when neither is set or one is unreadable.
 #[must_use]
 pub fn linger(cfg: &ClientConfig) -> Duration {
     ["linger.ms", "queue.buffering.max.ms"]
