@@ -103,8 +103,19 @@ impl PostgresConfig {
     /// retention and `status` must consider.
     #[must_use]
     pub fn all_slot_names(&self) -> Vec<String> {
+        self.all_shard_names(&self.slot)
+    }
+
+    /// Every shard's publication, in shard order (just `publication` when not
+    /// sharded).
+    #[must_use]
+    pub fn all_publication_names(&self) -> Vec<String> {
+        self.all_shard_names(&self.publication)
+    }
+
+    fn all_shard_names(&self, base: &str) -> Vec<String> {
         (0..self.shards.max(1))
-            .map(|i| shard::shard_name(&self.slot, self.shards, i))
+            .map(|i| shard::shard_name(base, self.shards, i))
             .collect()
     }
 }

@@ -328,12 +328,15 @@ fn confirmed_sql(n: u8) -> String {
 /// The relay's recorded position, when its table exists and has a row for the slot:
 /// with shards, the lowest of those recorded.
 async fn relay_position(client: &impl GenericClient, cfg: &Config) -> Result<Option<Lsn>> {
+    if !super::position::PositionTable::new(cfg)?
+        .exists(client)
+        .await?
+    {
+        return Ok(None);
+    }
     let mut lowest: Option<Lsn> = None;
     for slot in cfg.postgres.all_slot_names() {
         let positions = super::position::PositionTable::for_slot(cfg, slot)?;
-        if !positions.exists(client).await? {
-            return Ok(None);
-        }
         if let Some(p) = positions.load(client).await? {
             lowest = Some(lowest.map_or(p.confirmed, |l| l.min(p.confirmed)));
         }

@@ -54,8 +54,7 @@ pub async fn ensure(client: &Client, cfg: &Config) -> Result<Vec<String>, PgErro
         "publish = 'insert'"
     };
     let mut created = Vec::new();
-    for i in 0..cfg.postgres.shards {
-        let name = shard::shard_name(&cfg.postgres.publication, cfg.postgres.shards, i);
+    for (i, name) in (0..).zip(cfg.postgres.all_publication_names()) {
         let wanted = marker(cfg, i);
         match comment_of(client, &name).await? {
             Some(found) => same_sharding(&name, found, &wanted)?,

@@ -318,14 +318,11 @@ impl Fixture {
                 tracing::warn!(%slot, error = %e, "cannot drop the benchmark slot; drop it by hand");
             }
         }
-        let publications: Vec<String> = (0..self.config.postgres.shards)
-            .map(|i| {
-                crate::config::shard::shard_name(
-                    &self.config.postgres.publication,
-                    self.config.postgres.shards,
-                    i,
-                )
-            })
+        let publications: Vec<String> = self
+            .config
+            .postgres
+            .all_publication_names()
+            .into_iter()
             .chain(std::iter::once(self.config.postgres.publication.clone()))
             .map(|p| format!("DROP PUBLICATION IF EXISTS {};", quote_ident(&p)))
             .collect();
