@@ -345,7 +345,7 @@ pub async fn run_checked(
         config,
         conninfo,
         core: Core::new(core_config, Lsn::ZERO, now),
-        pending: HashMap::new(),
+        pending: HashMap::default(),
         mapper,
         publisher,
         producer_config,
@@ -487,7 +487,10 @@ struct Relay {
     config: Config,
     conninfo: ConnInfo,
     core: Core,
-    pending: HashMap<EventId, InFlight>,
+    /// Every event between admission and resolution. Keyed by sequential ids that
+    /// are no attacker's choice, so foldhash instead of SipHash: this map is
+    /// written and read for every event (SipHash was ~3 % of a backlog drain).
+    pending: HashMap<EventId, InFlight, foldhash::fast::RandomState>,
     mapper: OutboxMapper,
     publisher: Publisher,
     /// To make a new producer when the current one is wedged.

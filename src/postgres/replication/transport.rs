@@ -27,6 +27,11 @@
 //! Reading is batched: one `read` fills up to 64 KiB (more for a larger message) and
 //! every complete message in it is handed out without another system call; XLogData
 //! payloads are zero-copy slices of that buffer.
+//!
+//! Under TLS the socket has a read buffer of its own ([`TlsSocket`]): rustls asks
+//! its transport for at most 4 KiB per read (`READ_SIZE` in its deframer), so
+//! without one every 4 KiB of WAL cost a `recvfrom`. In backlog drains that system
+//! call and its wake-ups were a fifth of the relay's CPU.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -35,7 +40,7 @@ use std::task::{Context, Poll};
 
 use bytes::BytesMut;
 use postgres_protocol::message::frontend;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::postgres::conninfo::{ConnInfo, Host, Keepalives, SslMode};
@@ -47,10 +52,14 @@ use super::messages::{Cursor, RawMessage, tag_name, take_message};
 /// Bytes asked of the socket per read (more when a message is larger).
 const READ_CHUNK: usize = 64 * 1024;
 
+/// A TLS session over a TCP socket read in chunks of [`READ_CHUNK`] (see the module
+/// doc). Writes pass straight through the reader.
+type TlsSocket = tokio_rustls::client::TlsStream<BufReader<TcpStream>>;
+
 /// The byte stream under a connection.
 pub(super) enum Transport {
     Tcp(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    Tls(Box<TlsSocket>),
     #[cfg(unix)]
     Unix(tokio::net::UnixStream),
     #[cfg(test)]
@@ -175,17 +184,19 @@ pub(super) async fn open_transport(
     })?;
     match answer[0] {
         b'S' => {
-            let tls =
-                connector.handshake(server_name, tcp).await.map_err(|e| {
-                    match rustls_error(&e) {
-                        Some(tls_err) => ReplicationError::Tls(format!(
-                            "handshake with {info} failed: {tls_err}"
-                        )),
-                        None => ReplicationError::Io(io::Error::new(
-                            e.kind(),
-                            format!("TLS handshake with {info} failed: {e}"),
-                        )),
+            // Buffered only now: the answer byte above came straight off the socket.
+            let buffered = BufReader::with_capacity(READ_CHUNK, tcp);
+            let tls = connector
+                .handshake(server_name, buffered)
+                .await
+                .map_err(|e| match rustls_error(&e) {
+                    Some(tls_err) => {
+                        ReplicationError::Tls(format!("handshake with {info} failed: {tls_err}"))
                     }
+                    None => ReplicationError::Io(io::Error::new(
+                        e.kind(),
+                        format!("TLS handshake with {info} failed: {e}"),
+                    )),
                 })?;
             let binding = session_channel_binding(tls.get_ref().1);
             Ok((Transport::Tls(Box::new(tls)), binding))
