@@ -10,6 +10,12 @@
 //! (see `crate::cdc::metrics`) are 1–10 ms wide where live traffic lands, so a
 //! percentile read this way is good to about half a bucket. The relay is a fresh
 //! process per point, so its histograms hold exactly that point's events.
+//!
+//! Two more pages, read at a quarter and at three quarters of the writing, give the
+//! relay's own drift ([`ack_drift_pct`]): commit → ack over the last quarter against
+//! the first, each quarter's histogram being the difference of two cumulative pages.
+//! The consumer's drift includes the broker's fetch path, which for an in-memory
+//! test broker slows as the run's records pile up in its RAM; commit → ack does not.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -38,14 +44,49 @@ pub(crate) fn free_port() -> std::io::Result<SocketAddr> {
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 
-/// The stages (in order) and commit → ack from the endpoint at `addr`; `Err` with
-/// the reason when it cannot be read.
-pub(crate) async fn stages(addr: SocketAddr) -> Result<Vec<StageLatency>, String> {
-    let text = tokio::time::timeout(SCRAPE_TIMEOUT, fetch(addr))
+/// The Prometheus text page of the endpoint at `addr`; `Err` with the reason when it
+/// cannot be read.
+pub(crate) async fn page(addr: SocketAddr) -> Result<String, String> {
+    tokio::time::timeout(SCRAPE_TIMEOUT, fetch(addr))
         .await
         .map_err(|_| format!("no answer from {addr} within {SCRAPE_TIMEOUT:?}"))?
-        .map_err(|e| format!("reading {addr}/metrics: {e}"))?;
-    Ok(stages_of(&text))
+        .map_err(|e| format!("reading {addr}/metrics: {e}"))
+}
+
+/// How far commit → ack's median moved within a run, in %: its p50 over the last
+/// quarter against the first, from the pages of one relay process read at a quarter
+/// of the run, at three quarters and at the end. `None` when a quarter has no
+/// samples or the pages' buckets differ.
+pub(crate) fn ack_drift_pct(
+    at_quarter: &str,
+    at_three_quarters: &str,
+    at_end: &str,
+) -> Option<f64> {
+    let histogram = |page| buckets(page, m::DELIVERY_LATENCY, None);
+    let first = histogram(at_quarter);
+    let last = difference(&histogram(at_end), &histogram(at_three_quarters))?;
+    let (first, last) = (quantile(&first, 0.5)?, quantile(&last, 0.5)?);
+    (first > 0.0).then(|| (last / first - 1.0) * 100.0)
+}
+
+/// Cumulative buckets `later − earlier`, bound by bound (`None` when the bounds
+/// differ; an empty `earlier` is a histogram with no samples yet).
+fn difference(later: &[(f64, u64)], earlier: &[(f64, u64)]) -> Option<Vec<(f64, u64)>> {
+    if earlier.is_empty() {
+        return Some(later.to_vec());
+    }
+    if later.len() != earlier.len() {
+        return None;
+    }
+    later
+        .iter()
+        .zip(earlier)
+        .map(|(&(le, count), &(le_before, before))| {
+            le.total_cmp(&le_before)
+                .is_eq()
+                .then(|| (le, count.saturating_sub(before)))
+        })
+        .collect()
 }
 
 /// The stages found in a Prometheus text page (stages without samples left out).
@@ -172,6 +213,37 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"0.01\"} 4
 outbox_relay_delivery_latency_seconds_bucket{le=\"0.02\"} 8
 outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
 ";
+
+    fn delivery_page(counts: [u64; 3]) -> String {
+        format!(
+            "outbox_relay_delivery_latency_seconds_bucket{{le=\"0.01\"}} {}\n\
+             outbox_relay_delivery_latency_seconds_bucket{{le=\"0.02\"}} {}\n\
+             outbox_relay_delivery_latency_seconds_bucket{{le=\"+Inf\"}} {}\n",
+            counts[0], counts[1], counts[2]
+        )
+    }
+
+    #[test]
+    fn ack_drift_compares_the_last_quarter_with_the_first() {
+        // First quarter: 10 samples, all in (0, 10 ms]: p50 5 ms. By three
+        // quarters 30 samples; the last quarter adds 10, all in (10, 20 ms]: p50
+        // 15 ms, +200 %. The middle half (whatever it holds) does not count.
+        let quarter = delivery_page([10, 10, 10]);
+        let three_quarters = delivery_page([12, 30, 30]);
+        let end = delivery_page([12, 40, 40]);
+        let drift = ack_drift_pct(&quarter, &three_quarters, &end).expect("both quarters");
+        assert!((drift - 200.0).abs() < 1e-9, "{drift}");
+        // The same traffic in both quarters: no drift.
+        let flat = delivery_page([20, 30, 30]);
+        let drift = ack_drift_pct(&quarter, &flat, &delivery_page([30, 40, 40])).expect("flat");
+        assert!(drift.abs() < 1e-9, "{drift}");
+        // A quarter without samples, or pages that disagree on the buckets: none.
+        assert_eq!(ack_drift_pct(&quarter, &end, &end), None);
+        assert_eq!(ack_drift_pct("", &quarter, &end), None);
+        let other_buckets = "outbox_relay_delivery_latency_seconds_bucket{le=\"0.05\"} 1\n\
+                             outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 1\n";
+        assert_eq!(ack_drift_pct(&quarter, other_buckets, &end), None);
+    }
 
     #[test]
     fn reads_the_buckets_of_one_stage() {

@@ -90,6 +90,9 @@ enum Outcome {
         stages: Vec<StageLatency>,
         /// First against last quarter of the run (`None` under four events).
         drift: Option<Drift>,
+        /// The relay's commit → ack p50, last quarter against first, in % (CDC
+        /// only; `None` when its pages could not be read).
+        ack_drift: Option<f64>,
     },
     Failed {
         reason: String,
@@ -179,6 +182,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
     let mut latencies = Vec::new();
     let mut stages: Vec<&StageLatency> = Vec::new();
     let mut drifts = Vec::new();
+    let mut ack_drifts = Vec::new();
     let mut failures = Vec::new();
     for outcome in outcomes {
         match outcome {
@@ -187,11 +191,13 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
                 latency,
                 stages: s,
                 drift,
+                ack_drift,
             } => {
                 achieved.push(*a);
                 latencies.push(*latency);
                 stages.extend(s);
                 drifts.extend(drift.map(|d| d.change_pct()));
+                ack_drifts.extend(*ack_drift);
             }
             Outcome::Failed {
                 reason,
@@ -211,6 +217,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
         latency: LatencySpread::of(&latencies),
         stages: stage_spreads(&stages),
         drift_pct: Spread::of(&drifts),
+        ack_drift_pct: Spread::of(&ack_drifts),
         failures,
     }
 }
@@ -332,6 +339,8 @@ async fn run_in(
         let stop = Arc::clone(&stop);
         tokio::task::spawn_blocking(move || consume_latencies(&cfg, &topic, scheduled, &stop))
     };
+    let quarters = metrics
+        .map(|addr| tokio::spawn(quarter_pages(addr, tokio::time::Instant::now(), duration)));
     let started = Instant::now();
     let write_deadline = duration * 2 + WRITE_SLACK;
     let written = write(fixture, workload, schedule, write_deadline).await?;
@@ -342,6 +351,9 @@ async fn run_in(
         // dropped.
         stop.store(true, Ordering::Release);
         let _ = consumer.await;
+        if let Some(quarters) = &quarters {
+            quarters.abort();
+        }
         let _ = child.start_kill();
         let _ = child.wait().await;
         return Ok(Outcome::Failed {
@@ -362,9 +374,20 @@ async fn run_in(
             consumer.await.map_err(BenchError::Task)??
         }
     };
-    let stages = match metrics {
-        Some(addr) => relay_stages(addr).await,
-        None => Vec::new(),
+    let end_page = match metrics {
+        Some(addr) => relay_page(addr).await,
+        None => None,
+    };
+    let stages = end_page
+        .as_deref()
+        .map(scrape::stages_of)
+        .unwrap_or_default();
+    let ack_drift = match (quarters, &end_page) {
+        (Some(quarters), Some(end)) => match quarters.await {
+            Ok((Some(first), Some(third))) => scrape::ack_drift_pct(&first, &third, end),
+            _ => None,
+        },
+        _ => None,
     };
     let _ = child.start_kill();
     let _ = child.wait().await;
@@ -385,15 +408,32 @@ async fn run_in(
         latency,
         stages,
         drift,
+        ack_drift,
     })
 }
 
-/// The relay's per-stage figures; none (with a warning) when they cannot be read.
-async fn relay_stages(addr: SocketAddr) -> Vec<StageLatency> {
-    scrape::stages(addr).await.unwrap_or_else(|reason| {
-        tracing::warn!(%reason, "cannot read the relay's stage histograms");
-        Vec::new()
-    })
+/// The relay's metrics page at the end of a point; none (with a warning) when it
+/// cannot be read.
+async fn relay_page(addr: SocketAddr) -> Option<String> {
+    scrape::page(addr)
+        .await
+        .inspect_err(|reason| tracing::warn!(%reason, "cannot read the relay's stage histograms"))
+        .ok()
+}
+
+/// The relay's metrics pages at a quarter and at three quarters of the writing
+/// (from `started`), for its commit → ack drift; `None` for one that could not be
+/// read.
+async fn quarter_pages(
+    addr: SocketAddr,
+    started: tokio::time::Instant,
+    duration: Duration,
+) -> (Option<String>, Option<String>) {
+    tokio::time::sleep_until(started + duration / 4).await;
+    let first = scrape::page(addr).await.ok();
+    tokio::time::sleep_until(started + duration * 3 / 4).await;
+    let third = scrape::page(addr).await.ok();
+    (first, third)
 }
 
 fn spawn(

@@ -42,13 +42,13 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     if !cdc.is_empty() {
         let _ = write!(
             out,
-            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99):\n{:>6} {:>10}",
+            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99; ack drift = commit→ack p50 of the last quarter against the first):\n{:>6} {:>10}",
             "rate", "achieved/s"
         );
         for (_, title) in STAGE_COLUMNS {
             let _ = write!(out, " {title:>18}");
         }
-        out.push('\n');
+        let _ = writeln!(out, " {:>10}", "ack drift");
         for s in cdc {
             let _ = write!(out, "{}", stage_row(s));
         }
@@ -74,6 +74,8 @@ pub struct SteadyResult {
     /// Latency drift within a run: last quarter's p50 against the first's, in %
     /// (over the measured runs).
     pub drift_pct: Option<Spread>,
+    /// The same for the relay's commit → ack (CDC; from its histograms).
+    pub ack_drift_pct: Option<Spread>,
     /// Why runs of this point failed (empty when none did).
     pub failures: Vec<String>,
 }
@@ -144,7 +146,10 @@ fn stage_row(s: &SteadyResult) -> String {
         });
         let _ = write!(row, " {cell:>18}");
     }
-    row.push('\n');
+    let drift = s
+        .ack_drift_pct
+        .map_or("-".into(), |d| format!("{:+.0}%", d.median));
+    let _ = writeln!(row, " {drift:>10}");
     row
 }
 
@@ -178,6 +183,7 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
         "p99_ms_max": l.map(|l| l.p99.max),
         "stages": stages,
         "drift_pct": s.drift_pct.map(|d| d.median),
+        "ack_drift_pct": s.ack_drift_pct.map(|d| d.median),
     })
 }
 
@@ -217,6 +223,7 @@ mod tests {
                 Vec::new()
             },
             drift_pct: measured.then(|| one(-3.0)),
+            ack_drift_pct: measured.then(|| one(4.0)),
             failures,
         }
     }
@@ -235,8 +242,10 @@ mod tests {
         assert_eq!(json["stages"]["produced_to_acked"]["p99_ms"], 6.0);
         assert_eq!(json["drift_pct"], -3.0);
         assert!(steady_row(&ok).ends_with("-3%"), "{}", steady_row(&ok));
+        assert_eq!(json["ack_drift_pct"], 4.0);
         let row = stage_row(&ok);
         assert!(row.contains("2.5 / 6.0"), "{row}");
+        assert!(row.trim_end().ends_with("+4%"), "{row}");
         assert!(
             steady_row(&failed).contains(" - "),
             "{}",
