@@ -12,7 +12,7 @@
 //! process per point, so its histograms hold exactly that point's events.
 //!
 //! Two more pages, read at a quarter and at three quarters of the writing, give the
-//! relay's own drift ([`ack_drift_pct`]): commit → ack over the last quarter against
+//! relay's own drift ([`ack_drift`]): commit → ack over the last quarter against
 //! the first, each quarter's histogram being the difference of two cumulative pages.
 //! The consumer's drift includes the broker's fetch path, which for an in-memory
 //! test broker slows as the run's records pile up in its RAM; commit → ack does not.
@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::stats::Drift;
 use crate::cdc::metrics as m;
 
 /// Label of the end-to-end commit → ack figure in the stage table.
@@ -53,20 +54,18 @@ pub(crate) async fn page(addr: SocketAddr) -> Result<String, String> {
         .map_err(|e| format!("reading {addr}/metrics: {e}"))
 }
 
-/// How far commit → ack's median moved within a run, in %: its p50 over the last
-/// quarter against the first, from the pages of one relay process read at a quarter
+/// How commit → ack's median moved within a run: its p50 (ms) over the first
+/// quarter and over the last, from the pages of one relay process read at a quarter
 /// of the run, at three quarters and at the end. `None` when a quarter has no
 /// samples or the pages' buckets differ.
-pub(crate) fn ack_drift_pct(
-    at_quarter: &str,
-    at_three_quarters: &str,
-    at_end: &str,
-) -> Option<f64> {
+pub(crate) fn ack_drift(at_quarter: &str, at_three_quarters: &str, at_end: &str) -> Option<Drift> {
     let histogram = |page| buckets(page, m::DELIVERY_LATENCY, None);
     let first = histogram(at_quarter);
     let last = difference(&histogram(at_end), &histogram(at_three_quarters))?;
-    let (first, last) = (quantile(&first, 0.5)?, quantile(&last, 0.5)?);
-    (first > 0.0).then(|| (last / first - 1.0) * 100.0)
+    Some(Drift {
+        first_quarter_p50: quantile(&first, 0.5)? * 1000.0,
+        last_quarter_p50: quantile(&last, 0.5)? * 1000.0,
+    })
 }
 
 /// Cumulative buckets `later − earlier`, bound by bound (`None` when the bounds
@@ -231,18 +230,19 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
         let quarter = delivery_page([10, 10, 10]);
         let three_quarters = delivery_page([12, 30, 30]);
         let end = delivery_page([12, 40, 40]);
-        let drift = ack_drift_pct(&quarter, &three_quarters, &end).expect("both quarters");
-        assert!((drift - 200.0).abs() < 1e-9, "{drift}");
+        let drift = ack_drift(&quarter, &three_quarters, &end).expect("both quarters");
+        assert!((drift.first_quarter_p50 - 5.0).abs() < 1e-9, "{drift:?}");
+        assert!((drift.change_pct() - 200.0).abs() < 1e-9, "{drift:?}");
         // The same traffic in both quarters: no drift.
         let flat = delivery_page([20, 30, 30]);
-        let drift = ack_drift_pct(&quarter, &flat, &delivery_page([30, 40, 40])).expect("flat");
-        assert!(drift.abs() < 1e-9, "{drift}");
+        let drift = ack_drift(&quarter, &flat, &delivery_page([30, 40, 40])).expect("flat");
+        assert!(drift.change_pct().abs() < 1e-9, "{drift:?}");
         // A quarter without samples, or pages that disagree on the buckets: none.
-        assert_eq!(ack_drift_pct(&quarter, &end, &end), None);
-        assert_eq!(ack_drift_pct("", &quarter, &end), None);
+        assert_eq!(ack_drift(&quarter, &end, &end), None);
+        assert_eq!(ack_drift("", &quarter, &end), None);
         let other_buckets = "outbox_relay_delivery_latency_seconds_bucket{le=\"0.05\"} 1\n\
                              outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 1\n";
-        assert_eq!(ack_drift_pct(&quarter, other_buckets, &end), None);
+        assert_eq!(ack_drift(&quarter, other_buckets, &end), None);
     }
 
     #[test]

@@ -90,9 +90,9 @@ enum Outcome {
         stages: Vec<StageLatency>,
         /// First against last quarter of the run (`None` under four events).
         drift: Option<Drift>,
-        /// The relay's commit → ack p50, last quarter against first, in % (CDC
-        /// only; `None` when its pages could not be read).
-        ack_drift: Option<f64>,
+        /// The same for the relay's commit → ack (CDC only; `None` when its
+        /// pages could not be read).
+        ack_drift: Option<Drift>,
     },
     Failed {
         reason: String,
@@ -197,7 +197,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
                 latencies.push(*latency);
                 stages.extend(s);
                 drifts.extend(drift.map(|d| d.change_pct()));
-                ack_drifts.extend(*ack_drift);
+                ack_drifts.extend(ack_drift.map(|d| d.change_pct()));
             }
             Outcome::Failed {
                 reason,
@@ -384,7 +384,7 @@ async fn run_in(
         .unwrap_or_default();
     let ack_drift = match (quarters, &end_page) {
         (Some(quarters), Some(end)) => match quarters.await {
-            Ok((Some(first), Some(third))) => scrape::ack_drift_pct(&first, &third, end),
+            Ok((Some(first), Some(third))) => scrape::ack_drift(&first, &third, end),
             _ => None,
         },
         _ => None,

@@ -116,9 +116,7 @@ fn steady_row(s: &SteadyResult) -> String {
                 .collect()
         },
     );
-    let drift = s
-        .drift_pct
-        .map_or("-".into(), |d| format!("{:+.0}%", d.median));
+    let drift = drift_cell(s.drift_pct);
     format!(
         "{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         s.mode,
@@ -146,11 +144,13 @@ fn stage_row(s: &SteadyResult) -> String {
         });
         let _ = write!(row, " {cell:>18}");
     }
-    let drift = s
-        .ack_drift_pct
-        .map_or("-".into(), |d| format!("{:+.0}%", d.median));
-    let _ = writeln!(row, " {drift:>10}");
+    let _ = writeln!(row, " {:>10}", drift_cell(s.ack_drift_pct));
     row
+}
+
+/// A drift's median over the runs as a signed percentage, `-` when none.
+fn drift_cell(drift: Option<Spread>) -> String {
+    drift.map_or("-".into(), |d| format!("{:+.0}%", d.median))
 }
 
 /// One steady point in the `--json` object.
