@@ -48,8 +48,10 @@ pub(crate) struct Instruments {
     transient_errors: Counter,
     reconnects: Counter,
     heartbeat_round_trip: Histogram,
-    /// `(relayed, poisoned)` counters per topic.
-    per_topic: HashMap<String, (Counter, Counter)>,
+    /// `(relayed, poisoned)` counters per topic, looked up once per event. foldhash,
+    /// not SipHash (which was 1–2 % of a drain's CPU): the map holds at most
+    /// [`MAX_TOPIC_SERIES`] + 1 keys, so colliding names cannot make it slow.
+    per_topic: HashMap<String, (Counter, Counter), foldhash::fast::RandomState>,
     /// The confirmed LSN at the last [`Instruments::observe`], to tell an advance.
     last_confirmed: Lsn,
 }
@@ -69,29 +71,37 @@ impl Instruments {
             transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
             reconnects: ::metrics::counter!(m::RECONNECTS),
             heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
-            per_topic: HashMap::new(),
+            per_topic: HashMap::default(),
             last_confirmed: Lsn::ZERO,
         }
     }
 
+    /// The counters of `topic`: one hash lookup per event once the topic is known.
     fn topic(&mut self, topic: &str) -> &(Counter, Counter) {
-        // Topics come from row data (a topic column, a template): past the cap, the
-        // rest share one series, so a bad row cannot grow the scrape without bound.
-        let topic = if self.per_topic.contains_key(topic) || self.per_topic.len() < MAX_TOPIC_SERIES
-        {
+        if !self.per_topic.contains_key(topic) {
+            return self.new_topic(topic);
+        }
+        &self.per_topic[topic]
+    }
+
+    /// The counters of a topic not seen before. Topics come from row data (a topic
+    /// column, a template): past the cap, the rest share one series, so a bad row
+    /// cannot grow the scrape without bound.
+    #[cold]
+    fn new_topic(&mut self, topic: &str) -> &(Counter, Counter) {
+        let label = if self.per_topic.len() < MAX_TOPIC_SERIES {
             topic
         } else {
             OTHER_TOPICS
         };
-        if !self.per_topic.contains_key(topic) {
-            let label = topic.to_owned();
+        if !self.per_topic.contains_key(label) {
             let counters = (
-                ::metrics::counter!(m::EVENTS_RELAYED, "topic" => label.clone()),
-                ::metrics::counter!(m::EVENTS_POISONED, "topic" => label.clone()),
+                ::metrics::counter!(m::EVENTS_RELAYED, "topic" => label.to_owned()),
+                ::metrics::counter!(m::EVENTS_POISONED, "topic" => label.to_owned()),
             );
-            self.per_topic.insert(label, counters);
+            self.per_topic.insert(label.to_owned(), counters);
         }
-        &self.per_topic[topic]
+        &self.per_topic[label]
     }
 
     /// An event's frame was taken off the stream; its transaction committed at

@@ -1484,7 +1484,9 @@ impl Relay {
         let sent = publisher.send_event(id, event);
         if sent.is_ok() {
             self.idle_gate.produced();
-            *produced_at = Instant::now();
+            // The instant before the send: a clock read less per event, for a
+            // microsecond of the produced → acked stage.
+            *produced_at = now;
             if attempt == 1 {
                 self.instruments.produced(*received_at, *produced_at);
             }

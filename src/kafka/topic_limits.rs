@@ -49,8 +49,11 @@ struct Known {
 /// The topics' limits as far as known; see the module doc.
 pub(crate) struct TopicLimits {
     admin: Option<Arc<AdminClient<DefaultClientContext>>>,
-    known: HashMap<String, Known>,
-    asked: HashMap<String, Instant>,
+    /// Looked up for every produced record, hence foldhash rather than SipHash. The
+    /// names are the outbox's own topics, written by the application, not by whoever
+    /// could aim collisions at the relay.
+    known: HashMap<String, Known, foldhash::fast::RandomState>,
+    asked: HashMap<String, Instant, foldhash::fast::RandomState>,
     answers_tx: mpsc::UnboundedSender<(String, Option<usize>)>,
     answers: mpsc::UnboundedReceiver<(String, Option<usize>)>,
 }
@@ -84,8 +87,8 @@ impl TopicLimits {
         let (answers_tx, answers) = mpsc::unbounded_channel();
         TopicLimits {
             admin,
-            known: HashMap::new(),
-            asked: HashMap::new(),
+            known: HashMap::default(),
+            asked: HashMap::default(),
             answers_tx,
             answers,
         }
