@@ -1,5 +1,5 @@
-//! The poison table under load and with hostile content: mass poisoning drains about
-//! as fast as delivery, content that jsonb or a size limit refuses is still recorded
+//! The poison table under load and with hostile content: mass poisoning drains in
+//! time proportional to delivery (no cost that grows with the table), content that jsonb or a size limit refuses is still recorded
 //! (and the stream goes on), each occurrence is recorded exactly once, and the
 //! migration that introduced de-duplication by occurrence keeps every old row.
 
@@ -75,16 +75,24 @@ fn tail(log: &str) -> &str {
     &log[start..]
 }
 
-/// 10,000 events that all poison drain within twice the time 10,000 deliverable
-/// events take, measured in one run of the real binary. Three rounds of each,
-/// interleaved (normal, poison, normal, …), and the fastest round of each kind
+/// 10,000 events that all poison drain within three times the time 10,000
+/// deliverable events take, measured in one run of the real binary. Three rounds of
+/// each, interleaved (normal, poison, normal, …), and the fastest round of each kind
 /// compared: the machine is shared, and a stall of a few hundred milliseconds in
 /// either single measurement would otherwise decide the test. Later poison rounds
 /// write into a table that already holds 10,000 or 20,000 poison rows, which is
 /// where an insert whose cost grows with the table shows (before the unique index:
 /// 62 s and 162 s for the first two rounds, against 0.8 s for normal events).
+///
+/// Why three and not two: on the 2-core test machine the fastest poison round takes
+/// 2.2–2.9 times the fastest normal one (debug and release binaries alike, e.g.
+/// 0.97 s against 0.44 s), because a poisoned event costs PostgreSQL a row, its index
+/// entries and their WAL, and each guarded cast in the insert (`outbox_relay_try_jsonb`
+/// and `outbox_relay_try_timestamptz`, plpgsql with an exception block) about 2.8 µs
+/// against 0.2 µs for a plain cast. At a bound of 2× the test failed at random; at
+/// 3× it still fails by far for the quadratic insert it was written against.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mass_poisoning_drains_within_twice_the_normal_time() {
+async fn mass_poisoning_drains_within_three_times_the_normal_time() {
     let _heavy = harness::heavy().await;
     let mut db = TestDb::create("poison_mass").await;
     let relay = RelayProcess::start(&db.config_path, &[]);
@@ -122,14 +130,14 @@ async fn mass_poisoning_drains_within_twice_the_normal_time() {
     );
     let best_normal = normal.iter().min().copied().unwrap();
     let best_poison = poison.iter().min().copied().unwrap();
-    // 2x, plus 250 ms: each drain also holds time that does not scale with the work
+    // 3x, plus 250 ms: each drain also holds time that does not scale with the work
     // and is not the relay's (the 100 transactions' write, the 10 ms polling here,
     // the wait for CPU on a machine whose other tests run at the same time), and
     // doubling it would make the bound depend on that noise.
-    let bound = best_normal * 2 + Duration::from_millis(250);
+    let bound = best_normal * 3 + Duration::from_millis(250);
     assert!(
         best_poison <= bound,
-        "poison drain {best_poison:.2?} > 2 x normal drain {best_normal:.2?} + 250 ms; log tail:\n{}",
+        "poison drain {best_poison:.2?} > 3 x normal drain {best_normal:.2?} + 250 ms; log tail:\n{}",
         tail(&relay.log())
     );
     relay.terminate(Duration::from_secs(30)).await;
