@@ -76,12 +76,14 @@ impl Instruments {
         }
     }
 
-    /// The counters of `topic`: one hash lookup per event once the topic is known.
-    fn topic(&mut self, topic: &str) -> &(Counter, Counter) {
-        if !self.per_topic.contains_key(topic) {
-            return self.new_topic(topic);
+    /// Adds one to the counter `which` picks of `topic`'s pair: one hash lookup per
+    /// event once the topic is known.
+    fn count(&mut self, topic: &str, which: fn(&(Counter, Counter)) -> &Counter) {
+        if let Some(counters) = self.per_topic.get(topic) {
+            which(counters).increment(1);
+        } else {
+            which(self.new_topic(topic)).increment(1);
         }
-        &self.per_topic[topic]
     }
 
     /// The counters of a topic not seen before. Topics come from row data (a topic
@@ -130,7 +132,7 @@ impl Instruments {
         self.produced_to_acked
             .record(now.saturating_duration_since(produced_at));
         self.confirm.acked();
-        self.topic(topic).0.increment(1);
+        self.count(topic, |(relayed, _)| relayed);
     }
 
     /// The commit watermark is `confirmed` at `now` (before any status says so).
@@ -151,7 +153,7 @@ impl Instruments {
 
     /// An event of `topic` (`""` for a row that has none) was poisoned.
     pub(crate) fn poisoned(&mut self, topic: &str) {
-        self.topic(topic).1.increment(1);
+        self.count(topic, |(_, poisoned)| poisoned);
     }
 
     /// A delivery report with a transient (retried) broker error.

@@ -1,7 +1,8 @@
 //! The poison table under load and with hostile content: mass poisoning drains in
-//! time proportional to delivery (no cost that grows with the table), content that jsonb or a size limit refuses is still recorded
-//! (and the stream goes on), each occurrence is recorded exactly once, and the
-//! migration that introduced de-duplication by occurrence keeps every old row.
+//! time proportional to delivery (no cost that grows with the table), content that
+//! jsonb or a size limit refuses is still recorded (and the stream goes on), each
+//! occurrence is recorded exactly once, and the migration that introduced
+//! de-duplication by occurrence keeps every old row.
 
 use std::time::{Duration, Instant};
 
@@ -133,7 +134,7 @@ async fn mass_poisoning_drains_within_three_times_the_normal_time() {
     // 3x, plus 250 ms: each drain also holds time that does not scale with the work
     // and is not the relay's (the 100 transactions' write, the 10 ms polling here,
     // the wait for CPU on a machine whose other tests run at the same time), and
-    // doubling it would make the bound depend on that noise.
+    // multiplying it would make the bound depend on that noise.
     let bound = best_normal * 3 + Duration::from_millis(250);
     assert!(
         best_poison <= bound,
