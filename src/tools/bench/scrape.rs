@@ -11,11 +11,13 @@
 //! percentile read this way is good to about half a bucket. The relay is a fresh
 //! process per point, so its histograms hold exactly that point's events.
 //!
-//! Two more pages, read at a quarter and at three quarters of the writing, give the
-//! relay's own drift ([`ack_drift`]): commit → ack over the last quarter against
-//! the first, each quarter's histogram being the difference of two cumulative pages.
+//! Two more pages, read at a quarter and at three quarters of the writing, give
+//! each stage's drift ([`stages_of`]): its p50 over the last quarter against the
+//! first, each quarter's histogram being the difference of two cumulative pages.
 //! The consumer's drift includes the broker's fetch path, which for an in-memory
-//! test broker slows as the run's records pile up in its RAM; commit → ack does not.
+//! test broker slows as the run's records pile up in its RAM; the stages say which
+//! part of the way slowed: the relay's own (commit → received, received →
+//! produced) or the broker's produce round trip (produced → acked).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -31,13 +33,16 @@ pub(crate) const COMMIT_TO_ACK: &str = "commit_to_ack";
 /// How long the scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// p50 and p99 of one stage, in milliseconds, with the number of samples.
+/// p50 and p99 of one stage, in milliseconds, with the number of samples and the
+/// drift of its p50 within the run.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct StageLatency {
     pub(crate) stage: &'static str,
     pub(crate) p50_ms: f64,
     pub(crate) p99_ms: f64,
     pub(crate) count: u64,
+    /// `None` without the quarter pages or when a quarter has no samples.
+    pub(crate) drift: Option<Drift>,
 }
 
 /// A free loopback port for a child's metrics endpoint (bound, read, released).
@@ -54,16 +59,18 @@ pub(crate) async fn page(addr: SocketAddr) -> Result<String, String> {
         .map_err(|e| format!("reading {addr}/metrics: {e}"))
 }
 
-/// How commit → ack's median moved within a run: its p50 (ms) over the first
-/// quarter and over the last, from the pages of one relay process read at a quarter
-/// of the run, at three quarters and at the end. `None` when a quarter has no
-/// samples or the pages' buckets differ.
-pub(crate) fn ack_drift(at_quarter: &str, at_three_quarters: &str, at_end: &str) -> Option<Drift> {
-    let histogram = |page| buckets(page, m::DELIVERY_LATENCY, None);
-    let first = histogram(at_quarter);
-    let last = difference(&histogram(at_end), &histogram(at_three_quarters))?;
+/// How a stage's median moved within a run: its p50 (ms) over the first quarter
+/// and over the last, from the cumulative histograms of one relay process read at
+/// a quarter of the run, at three quarters and at the end. `None` when a quarter has
+/// no samples or the pages' buckets differ.
+fn drift(
+    at_quarter: &[(f64, u64)],
+    at_three_quarters: &[(f64, u64)],
+    at_end: &[(f64, u64)],
+) -> Option<Drift> {
+    let last = difference(at_end, at_three_quarters)?;
     Some(Drift {
-        first_quarter_p50: quantile(&first, 0.5)? * 1000.0,
+        first_quarter_p50: quantile(at_quarter, 0.5)? * 1000.0,
         last_quarter_p50: quantile(&last, 0.5)? * 1000.0,
     })
 }
@@ -88,17 +95,28 @@ fn difference(later: &[(f64, u64)], earlier: &[(f64, u64)]) -> Option<Vec<(f64, 
         .collect()
 }
 
-/// The stages found in a Prometheus text page (stages without samples left out).
-pub(crate) fn stages_of(text: &str) -> Vec<StageLatency> {
-    let mut out: Vec<StageLatency> = m::STAGES
+/// The stages found in the Prometheus text page read at the end of a point (stages
+/// without samples left out), then commit → ack; with the pages read at a quarter
+/// and at three quarters, each with its drift.
+pub(crate) fn stages_of(at_end: &str, quarters: Option<(&str, &str)>) -> Vec<StageLatency> {
+    let series = m::STAGES
         .iter()
-        .filter_map(|&stage| latency(stage, &buckets(text, m::STAGE_LATENCY, Some(stage))))
-        .collect();
-    out.extend(latency(
-        COMMIT_TO_ACK,
-        &buckets(text, m::DELIVERY_LATENCY, None),
-    ));
-    out
+        .map(|&stage| (stage, m::STAGE_LATENCY, Some(stage)))
+        .chain(std::iter::once((COMMIT_TO_ACK, m::DELIVERY_LATENCY, None)));
+    series
+        .filter_map(|(stage, name, label)| {
+            let end = buckets(at_end, name, label);
+            let mut out = latency(stage, &end)?;
+            out.drift = quarters.and_then(|(first, third)| {
+                drift(
+                    &buckets(first, name, label),
+                    &buckets(third, name, label),
+                    &end,
+                )
+            });
+            Some(out)
+        })
+        .collect()
 }
 
 fn latency(stage: &'static str, buckets: &[(f64, u64)]) -> Option<StageLatency> {
@@ -108,6 +126,7 @@ fn latency(stage: &'static str, buckets: &[(f64, u64)]) -> Option<StageLatency> 
         p50_ms: quantile(buckets, 0.5)? * 1000.0,
         p99_ms: quantile(buckets, 0.99)? * 1000.0,
         count,
+        drift: None,
     })
 }
 
@@ -222,6 +241,13 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
         )
     }
 
+    fn ack_drift(quarter: &str, three_quarters: &str, end: &str) -> Option<Drift> {
+        stages_of(end, Some((quarter, three_quarters)))
+            .into_iter()
+            .find(|s| s.stage == COMMIT_TO_ACK)
+            .and_then(|s| s.drift)
+    }
+
     #[test]
     fn ack_drift_compares_the_last_quarter_with_the_first() {
         // First quarter: 10 samples, all in (0, 10 ms]: p50 5 ms. By three
@@ -243,6 +269,34 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
         let other_buckets = "outbox_relay_delivery_latency_seconds_bucket{le=\"0.05\"} 1\n\
                              outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 1\n";
         assert_eq!(ack_drift(&quarter, other_buckets, &end), None);
+        // Without the quarter pages the figures are there, the drift is not.
+        assert!(stages_of(&end, None).iter().all(|s| s.drift.is_none()));
+    }
+
+    #[test]
+    fn each_stage_has_its_own_drift() {
+        // produced → acked: 50 samples in (1, 5 ms] by a quarter; the last quarter
+        // (end minus three quarters) puts its 50 in (5, 10 ms]: p50 3 → 7.5 ms.
+        let stage = |counts: [u64; 4]| {
+            format!(
+                "outbox_relay_stage_latency_seconds_bucket{{stage=\"produced_to_acked\",le=\"0.001\"}} {}\n\
+                 outbox_relay_stage_latency_seconds_bucket{{stage=\"produced_to_acked\",le=\"0.005\"}} {}\n\
+                 outbox_relay_stage_latency_seconds_bucket{{stage=\"produced_to_acked\",le=\"0.01\"}} {}\n\
+                 outbox_relay_stage_latency_seconds_bucket{{stage=\"produced_to_acked\",le=\"+Inf\"}} {}\n",
+                counts[0], counts[1], counts[2], counts[3]
+            )
+        };
+        let quarter = stage([0, 50, 50, 50]);
+        let three_quarters = stage([0, 150, 150, 150]);
+        let end = stage([0, 150, 200, 200]);
+        let stages = stages_of(&end, Some((&quarter, &three_quarters)));
+        let acked = stages
+            .iter()
+            .find(|s| s.stage == "produced_to_acked")
+            .and_then(|s| s.drift)
+            .expect("both quarters");
+        assert!((acked.first_quarter_p50 - 3.0).abs() < 1e-9, "{acked:?}");
+        assert!((acked.last_quarter_p50 - 7.5).abs() < 1e-9, "{acked:?}");
     }
 
     #[test]
@@ -271,7 +325,7 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
 
     #[test]
     fn stages_skip_empty_histograms_and_add_commit_to_ack() {
-        let stages = stages_of(PAGE);
+        let stages = stages_of(PAGE, None);
         let names: Vec<&str> = stages.iter().map(|s| s.stage).collect();
         assert_eq!(names, ["produced_to_acked", COMMIT_TO_ACK]);
         assert_eq!(stages[0].count, 100);

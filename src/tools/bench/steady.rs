@@ -86,13 +86,11 @@ enum Outcome {
     Measured {
         achieved: f64,
         latency: Latency,
-        /// The relay's per-stage figures (CDC only; empty when unreadable).
+        /// The relay's per-stage figures, each with its drift when the quarter
+        /// pages were read (CDC only; empty when unreadable).
         stages: Vec<StageLatency>,
         /// First against last quarter of the run (`None` under four events).
         drift: Option<Drift>,
-        /// The same for the relay's commit → ack (CDC only; `None` when its
-        /// pages could not be read).
-        ack_drift: Option<Drift>,
     },
     Failed {
         reason: String,
@@ -182,7 +180,6 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
     let mut latencies = Vec::new();
     let mut stages: Vec<&StageLatency> = Vec::new();
     let mut drifts = Vec::new();
-    let mut ack_drifts = Vec::new();
     let mut failures = Vec::new();
     for outcome in outcomes {
         match outcome {
@@ -191,13 +188,11 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
                 latency,
                 stages: s,
                 drift,
-                ack_drift,
             } => {
                 achieved.push(*a);
                 latencies.push(*latency);
                 stages.extend(s);
                 drifts.extend(drift.map(|d| d.change_pct()));
-                ack_drifts.extend(ack_drift.map(|d| d.change_pct()));
             }
             Outcome::Failed {
                 reason,
@@ -217,12 +212,11 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
         latency: LatencySpread::of(&latencies),
         stages: stage_spreads(&stages),
         drift_pct: Spread::of(&drifts),
-        ack_drift_pct: Spread::of(&ack_drifts),
         failures,
     }
 }
 
-/// Per stage (in the relay's order), the spread of p50 and p99 over the runs.
+/// Per stage (in the relay's order), the spread of p50, p99 and drift over the runs.
 fn stage_spreads(stages: &[&StageLatency]) -> Vec<StageSpread> {
     let mut names: Vec<&'static str> = Vec::new();
     for s in stages {
@@ -236,10 +230,15 @@ fn stage_spreads(stages: &[&StageLatency]) -> Vec<StageSpread> {
             let mine: Vec<&&StageLatency> = stages.iter().filter(|s| s.stage == name).collect();
             let p50: Vec<f64> = mine.iter().map(|s| s.p50_ms).collect();
             let p99: Vec<f64> = mine.iter().map(|s| s.p99_ms).collect();
+            let drift: Vec<f64> = mine
+                .iter()
+                .filter_map(|s| s.drift.map(|d| d.change_pct()))
+                .collect();
             Some(StageSpread {
                 stage: name,
                 p50: Spread::of(&p50)?,
                 p99: Spread::of(&p99)?,
+                drift_pct: Spread::of(&drift),
             })
         })
         .collect()
@@ -378,17 +377,22 @@ async fn run_in(
         Some(addr) => relay_page(addr).await,
         None => None,
     };
-    let stages = end_page
-        .as_deref()
-        .map(scrape::stages_of)
-        .unwrap_or_default();
-    let ack_drift = match (quarters, &end_page) {
-        (Some(quarters), Some(end)) => match quarters.await {
-            Ok((Some(first), Some(third))) => scrape::ack_drift(&first, &third, end),
+    let quarter_pages = match quarters {
+        Some(quarters) => match quarters.await {
+            Ok((Some(first), Some(third))) => Some((first, third)),
             _ => None,
         },
-        _ => None,
+        None => None,
     };
+    let stages = end_page
+        .as_deref()
+        .map(|end| {
+            let quarters = quarter_pages
+                .as_ref()
+                .map(|(first, third)| (first.as_str(), third.as_str()));
+            scrape::stages_of(end, quarters)
+        })
+        .unwrap_or_default();
     let _ = child.start_kill();
     let _ = child.wait().await;
     let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
@@ -408,7 +412,6 @@ async fn run_in(
         latency,
         stages,
         drift,
-        ack_drift,
     })
 }
 
@@ -422,7 +425,7 @@ async fn relay_page(addr: SocketAddr) -> Option<String> {
 }
 
 /// The relay's metrics pages at a quarter and at three quarters of the writing
-/// (from `started`), for its commit → ack drift; `None` for one that could not be
+/// (from `started`), for the stages' drift; `None` for one that could not be
 /// read.
 async fn quarter_pages(
     addr: SocketAddr,

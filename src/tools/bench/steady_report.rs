@@ -42,13 +42,13 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     if !cdc.is_empty() {
         let _ = write!(
             out,
-            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99; ack drift = commit→ack p50 of the last quarter against the first):\n{:>6} {:>10}",
+            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99; drift = each stage's p50 over the last quarter against the first):\n{:>6} {:>10}",
             "rate", "achieved/s"
         );
         for (_, title) in STAGE_COLUMNS {
             let _ = write!(out, " {title:>18}");
         }
-        let _ = writeln!(out, " {:>10}", "ack drift");
+        let _ = writeln!(out);
         for s in cdc {
             let _ = write!(out, "{}", stage_row(s));
         }
@@ -74,8 +74,6 @@ pub struct SteadyResult {
     /// Latency drift within a run: last quarter's p50 against the first's, in %
     /// (over the measured runs).
     pub drift_pct: Option<Spread>,
-    /// The same for the relay's commit → ack (CDC; from its histograms).
-    pub ack_drift_pct: Option<Spread>,
     /// Why runs of this point failed (empty when none did).
     pub failures: Vec<String>,
 }
@@ -88,12 +86,22 @@ impl SteadyResult {
     }
 }
 
-/// p50 and p99 of one stage over repeated runs, in milliseconds.
+/// p50 and p99 of one stage over repeated runs, in milliseconds, and the drift of
+/// its p50 within a run (last quarter against the first, in %).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StageSpread {
     pub stage: &'static str,
     pub p50: Spread,
     pub p99: Spread,
+    pub drift_pct: Option<Spread>,
+}
+
+impl SteadyResult {
+    /// The relay's commit → ack drift (CDC; from its histograms).
+    #[must_use]
+    pub fn ack_drift_pct(&self) -> Option<Spread> {
+        self.stage(COMMIT_TO_ACK).and_then(|s| s.drift_pct)
+    }
 }
 
 fn rate_text(s: &SteadyResult) -> String {
@@ -144,7 +152,12 @@ fn stage_row(s: &SteadyResult) -> String {
         });
         let _ = write!(row, " {cell:>18}");
     }
-    let _ = writeln!(row, " {:>10}", drift_cell(s.ack_drift_pct));
+    let _ = write!(row, "\n{:>6} {:>10}", "", "drift");
+    for (stage, _) in STAGE_COLUMNS {
+        let cell = drift_cell(s.stage(stage).and_then(|st| st.drift_pct));
+        let _ = write!(row, " {cell:>18}");
+    }
+    let _ = writeln!(row);
     row
 }
 
@@ -162,7 +175,8 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
             (
                 st.stage.to_owned(),
                 json!({"p50_ms": st.p50.median, "p99_ms": st.p99.median,
-                       "p99_ms_min": st.p99.min, "p99_ms_max": st.p99.max}),
+                       "p99_ms_min": st.p99.min, "p99_ms_max": st.p99.max,
+                       "drift_pct": st.drift_pct.map(|d| d.median)}),
             )
         })
         .collect();
@@ -183,7 +197,7 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
         "p99_ms_max": l.map(|l| l.p99.max),
         "stages": stages,
         "drift_pct": s.drift_pct.map(|d| d.median),
-        "ack_drift_pct": s.ack_drift_pct.map(|d| d.median),
+        "ack_drift_pct": s.ack_drift_pct().map(|d| d.median),
     })
 }
 
@@ -214,16 +228,24 @@ mod tests {
                 max: one(30.0),
             }),
             stages: if measured {
-                vec![StageSpread {
-                    stage: m::STAGE_PRODUCED_TO_ACKED,
-                    p50: one(2.5),
-                    p99: one(6.0),
-                }]
+                vec![
+                    StageSpread {
+                        stage: m::STAGE_PRODUCED_TO_ACKED,
+                        p50: one(2.5),
+                        p99: one(6.0),
+                        drift_pct: Some(one(7.0)),
+                    },
+                    StageSpread {
+                        stage: COMMIT_TO_ACK,
+                        p50: one(3.0),
+                        p99: one(7.0),
+                        drift_pct: Some(one(4.0)),
+                    },
+                ]
             } else {
                 Vec::new()
             },
             drift_pct: measured.then(|| one(-3.0)),
-            ack_drift_pct: measured.then(|| one(4.0)),
             failures,
         }
     }
@@ -243,9 +265,14 @@ mod tests {
         assert_eq!(json["drift_pct"], -3.0);
         assert!(steady_row(&ok).ends_with("-3%"), "{}", steady_row(&ok));
         assert_eq!(json["ack_drift_pct"], 4.0);
+        assert_eq!(json["stages"]["produced_to_acked"]["drift_pct"], 7.0);
         let row = stage_row(&ok);
-        assert!(row.contains("2.5 / 6.0"), "{row}");
-        assert!(row.trim_end().ends_with("+4%"), "{row}");
+        let (figures, drifts) = row.split_once('\n').expect("a drift line");
+        assert!(figures.contains("2.5 / 6.0"), "{row}");
+        assert!(figures.trim_end().ends_with("3.0 / 7.0"), "{row}");
+        // Each stage's drift under its figures; a stage without one shows `-`.
+        let cells: Vec<&str> = drifts.split_whitespace().collect();
+        assert_eq!(cells, ["drift", "-", "-", "+7%", "-", "+4%"], "{row}");
         assert!(
             steady_row(&failed).contains(" - "),
             "{}",
