@@ -84,6 +84,12 @@ impl SteadyResult {
     pub fn stage(&self, stage: &str) -> Option<&StageSpread> {
         self.stages.iter().find(|s| s.stage == stage)
     }
+
+    /// The relay's commit → ack drift (CDC; from its histograms).
+    #[must_use]
+    pub fn ack_drift_pct(&self) -> Option<Spread> {
+        self.stage(COMMIT_TO_ACK).and_then(|s| s.drift_pct)
+    }
 }
 
 /// p50 and p99 of one stage over repeated runs, in milliseconds, and the drift of
@@ -94,14 +100,6 @@ pub struct StageSpread {
     pub p50: Spread,
     pub p99: Spread,
     pub drift_pct: Option<Spread>,
-}
-
-impl SteadyResult {
-    /// The relay's commit → ack drift (CDC; from its histograms).
-    #[must_use]
-    pub fn ack_drift_pct(&self) -> Option<Spread> {
-        self.stage(COMMIT_TO_ACK).and_then(|s| s.drift_pct)
-    }
 }
 
 fn rate_text(s: &SteadyResult) -> String {
