@@ -25,6 +25,10 @@
 //!         LIMIT $batch))
 //!    ```
 //!
+//! A row whose poison copy is truncated and not yet replayed is kept too: `replay`
+//! reads such a copy's original from the outbox (`crate::poison::table`), so deleting
+//! it would leave only the cut copy of an event that was never delivered.
+//!
 //! A row that is not confirmed is never touched, whatever its age: a long transaction,
 //! a relay that is stopped or behind, a broker outage — the checkpoint simply stays
 //! behind and so does deletion. The first cycle after a start usually deletes nothing
@@ -150,6 +154,8 @@ struct RetentionSql {
     old_partitions: String,
     /// `$1` root table, `$2` interval unit, `$3` partitions ahead.
     ensure_partitions: String,
+    /// No truncated, unreplayed poison copy needs outbox row `o` (module docs).
+    not_needed_by_replay: String,
 }
 
 impl RetentionSql {
@@ -159,9 +165,17 @@ impl RetentionSql {
         let created_at = quote_ident(&cfg.outbox.columns.created_at);
         // Config validation already checked the name; a hand-built Config may not be.
         let (schema, _) = crate::config::qualified_name(&cfg.outbox.table)?;
+        let not_needed_by_replay = format!(
+            "NOT EXISTS (SELECT 1 FROM {} p
+                          WHERE p.truncated AND p.replayed_at IS NULL
+                            AND p.outbox_id = o.{}::text)",
+            quote_qualified(&cfg.outbox.poison_table),
+            quote_ident(&cfg.outbox.columns.id)
+        );
         let eligible = format!(
             "o.{created_at} < now() - make_interval(secs => $1::float8)
-               AND (o.sent_at IS NOT NULL OR {})",
+               AND (o.sent_at IS NOT NULL OR {})
+               AND {not_needed_by_replay}",
             precedes_sql("o", 2)
         );
         Ok(RetentionSql {
@@ -188,16 +202,20 @@ impl RetentionSql {
                 "SELECT {}.outbox_relay_ensure_partitions($1::text::regclass, $2, $3)",
                 quote_ident(&schema)
             ),
+            not_needed_by_replay,
         })
     }
 
     /// Whether any row of partition `part` (quoted name) is not delivered by
-    /// checkpoint `$1`.
+    /// checkpoint `$1`, or is the original of a truncated poison copy not replayed.
     #[must_use]
-    fn partition_has_unconfirmed(part: &str) -> String {
+    fn partition_has_unconfirmed(&self, part: &str) -> String {
         format!(
-            "SELECT EXISTS (SELECT 1 FROM {part} o WHERE o.sent_at IS NULL AND NOT COALESCE({}, false))",
-            precedes_sql("o", 1)
+            "SELECT EXISTS (SELECT 1 FROM {part} o
+                             WHERE (o.sent_at IS NULL AND NOT COALESCE({}, false))
+                                OR NOT {})",
+            precedes_sql("o", 1),
+            self.not_needed_by_replay
         )
     }
 }
@@ -393,7 +411,7 @@ async fn drop_partitions(
             }
         }
         let unconfirmed: bool = tx
-            .query_one(&RetentionSql::partition_has_unconfirmed(&part), &[&xmin])
+            .query_one(&sql.partition_has_unconfirmed(&part), &[&xmin])
             .await?
             .try_get(0)?;
         if unconfirmed {
@@ -454,8 +472,16 @@ mod tests {
             sql.ensure_partitions
                 .starts_with("SELECT \"app\".outbox_relay_ensure_partitions(")
         );
-        let check = RetentionSql::partition_has_unconfirmed("app.events_p1");
-        assert!(check.contains("FROM app.events_p1 o WHERE o.sent_at IS NULL AND NOT COALESCE("));
+        let check = sql.partition_has_unconfirmed("app.events_p1");
+        assert!(check.contains("FROM app.events_p1 o"), "{check}");
+        assert!(
+            check.contains("o.sent_at IS NULL AND NOT COALESCE("),
+            "{check}"
+        );
+        assert!(
+            check.contains("p.truncated AND p.replayed_at IS NULL"),
+            "{check}"
+        );
     }
 
     #[test]

@@ -580,3 +580,48 @@ async fn retention_command_runs_cycles_until_sigterm() {
     }
     db.drop_slot().await;
 }
+
+/// A truncated poison copy is replayed from its original outbox row, so retention
+/// keeps that row, however old and however delivered it looks, until the copy is
+/// replayed.
+#[tokio::test]
+async fn retention_keeps_the_original_of_a_truncated_poison_copy_until_it_is_replayed() {
+    let mut db = TestDb::create("ret_poison").await;
+    db.append_config("\n[retention]\nperiod = \"0s\"\n");
+    let config = db.config();
+    let poison = config.outbox.poison_table.clone();
+    let id: String = db
+        .client
+        .query_one(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, sent_at)
+             VALUES ('order', 'o1', 'Created', '{\"big\": true}', now())
+             RETURNING id::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {poison} (outbox_id, payload, error, error_kind, attempts, truncated)
+                 VALUES ($1, '{{\"bi', 'too large', 'msg_size_too_large', 1, true)"
+            ),
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let report = cycle(&config).await;
+    assert_eq!(
+        report.deleted_rows, 0,
+        "the original of an unreplayed truncated copy"
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 1);
+    db.client
+        .execute(&format!("UPDATE {poison} SET replayed_at = now()"), &[])
+        .await
+        .unwrap();
+    let report = cycle(&config).await;
+    assert_eq!(report.deleted_rows, 1, "replayed: the original may go");
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+}
