@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use crate::cdc::resend_guard::Origin;
+use crate::cdc::progress::Origin;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, PoisonFields};
 use crate::poison::{PARKED_KIND, Parking, PoisonRow};
@@ -57,13 +57,6 @@ impl InFlight {
         match self {
             InFlight::Event { event, .. } => event.topic.as_str(),
             InFlight::Unmappable { .. } => "",
-        }
-    }
-
-    /// Its name across resends of its transaction.
-    pub(crate) fn origin(&self) -> Origin {
-        match self {
-            InFlight::Event { origin, .. } | InFlight::Unmappable { origin, .. } => *origin,
         }
     }
 

@@ -8,7 +8,7 @@
 //!
 //! Where each session starts is [`start`]'s decision, from the slot, the relay's own
 //! saved position (`position_saver` writes it before the server hears of it) and what
-//! the process remembers; a lost slot is healed by `resync`, and `resend_guard` keeps a
+//! the process remembers; a lost slot is healed by `resync`. The core also keeps a
 //! reconnect from producing again what the lost session had delivered.
 
 pub mod cutover;
@@ -19,7 +19,6 @@ pub mod metrics;
 mod poison_policy;
 mod position_saver;
 pub mod progress;
-mod resend_guard;
 mod resync;
 pub mod session;
 pub mod start;

@@ -1,46 +1,63 @@
 //! Saves the relay's confirmed LSN in `outbox_relay_position` *before* the server
 //! hears of it (see `crate::outbox::position` for why).
 //!
-//! The session asks for a save whenever the core wants to confirm further
-//! ([`PositionSaver::request`]) and never sends a status update past
-//! [`PositionSaver::saved`]. A background task owns its own PostgreSQL connection and
+//! The session hands over each save the core asks for ([`PositionSaver::request`])
+//! and reports each completed one back to the core, which never builds a status
+//! update past it. A background task owns its own PostgreSQL connection and
 //! writes the newest requested LSN, at most once per `min_gap` (requests in between
 //! coalesce into one write), so saving costs one single-row `UPDATE` per gap however
 //! fast events flow, and never blocks the replication loop. While PostgreSQL is
 //! unreachable the task retries with backoff.
 //!
-//! One exception keeps PostgreSQL able to shut down: during a fast shutdown the
-//! server refuses new connections and ends ours, then each walsender waits until its
-//! client confirms the very end of the WAL (the shutdown checkpoint) before it exits.
-//! A position that cannot be saved would hold the shutdown forever. So while the
-//! server says it is shutting down (SQLSTATE class 57P), the session confirms what it
-//! delivered without saving it; it saves again as soon as the server is back, and
-//! after the restart the process resumes from what it remembers. Nothing can be lost
-//! that way (only delivered events are confirmed). Before PostgreSQL 17 the slot's
-//! position does not survive the restart anyway; from 17 on it does, and a relay
-//! *process* restarted in that window would find its slot ahead of its saved
-//! position and treat it as lost: a resync, with duplicates, never a loss.
+//! The task decides nothing about what a failure means: it reports each one with
+//! where it happened and the server's SQLSTATE ([`SaverEvent::Failed`]), and the core
+//! decides whether statuses may confirm past the saved position while PostgreSQL shuts
+//! down (`crate::cdc::progress` `saving.rs`).
 
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::cdc::metrics as m;
+use crate::cdc::progress::SavePhase;
 use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::postgres::conninfo::ConnInfo;
 
+/// A save is one single-row `UPDATE`: anything longer is a lock or a server that
+/// stopped answering (`crate::postgres::bound_statements`).
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Backoff between failed saves.
 const RETRY_INITIAL: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// What the saving task reports to the session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SaverEvent {
+    /// This position is saved.
+    Saved(Lsn),
+    /// A save failed; it is retried after a backoff.
+    Failed {
+        phase: SavePhase,
+        sqlstate: Option<String>,
+        message: String,
+    },
+    /// The position row is no longer this session's to write: it was recorded on
+    /// another server history, or another relay marked the slot lost to resync it.
+    /// Retrying cannot help; the session must end and decide again where to start.
+    Refused { reason: String },
+}
 
 /// The session's handle on the saving task (aborted when dropped).
 pub(crate) struct PositionSaver {
     requests: watch::Sender<Request>,
     saved: watch::Receiver<Lsn>,
-    /// The last save failed because PostgreSQL is shutting down.
-    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Failures, newest last (bounded: a failure is reported only if there is room,
+    /// and the task waits a backoff between two).
+    failures: mpsc::Receiver<SaverEvent>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -64,21 +81,21 @@ impl PositionSaver {
             urgent: 0,
         });
         let (saved_tx, saved) = watch::channel(initial);
-        let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (failures_tx, failures) = mpsc::channel(FAILURES_QUEUED);
         let task = tokio::spawn(
             Task {
                 conninfo,
                 table,
                 history,
                 min_gap,
-                stopping: stopping.clone(),
+                failures: failures_tx,
             }
             .run(requested, saved_tx),
         );
         PositionSaver {
             requests,
             saved,
-            stopping,
+            failures,
             task,
         }
     }
@@ -98,29 +115,30 @@ impl PositionSaver {
         });
     }
 
-    /// Whether the last save failed because PostgreSQL is shutting down.
-    pub(crate) fn server_stopping(&self) -> bool {
-        self.stopping.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The highest position saved so far.
-    pub(crate) fn saved(&self) -> Lsn {
-        *self.saved.borrow()
-    }
-
-    /// Waits for the next save; returns the new saved position (pends forever if the
-    /// task ended, which only happens when this handle is dropped).
-    pub(crate) async fn changed(&mut self) -> Lsn {
-        if self.saved.changed().await.is_err() {
-            std::future::pending::<()>().await;
+    /// Waits for the next save or failure (pends forever if the task ended, which
+    /// only happens when this handle is dropped).
+    pub(crate) async fn next_event(&mut self) -> SaverEvent {
+        tokio::select! {
+            biased;
+            changed = self.saved.changed() => {
+                if changed.is_err() {
+                    std::future::pending::<()>().await;
+                }
+                SaverEvent::Saved(*self.saved.borrow_and_update())
+            }
+            failure = self.failures.recv() => match failure {
+                Some(event) => event,
+                None => std::future::pending().await,
+            },
         }
-        *self.saved.borrow_and_update()
     }
 
-    /// Waits up to `timeout` for `target` to be saved.
-    pub(crate) async fn flush(&mut self, target: Lsn, timeout: Duration) {
+    /// Waits up to `timeout` for `target` to be saved; returns the highest position
+    /// saved by then.
+    pub(crate) async fn flush(&mut self, target: Lsn, timeout: Duration) -> Lsn {
         self.request(target, true);
         let _ = tokio::time::timeout(timeout, self.saved.wait_for(|saved| *saved >= target)).await;
+        *self.saved.borrow()
     }
 }
 
@@ -132,35 +150,52 @@ struct Request {
     urgent: u64,
 }
 
+/// Failures waiting for the session; more are dropped (the session needs only to
+/// learn that saves fail, and how).
+const FAILURES_QUEUED: usize = 4;
+
 struct Task {
     conninfo: ConnInfo,
     table: PositionTable,
     history: ServerHistory,
     min_gap: Duration,
-    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    failures: mpsc::Sender<SaverEvent>,
 }
 
 /// Why a save did not happen.
 struct SaveError {
     message: String,
-    /// PostgreSQL said it is shutting down.
-    stopping: bool,
+    phase: SavePhase,
+    /// The server's SQLSTATE, when it sent one.
+    sqlstate: Option<String>,
+    /// The row is not ours to write (see [`SaverEvent::Refused`]).
+    refused: bool,
 }
 
-impl From<crate::postgres::PgError> for SaveError {
-    fn from(e: crate::postgres::PgError) -> Self {
+impl SaveError {
+    fn connecting(e: &crate::postgres::PgError) -> Self {
         SaveError {
-            stopping: e.is_server_stopping(),
             message: e.to_string(),
+            phase: SavePhase::Connecting,
+            sqlstate: e.sqlstate().map(str::to_owned),
+            refused: false,
         }
     }
 }
 
 impl From<crate::outbox::checkpoint::CheckpointError> for SaveError {
     fn from(e: crate::outbox::checkpoint::CheckpointError) -> Self {
+        let sqlstate = match &e {
+            crate::outbox::checkpoint::CheckpointError::Postgres(pg) => {
+                pg.code().map(|code| code.code().to_owned())
+            }
+            _ => None,
+        };
         SaveError {
-            stopping: e.is_server_stopping(),
             message: e.to_string(),
+            phase: SavePhase::Statement,
+            sqlstate,
+            refused: false,
         }
     }
 }
@@ -191,21 +226,43 @@ impl Task {
             last_write = Some(Instant::now());
             match self.save(&mut client, target).await {
                 Ok(()) => {
-                    self.stopping
-                        .store(false, std::sync::atomic::Ordering::Relaxed);
                     backoff.reset();
                     saved.send_replace(target);
                     // Exact below 2^53 bytes of WAL (8 PiB).
                     #[allow(clippy::cast_precision_loss)]
                     saved_gauge.set(target.as_u64() as f64);
                 }
-                Err(SaveError { message, stopping }) => {
-                    self.stopping
-                        .store(stopping, std::sync::atomic::Ordering::Relaxed);
+                Err(SaveError {
+                    message,
+                    refused: true,
+                    ..
+                }) => {
+                    failures.increment(1);
+                    tracing::error!(reason = %message, position = %target,
+                        "the relay position row is not this session's to write; the session ends");
+                    // The session ends on it; a full queue means it is ending anyway.
+                    let _ = self
+                        .failures
+                        .send(SaverEvent::Refused { reason: message })
+                        .await;
+                    return;
+                }
+                Err(SaveError {
+                    message,
+                    phase,
+                    sqlstate,
+                    refused: false,
+                }) => {
                     failures.increment(1);
                     let pause = backoff.next_pause();
-                    tracing::warn!(reason = %message, server_stopping = stopping, position = %target, retry_in_ms = crate::lifecycle::millis(pause),
+                    tracing::warn!(reason = %message, ?phase, sqlstate = sqlstate.as_deref().unwrap_or(""), position = %target, retry_in_ms = crate::lifecycle::millis(pause),
                         "cannot save the relay position; the server is not told of it until it is saved");
+                    // Full: the session has not caught up with earlier ones yet.
+                    let _ = self.failures.try_send(SaverEvent::Failed {
+                        phase,
+                        sqlstate,
+                        message,
+                    });
                     tokio::time::sleep(pause).await;
                 }
             }
@@ -224,12 +281,22 @@ impl Task {
             .as_ref()
             .is_none_or(tokio_postgres::Client::is_closed)
         {
-            *client = Some(crate::postgres::connect_info(&self.conninfo).await?);
+            let connected = crate::postgres::connect_info(&self.conninfo)
+                .await
+                .map_err(|e| SaveError::connecting(&e))?;
+            crate::postgres::bound_statements(&connected, STATEMENT_TIMEOUT, LOCK_TIMEOUT)
+                .await
+                .map_err(|e| {
+                    SaveError::from(crate::outbox::checkpoint::CheckpointError::from(e))
+                })?;
+            *client = Some(connected);
         }
         let Some(c) = client.as_ref() else {
             return Err(SaveError {
                 message: "no connection".to_owned(),
-                stopping: false,
+                phase: SavePhase::Connecting,
+                sqlstate: None,
+                refused: false,
             });
         };
         if self.table.save(c, self.history, target).await? {
@@ -245,7 +312,9 @@ impl Task {
                     "the position row belongs to {} (expected {}) or a resync is pending ({:?})",
                     p.history, self.history, p.slot_lost
                 ),
-                stopping: false,
+                phase: SavePhase::Statement,
+                sqlstate: None,
+                refused: true,
             }),
         }
     }

@@ -48,11 +48,16 @@ pub(crate) async fn resync(
 ) -> Result<CutoverSummary> {
     let slot_name = &config.postgres.slot_name();
     let positions = PositionTable::new(config)?;
-    positions.mark_lost(&*metadata, &loss.to_string()).await?;
-    // Everything that can fail for lack of a column, a connection or the broker is
-    // set up before the slot is touched.
+    // Nothing is recorded before everything that can refuse has been asked: a slot
+    // another relay streams from is not lost (marking it would make that relay's
+    // saves fail), and an outbox without the columns a resync needs, a connection or
+    // the broker failing must leave the position row as it was.
+    ensure_idle(metadata, slot_name).await?;
     let mut backlog = Backlog::open(config, metadata, None).await?;
     let mut reader = poller::session(conninfo).await?;
+    positions
+        .mark_lost(backlog.metadata(), &loss.to_string())
+        .await?;
     drop_old_slot(conn, backlog.metadata(), slot_name).await?;
     let (consistent_point, snapshot) =
         crate::cdc::cutover::create_exported_slot(conn, slot_name).await?;
@@ -91,6 +96,21 @@ pub(crate) async fn resync(
         "resync complete: streaming starts at the new slot's consistent point"
     );
     Ok(summary)
+}
+
+/// A slot another process streams from is not lost: that is retried (the start plan
+/// then waits for it as a standby).
+async fn ensure_idle(metadata: &Client, slot_name: &str) -> Result<()> {
+    match slot::slot_info(metadata, slot_name).await? {
+        Some(slot::SlotInfo {
+            active_pid: Some(pid),
+            ..
+        }) => Err(Error::CutoverSlotActive {
+            slot: slot_name.to_owned(),
+            pid,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Drops the old slot if it is still there (invalidated, or re-created by someone

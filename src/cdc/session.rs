@@ -23,7 +23,7 @@
 //! starts over only after a session confirmed progress; a session that keeps ending at
 //! the same position is reported (error log, metric, `/readyz`) instead of looping
 //! quietly. Where the next session starts is `cdc::start`'s decision; what the lost
-//! session had already delivered is not produced again (`cdc::resend_guard`).
+//! session had already delivered is not produced again (the core's resend guard).
 //!
 //! Status updates never confirm past the position saved in `outbox_relay_position`
 //! (`cdc::position_saver`), so a PostgreSQL restart, which rewinds the slot, re-sends
@@ -52,10 +52,9 @@ use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
-use crate::cdc::position_saver::PositionSaver;
+use crate::cdc::position_saver::{PositionSaver, SaverEvent};
 use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate};
-use crate::cdc::resend_guard::ResendGuard;
-use crate::cdc::start::{self, Remembered, SlotLoss, SlotView, StartPlan};
+use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartPlan};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
 use crate::config::{Config, PoisonKeyMode, RelayConfig, SlotLossMode};
 use crate::delivery::ErrorClass;
@@ -71,7 +70,9 @@ use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
-use crate::postgres::replication::{ReplicationConnection, ReplicationError, ReplicationStream};
+use crate::postgres::replication::{
+    ReplicationConnection, ReplicationError, ReplicationStream, TimelineSwitch,
+};
 use crate::postgres::slot::{self, SlotState};
 
 /// pgoutput protocol version requested. v1 sends each transaction whole at commit,
@@ -101,6 +102,9 @@ const WATCHDOG_TICK: Duration = Duration::from_secs(1);
 
 /// The watchdog's broker check (a metadata request).
 const WATCHDOG_BROKER_CHECK: Duration = Duration::from_secs(5);
+
+/// Saves failing this long turn the relay not-ready (`/readyz`).
+const SAVE_FAILURE_ALERT: Duration = Duration::from_secs(5);
 
 /// How long a graceful shutdown waits for the final position to be saved.
 const FINAL_SAVE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -154,6 +158,11 @@ enum Lost {
         code: RDKafkaErrorCode,
         message: String,
     },
+    /// The relay position row is not this session's to write any more (another
+    /// relay is resyncing the slot, or it belongs to another history): the session
+    /// ends and the start plan decides again.
+    #[error("{reason}")]
+    PositionRefused { reason: String },
 }
 
 impl Lost {
@@ -175,47 +184,6 @@ enum Drain {
     Ended,
     /// The drain's deadline passed.
     TimedOut,
-}
-
-/// Resolved events the saved position may not cover yet: each save request notes how
-/// many events had been resolved when it was asked for, and a completed save covers
-/// the requests at or below its position.
-#[derive(Debug, Default)]
-struct UnsavedEvents {
-    resolved: u64,
-    covered: u64,
-    requests: std::collections::VecDeque<(Lsn, u64)>,
-}
-
-impl UnsavedEvents {
-    fn resolved(&mut self) {
-        self.resolved += 1;
-    }
-
-    fn requested(&mut self, lsn: Lsn) {
-        if self.requests.back().is_none_or(|&(last, _)| lsn > last) {
-            self.requests.push_back((lsn, self.resolved));
-        }
-    }
-
-    fn saved(&mut self, lsn: Lsn) {
-        while let Some(&(at, count)) = self.requests.front() {
-            if at > lsn {
-                break;
-            }
-            self.covered = count;
-            self.requests.pop_front();
-        }
-    }
-
-    fn all_saved(&mut self) {
-        self.covered = self.resolved;
-        self.requests.clear();
-    }
-
-    fn count(&self) -> usize {
-        usize::try_from(self.resolved - self.covered).unwrap_or(usize::MAX)
-    }
 }
 
 /// Sessions that ended without progress, at one confirmed position.
@@ -337,7 +305,6 @@ pub async fn run_checked(
         emit: heartbeat_secs > 0,
     })));
 
-    let status_interval = core_config.status_interval;
     let topic_limits = TopicLimits::new(&producer_config);
     let linger = kafka::linger(&producer_config);
     let now = Instant::now();
@@ -353,11 +320,7 @@ pub async fn run_checked(
         positions,
         history: None,
         saver: None,
-        save_requested_at: now,
-        resolved_since_request: false,
-        unsaved: UnsavedEvents::default(),
-        status_interval,
-        resend: ResendGuard::default(),
+        save_failing_since: None,
         last_report_at: now,
         producer_fatal: None,
         producer_alerted: false,
@@ -501,13 +464,8 @@ struct Relay {
     history: Option<ServerHistory>,
     /// Saves positions before the server hears of them (one per session).
     saver: Option<PositionSaver>,
-    save_requested_at: Instant,
-    /// An event was resolved since the last save request.
-    resolved_since_request: bool,
-    /// How many resolved events the saved position may not cover yet.
-    unsaved: UnsavedEvents,
-    status_interval: Duration,
-    resend: ResendGuard,
+    /// Saves have failed since then, without one succeeding.
+    save_failing_since: Option<Instant>,
     /// Last delivery report (or moment the producer had nothing in flight).
     last_report_at: Instant,
     /// A fatal delivery report: the session ends and the producer is replaced.
@@ -636,9 +594,6 @@ impl Relay {
             }
         }
         self.execute_offline_actions();
-        let unresolved: Vec<_> = self.pending.values().map(InFlight::origin).collect();
-        self.resend.confirmed(self.core.confirmed());
-        self.resend.session_lost(unresolved);
         Ok(false)
     }
 
@@ -682,15 +637,17 @@ impl Relay {
         }
     }
 
-    /// Executes the core's actions without a replication stream: produce and poison
-    /// as usual; status updates become save requests (the next session starts from
-    /// what is saved or remembered).
+    /// Executes the core's actions without a replication stream: produce, poison and
+    /// save as usual; status updates have nowhere to go.
     fn execute_offline_actions(&mut self) {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
-                Action::SendStatus(status) => self.request_save(status.flush),
+                Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
+                // No stream to send it on: the next session starts from what is
+                // saved or remembered.
+                Action::SendStatus(_) => {}
             }
         }
     }
@@ -724,6 +681,11 @@ impl Relay {
             system_identifier: identity.systemid,
             timeline: identity.timeline,
         };
+        let server = ServerView {
+            history,
+            wal_end: identity.xlogpos,
+            forks: timeline_forks(&mut conn, identity.timeline).await,
+        };
         let slot_name = self.config.postgres.slot_name();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
         if !first {
@@ -735,14 +697,30 @@ impl Relay {
             history,
             confirmed: self.core.confirmed(),
         });
-        let mut plan = self.plan(&metadata, history, remembered).await?;
-        if let StartPlan::Resume { .. } = plan {
+        // Decide on the facts after waiting for the slot: another relay may have
+        // streamed from it meanwhile, and an active slot is never judged.
+        let mut waited = false;
+        let plan = loop {
+            match self.plan(&metadata, &server, remembered).await? {
+                StartPlan::Busy { .. } => {}
+                StartPlan::Resume { .. } if !waited => {}
+                plan => break plan,
+            }
             slot::wait_for_slot(&mut conn, &metadata, &slot_name, busy_timeout).await?;
-            // Decide again on the facts after the wait: another relay may have
-            // streamed from the slot meanwhile.
-            plan = self.plan(&metadata, history, remembered).await?;
-        }
+            waited = true;
+        };
+        let mut fresh_core = false;
         let start = match plan {
+            // The loop above does not let it through; were it to, it means what a
+            // wait that timed out means.
+            StartPlan::Busy { pid } => {
+                return Err(Prerequisite::SlotBusy {
+                    slot: slot_name,
+                    pid,
+                    waited_secs: busy_timeout.as_secs(),
+                }
+                .into());
+            }
             StartPlan::Fresh => {
                 self.create_slot(&mut conn, &mut metadata, busy_timeout, history)
                     .await?
@@ -752,9 +730,11 @@ impl Relay {
                 history_changed,
             } => {
                 if history_changed {
-                    tracing::warn!(slot = %slot_name, %history, from = %from,
-                        previous = ?self.history, "recording the position on this server history");
+                    tracing::warn!(slot = %slot_name, %history, from = %from, server_wal_end = %server.wal_end,
+                        previous = ?self.history, remembered = ?remembered.map(|r| r.confirmed),
+                        "recording the position on this server history (failover, or WAL restored in place)");
                     self.positions.adopt(&metadata, history, from).await?;
+                    fresh_core = true;
                 } else {
                     // The start may come from this process's memory: saved before
                     // any status update can confirm it.
@@ -763,11 +743,12 @@ impl Relay {
                 from
             }
             StartPlan::Lost { loss, .. } => {
-                self.heal(&mut conn, &mut metadata, history, remembered, &loss)
+                fresh_core = true;
+                self.heal(&mut conn, &mut metadata, &server, remembered, &loss)
                     .await?
             }
         };
-        self.reset_core(history, start);
+        self.reset_core(history, start, fresh_core);
         self.saver = Some(PositionSaver::spawn(
             self.conninfo.clone(),
             self.positions.clone(),
@@ -802,24 +783,28 @@ impl Relay {
         Ok(stream)
     }
 
-    /// The start plan from the recorded position and the slot as they are now.
+    /// The start plan from the slot and the recorded position as they are now. The
+    /// slot is read first: a relay streaming from it saves before it confirms, so
+    /// read in this order the slot can only look behind the record, never ahead
+    /// (`cdc::start`).
     async fn plan(
         &self,
         metadata: &Client,
-        history: ServerHistory,
+        server: &ServerView,
         remembered: Option<Remembered>,
     ) -> Result<StartPlan> {
         let slot_name = &self.config.postgres.slot_name();
-        let recorded = self.positions.load(metadata).await?;
         let slot = slot::slot_info(metadata, slot_name)
             .await?
             .map(|info| SlotView {
                 confirmed: info.confirmed_flush.unwrap_or(Lsn::ZERO),
                 invalidated: info.wal_status.as_deref() == Some("lost"),
+                active_pid: info.active_pid,
             });
+        let recorded = self.positions.load(metadata).await?;
         Ok(start::plan(
             slot_name,
-            history,
+            server,
             recorded.as_ref(),
             slot,
             remembered,
@@ -865,10 +850,11 @@ impl Relay {
         &mut self,
         conn: &mut ReplicationConnection,
         metadata: &mut Client,
-        history: ServerHistory,
+        server: &ServerView,
         remembered: Option<Remembered>,
         loss: &SlotLoss,
     ) -> Result<Lsn> {
+        let history = server.history;
         let slot_name = self.config.postgres.slot_name();
         ::metrics::counter!(m::SLOT_LOSSES).increment(1);
         tracing::error!(slot = %slot_name, %loss, on_slot_loss = ?self.config.relay.on_slot_loss, "replication slot lost");
@@ -884,7 +870,7 @@ impl Relay {
         metadata
             .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
             .await?;
-        let replanned = self.plan(metadata, history, remembered).await?;
+        let replanned = self.plan(metadata, server, remembered).await?;
         let StartPlan::Lost {
             loss,
             delivered_xmin,
@@ -912,9 +898,10 @@ impl Relay {
     }
 
     /// A fresh core for the session starting at `start`. On the same history it
-    /// continues the old one (ids, and the highest confirmed position); on another,
-    /// nothing of the old positions is kept.
-    fn reset_core(&mut self, history: ServerHistory, start: Lsn) {
+    /// continues the old one (ids, the highest confirmed position, what the lost
+    /// session resolved); on another, or when the start plan found this process's
+    /// positions void (`fresh`), nothing of the old positions is kept.
+    fn reset_core(&mut self, history: ServerHistory, start: Lsn, fresh: bool) {
         let now = Instant::now();
         let core = std::mem::replace(
             &mut self.core,
@@ -922,17 +909,11 @@ impl Relay {
         );
         self.core = match self.history {
             None => Core::new(core.config().clone(), start, now),
-            Some(previous) if previous == history => core.restart(start, now),
-            Some(_) => {
-                self.resend.forget();
-                core.restart_on_new_history(start, now)
-            }
+            Some(previous) if previous == history && !fresh => core.restart(start, now),
+            Some(_) => core.restart_on_new_history(start, now),
         };
         self.history = Some(history);
         self.instruments.session_started(start);
-        // The start was saved before the session began: everything resolved before
-        // it is covered, and what was resolved past it is streamed again.
-        self.unsaved.all_saved();
         self.pending.clear();
         self.mapper.reset_session();
         self.last_report_at = now;
@@ -963,17 +944,9 @@ impl Relay {
                     .reset(tokio::time::Instant::from_std(deadline));
             }
             let has_deadline = self.core.next_deadline().is_some();
-            // Between transactions, reading also pauses while a window's worth of
-            // resolved events waits for the saved position, so what a kill -9 re-sends
-            // stays within its bound. (Never inside one: its commit must be read
-            // before any of it can be confirmed, let alone saved.)
-            let can_read = self.core.can_read()
-                && (self.core.in_transaction()
-                    || self.unsaved.count() < self.config.relay.max_in_flight_events
-                    || self
-                        .saver
-                        .as_ref()
-                        .is_some_and(PositionSaver::server_stopping));
+            // The core also pauses reading while a window's worth of resolved
+            // events waits for a save (`progress::saving`).
+            let can_read = self.core.can_read();
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
@@ -994,10 +967,9 @@ impl Relay {
                     };
                     self.on_poison_outcome(outcome);
                 }
-                saved = saver_changed(&mut self.saver) => {
-                    self.unsaved.saved(saved);
-                    if let Err(e) = self.send_saved_status(&mut stream, saved).await {
-                        return Ok(SessionEnd::Lost(e.into()));
+                event = saver_event(&mut self.saver) => {
+                    if let Some(lost) = self.on_saver_event(event) {
+                        return Ok(SessionEnd::Lost(lost));
                     }
                 }
                 () = &mut timer, if has_deadline => {
@@ -1036,12 +1008,19 @@ impl Relay {
 
     /// The producer watchdog: a fatal error, or messages in flight with no report
     /// for `relay.producer_stall_secs` while the broker answers a metadata request,
-    /// ends the session so that the producer is replaced.
+    /// ends the session so that the producer is replaced (both producers: the main
+    /// one and the retry-alone one).
     async fn watch_producer(&mut self) -> Option<Lost> {
-        if let Some((code, message)) = self.publisher.fatal_error() {
-            return Some(Lost::ProducerFatal { code, message });
+        let producers = std::iter::once(&self.publisher).chain(self.alone.as_ref());
+        let mut in_flight = 0_i32;
+        for producer in producers {
+            if let Some((code, message)) = producer.fatal_error() {
+                return Some(Lost::ProducerFatal { code, message });
+            }
+            // The retry-alone producer reports into the same channel: its silence
+            // counts as the main one's does.
+            in_flight = in_flight.saturating_add(producer.in_flight().max(0));
         }
-        let in_flight = self.publisher.in_flight();
         if in_flight == 0 {
             self.last_report_at = Instant::now();
             return None;
@@ -1117,14 +1096,12 @@ impl Relay {
         match message {
             LogicalReplicationMessage::Begin(begin) => {
                 tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
-                self.resend.begin(begin.final_lsn);
                 self.current_commit_lsn = begin.final_lsn;
                 self.current_commit_time = begin.commit_time;
                 Ok(self.core.begin(begin.final_lsn, begin.xid)?)
             }
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
-                self.resend.commit();
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
@@ -1146,52 +1123,49 @@ impl Relay {
         }
     }
 
+    /// Admits an outbox row to the core; the shell keeps the record only while the
+    /// core has something to do for it (an event a lost session already resolved has
+    /// no origin: it is resolved at admission).
     fn admit(&mut self, mapped: Mapped, now: Instant) -> std::result::Result<(), ProtocolError> {
         match mapped {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
-                let origin = self.resend.next();
                 let id = self
                     .core
                     .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
                 self.instruments.received(self.current_commit_time);
-                self.pending.insert(
-                    id,
-                    InFlight::Event {
-                        event,
-                        committed_at: self.current_commit_time,
-                        received_at: now,
-                        produced_at: now,
-                        last_error: None,
-                        origin,
-                        parked: false,
-                        alone: false,
-                    },
-                );
-                if self.resend.already_resolved(origin) {
-                    // A lost session delivered it: resolved without producing. (An
-                    // event held behind a failed one of its key stays and is produced.)
-                    self.core.delivered(id, now);
-                    if !self.core.is_in_flight(id) {
-                        self.pending.remove(&id);
-                    }
+                if let Some(origin) = self.core.origin(id) {
+                    self.pending.insert(
+                        id,
+                        InFlight::Event {
+                            event,
+                            committed_at: self.current_commit_time,
+                            received_at: now,
+                            produced_at: now,
+                            last_error: None,
+                            origin,
+                            parked: false,
+                            alone: false,
+                        },
+                    );
                 }
                 Ok(())
             }
             Mapped::Unmappable(row) => {
-                let origin = self.resend.next();
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
-                self.pending.insert(
-                    id,
-                    InFlight::Unmappable {
-                        origin,
-                        fields: Box::new(row.fields),
-                        error_kind: row.error_kind,
-                        reason: row.reason,
-                        lsn: self.current_commit_lsn,
-                    },
-                );
+                if let Some(origin) = self.core.origin(id) {
+                    self.pending.insert(
+                        id,
+                        InFlight::Unmappable {
+                            origin,
+                            fields: Box::new(row.fields),
+                            error_kind: row.error_kind,
+                            reason: row.reason,
+                            lsn: self.current_commit_lsn,
+                        },
+                    );
+                }
                 Ok(())
             }
         }
@@ -1206,7 +1180,6 @@ impl Relay {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
                 if let Some(pending) = self.pending.remove(&report.id) {
                     self.summary.delivered += 1;
-                    self.note_resolved();
                     if let InFlight::Event {
                         event,
                         committed_at,
@@ -1333,7 +1306,6 @@ impl Relay {
         match outcome.result {
             Ok(Parked::Recorded) => {
                 if let Some(pending) = self.pending.remove(&outcome.id) {
-                    self.note_resolved();
                     if let InFlight::Event { parked: true, .. } = pending {
                         self.summary.parked += 1;
                         ::metrics::counter!(m::EVENTS_PARKED).increment(1);
@@ -1368,78 +1340,60 @@ impl Relay {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt),
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
+                Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 Action::SendStatus(status) => {
-                    self.request_save(status.flush);
-                    // Never confirm past the saved position (`outbox::position`).
-                    let flush = self.confirmable(status.flush);
-                    tracing::trace!(flush = %flush, wanted = %status.flush, "standby status");
-                    send_status(stream, capped(status, flush)).await?;
-                    self.instruments.status_sent(flush, Instant::now());
-                    self.summary.confirmed = flush;
+                    // The core caps it at the saved position (`progress::saving`).
+                    tracing::trace!(flush = %status.flush, confirmed = %self.core.confirmed(), "standby status");
+                    send_status(stream, status).await?;
+                    self.instruments.status_sent(status.flush, Instant::now());
+                    self.summary.confirmed = status.flush;
                 }
             }
         }
         Ok(())
     }
 
-    /// Asks the saver for `flush`: when events were resolved since the last request
-    /// (urgently once half a window was: the saved position then trails the acks by
-    /// less than a window, the bound on what a crash re-sends), else (keepalive
-    /// progress only) once per status interval, so that the save's own WAL does not
-    /// keep an idle relay saving.
-    fn request_save(&mut self, flush: Lsn) {
-        let Some(saver) = &self.saver else { return };
+    /// Hands a save the core asked for to the saver.
+    fn request_save(&mut self, lsn: Lsn, urgent: bool) {
+        if let Some(saver) = &self.saver {
+            saver.request(lsn, urgent);
+        }
+    }
+
+    /// What the saver did: the core decides what it means for the statuses. Saves
+    /// failing for [`SAVE_FAILURE_ALERT`] turn the relay not-ready (nothing is
+    /// confirmed meanwhile, and reading stops once a window waits); a refused row
+    /// ends the session.
+    fn on_saver_event(&mut self, event: SaverEvent) -> Option<Lost> {
         let now = Instant::now();
-        if self.resolved_since_request
-            || now.duration_since(self.save_requested_at) >= self.status_interval
-        {
-            let urgent = self.unsaved.count() >= self.config.relay.max_in_flight_events.div_ceil(2);
-            saver.request(flush, urgent);
-            self.unsaved.requested(flush);
-            self.resolved_since_request = false;
-            self.save_requested_at = now;
+        match event {
+            SaverEvent::Saved(lsn) => {
+                self.core.saved(lsn, now);
+                if self.save_failing_since.take().is_some() {
+                    self.health.set_alert("position", None);
+                }
+                None
+            }
+            SaverEvent::Failed {
+                phase,
+                sqlstate,
+                message,
+            } => {
+                self.core.save_failed(phase, sqlstate.as_deref(), now);
+                let since = *self.save_failing_since.get_or_insert(now);
+                if now.duration_since(since) >= SAVE_FAILURE_ALERT && !self.core.server_stopping() {
+                    self.health.set_alert(
+                        "position",
+                        Some(format!(
+                            "the relay position cannot be saved for {}s ({message}); nothing is confirmed meanwhile",
+                            now.duration_since(since).as_secs()
+                        )),
+                    );
+                }
+                None
+            }
+            SaverEvent::Refused { reason } => Some(Lost::PositionRefused { reason }),
         }
-    }
-
-    /// An event was acked or poisoned.
-    fn note_resolved(&mut self) {
-        self.resolved_since_request = true;
-        self.unsaved.resolved();
-    }
-
-    /// How far a status may confirm of `wanted`: up to the saved position; all of
-    /// it while PostgreSQL says it is shutting down (see `cdc::position_saver`).
-    fn confirmable(&self, wanted: Lsn) -> Lsn {
-        let Some(saver) = &self.saver else {
-            return Lsn::ZERO;
-        };
-        if saver.server_stopping() {
-            wanted
-        } else {
-            wanted.min(saver.saved())
-        }
-    }
-
-    /// A save completed: tell the server now rather than at the next status.
-    async fn send_saved_status(
-        &mut self,
-        stream: &mut ReplicationStream,
-        saved: Lsn,
-    ) -> std::result::Result<(), ReplicationError> {
-        let flush = saved.min(self.core.confirmed());
-        if flush <= self.summary.confirmed {
-            return Ok(());
-        }
-        let status = StatusUpdate {
-            write: self.core.written().max(flush),
-            flush,
-            apply: flush,
-            reply_requested: false,
-        };
-        send_status(stream, status).await?;
-        self.instruments.status_sent(flush, Instant::now());
-        self.summary.confirmed = flush;
-        Ok(())
     }
 
     fn produce(&mut self, id: EventId, attempt: u32) {
@@ -1622,16 +1576,13 @@ impl Relay {
                 }
             }
         }
-        let status = self.core.shutdown_status();
         if let Some(saver) = &mut self.saver {
-            saver.flush(status.flush, FINAL_SAVE_TIMEOUT).await;
+            let saved = saver.flush(self.core.confirmed(), FINAL_SAVE_TIMEOUT).await;
+            self.core.saved(saved, Instant::now());
         }
-        let flush = self.confirmable(status.flush);
-        if send_status(&mut stream, capped(status, flush))
-            .await
-            .is_ok()
-        {
-            self.summary.confirmed = flush;
+        let status = self.core.shutdown_status();
+        if send_status(&mut stream, status).await.is_ok() {
+            self.summary.confirmed = status.flush;
         }
         if let Err(e) = stream.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
@@ -1641,19 +1592,23 @@ impl Relay {
     }
 }
 
-/// `status` confirming at most `flush`.
-fn capped(status: StatusUpdate, flush: Lsn) -> StatusUpdate {
-    StatusUpdate {
-        flush,
-        apply: flush,
-        ..status
+/// Where each ancestor of `timeline` ended (`TIMELINE_HISTORY`), for the start plan's
+/// check of a slot after a promotion. Without it (a history file removed by hand) the
+/// check falls back to the recorded position alone, so a failure is only logged.
+async fn timeline_forks(conn: &mut ReplicationConnection, timeline: u32) -> Vec<TimelineSwitch> {
+    match conn.timeline_history(timeline).await {
+        Ok(forks) => forks,
+        Err(e) => {
+            tracing::warn!(error = %e, timeline, "cannot read the timeline history; a slot after a promotion is checked against the recorded position only");
+            Vec::new()
+        }
     }
 }
 
-/// The next saved position, or never without a saver.
-async fn saver_changed(saver: &mut Option<PositionSaver>) -> Lsn {
+/// The saver's next event, or never without a saver.
+async fn saver_event(saver: &mut Option<PositionSaver>) -> SaverEvent {
     match saver {
-        Some(saver) => saver.changed().await,
+        Some(saver) => saver.next_event().await,
         None => std::future::pending().await,
     }
 }

@@ -9,6 +9,16 @@
 //!   in-memory positions may name WAL the new server never had; the session starts
 //!   from the new server's slot and confirms nothing that slot has not streamed again
 //!   (duplicates are possible, a gap is not).
+//! * **After a promotion, only a slot synced from the old primary is trusted.** A slot
+//!   synced to a standby (PostgreSQL 17's failover slots, or an HA manager's copy)
+//!   carries what the old primary's slot had confirmed, so it is at or behind both
+//!   the relay's recorded position (the relay never confirms past it) and the point
+//!   where the new timeline forked off the recorded one (`TIMELINE_HISTORY`: a
+//!   standby cannot have streamed past the WAL it replayed). A slot past either was
+//!   created or advanced on the promoted server — by an operator or an HA manager
+//!   re-creating "the slot the relay needs" — and the rows between the fork and it
+//!   were never streamed: it is lost ([`SlotLoss::NotSynced`]). Positions of another
+//!   cluster (another system identifier) cannot be compared; its slot is trusted.
 //! * **On the same history, the highest position known to be fully delivered wins.**
 //!   The slot rewinds after a PostgreSQL restart (before 17 its confirmed LSN is saved
 //!   only at checkpoints); the recorded position does not. Starting above the slot's
@@ -23,9 +33,28 @@
 //! * **No recorded position** is a first start: the slot is created (with the cutover
 //!   from a poller when configured), or an existing one adopted at its own position,
 //!   exactly as before positions existed.
+//! * **A slot another process streams from is never judged.** Its position moves while
+//!   we look: the relay that streams from it saves a position, then confirms it, so a
+//!   standby that read the saved position first and the slot second could see the slot
+//!   "ahead" and call it lost (an exit 3, or a resync that marks the position row lost
+//!   under the active relay's feet). So the shell reads the slot *first* and the saved
+//!   position second (the slot can then only be behind), and an active slot is
+//!   `StartPlan::Busy`: wait for it, then decide.
+//! * **A position past the server's WAL end names WAL the server no longer has.** A
+//!   data directory restored in place (a snapshot, a crash-recovered older copy) keeps
+//!   its system identifier and timeline, but its WAL ends before what this process
+//!   confirmed; new commits take LSNs below that and would be skipped. The restored
+//!   WAL is a prefix of the WAL the relay read, so everything before its end was
+//!   delivered: what the process remembers (and a recorded position, should it be
+//!   ahead too) counts up to the server's current WAL flush position
+//!   (`IDENTIFY_SYSTEM`'s `xlogpos`) and no further, and nothing else the process
+//!   remembers of positions is kept. (A restored server that has already written past
+//!   the remembered position before the relay reconnects cannot be told apart this
+//!   way; the relay reconnects within seconds, a restore takes longer.)
 
 use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
+use crate::postgres::replication::TimelineSwitch;
 
 /// What the slot looks like, as far as the start is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +63,8 @@ pub(crate) struct SlotView {
     pub(crate) confirmed: Lsn,
     /// `wal_status = 'lost'`: the WAL it needs is gone.
     pub(crate) invalidated: bool,
+    /// The process streaming from it (`active_pid`), if any.
+    pub(crate) active_pid: Option<i32>,
 }
 
 /// Why the slot cannot be streamed from as it is.
@@ -57,6 +88,21 @@ pub enum SlotLoss {
         slot_confirmed: Lsn,
         recorded: Lsn,
     },
+    /// After a promotion: ahead of the recorded position or of the fork point.
+    #[error(
+        "replication slot {slot} confirms {slot_confirmed} on the promoted server, past the \
+         relay's recorded position {recorded} on timeline {timeline} or the point {fork} where \
+         this server's timeline forked off it: it was created or advanced on this server, not \
+         synced from the old primary, and the rows after the fork were never streamed"
+    )]
+    NotSynced {
+        slot: String,
+        slot_confirmed: Lsn,
+        recorded: Lsn,
+        timeline: u32,
+        /// `Lsn::MAX`-like when the server's history does not name the fork.
+        fork: Lsn,
+    },
     /// A previous resync did not finish.
     #[error("a resync of replication slot {slot} did not finish ({reason})")]
     ResyncInterrupted { slot: String, reason: String },
@@ -70,9 +116,13 @@ pub(crate) enum StartPlan {
     /// Stream from the existing slot at `from`.
     Resume {
         from: Lsn,
-        /// The recorded position belongs to another history: record this one.
+        /// The recorded position belongs to another history, or this process's memory
+        /// names WAL the server no longer has (a restore in place): record this one,
+        /// and keep nothing of what the process remembers of positions.
         history_changed: bool,
     },
+    /// Another process streams from the slot: wait for it, then decide again.
+    Busy { pid: i32 },
     /// The slot is lost: resync (or fail). Rows with an xid below `delivered_xmin`
     /// were delivered; `None` means nothing is known (republish every unsent row).
     Lost {
@@ -88,17 +138,58 @@ pub(crate) struct Remembered {
     pub(crate) confirmed: Lsn,
 }
 
-/// The rules of the module docs.
+/// What the server says of itself when the session starts (`IDENTIFY_SYSTEM`,
+/// `TIMELINE_HISTORY`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ServerView {
+    pub(crate) history: ServerHistory,
+    /// Its current WAL flush position.
+    pub(crate) wal_end: Lsn,
+    /// Where each ancestor of its timeline ended (empty on timeline 1, or when the
+    /// recorded position is on the current timeline and nobody asked).
+    pub(crate) forks: Vec<TimelineSwitch>,
+}
+
+impl ServerView {
+    /// Where the server's history left `timeline`, if it is an ancestor.
+    fn fork_of(&self, timeline: u32) -> Option<Lsn> {
+        self.forks
+            .iter()
+            .find(|f| f.timeline == timeline)
+            .map(|f| f.switchpoint)
+    }
+
+    /// How far a slot of this server can be synced from a primary on `recorded`'s
+    /// history: `None` when the histories cannot be compared (another cluster).
+    fn synced_limit(&self, recorded: &Position) -> Option<(Lsn, Lsn)> {
+        let ours = self.history;
+        let theirs = recorded.history;
+        if theirs.system_identifier != ours.system_identifier || theirs.timeline >= ours.timeline {
+            return None;
+        }
+        let fork = self.fork_of(theirs.timeline).unwrap_or(Lsn(u64::MAX));
+        Some((recorded.confirmed.min(fork), fork))
+    }
+}
+
+/// The rules of the module docs. `slot` must have been read before `position`.
 pub(crate) fn plan(
     slot_name: &str,
-    history: ServerHistory,
+    server: &ServerView,
     position: Option<&Position>,
     slot: Option<SlotView>,
     remembered: Option<Remembered>,
 ) -> StartPlan {
+    let history = server.history;
+    if let Some(pid) = slot.and_then(|s| s.active_pid) {
+        return StartPlan::Busy { pid };
+    }
     let remembered = remembered
         .filter(|r| r.history == history)
         .map(|r| r.confirmed);
+    // This process confirmed WAL the server no longer has: restored in place.
+    let mut rewound = remembered.is_some_and(|r| r > server.wal_end);
+    let remembered = remembered.map(|r| r.min(server.wal_end));
     let Some(position) = position else {
         // The slot, if any, is adopted by the first-start path (which also finishes
         // an interrupted cutover); an invalidated one is reported there (exit 3).
@@ -128,12 +219,27 @@ pub(crate) fn plan(
         });
     }
     if !same_history {
+        if let Some((limit, fork)) = server.synced_limit(position)
+            && slot.confirmed > limit
+        {
+            return lost(SlotLoss::NotSynced {
+                slot: slot_name.to_owned(),
+                slot_confirmed: slot.confirmed,
+                recorded: position.confirmed,
+                timeline: position.history.timeline,
+                fork,
+            });
+        }
         return StartPlan::Resume {
             from: slot.confirmed,
             history_changed: true,
         };
     }
-    let recorded = position.confirmed.max(remembered.unwrap_or(Lsn::ZERO));
+    rewound |= position.confirmed > server.wal_end;
+    let recorded = position
+        .confirmed
+        .min(server.wal_end)
+        .max(remembered.unwrap_or(Lsn::ZERO));
     if slot.confirmed > recorded {
         return lost(SlotLoss::Recreated {
             slot: slot_name.to_owned(),
@@ -143,7 +249,7 @@ pub(crate) fn plan(
     }
     StartPlan::Resume {
         from: recorded,
-        history_changed: false,
+        history_changed: rewound,
     }
 }
 
@@ -164,6 +270,15 @@ mod tests {
         Lsn(n)
     }
 
+    /// The server on `history`, its WAL ending well past every position below.
+    fn on(history: ServerHistory) -> ServerView {
+        ServerView {
+            history,
+            wal_end: lsn(1_000_000),
+            forks: Vec::new(),
+        }
+    }
+
     fn position(history: ServerHistory, confirmed: u64) -> Position {
         Position {
             history,
@@ -178,24 +293,25 @@ mod tests {
         Some(SlotView {
             confirmed: lsn(confirmed),
             invalidated: false,
+            active_pid: None,
         })
     }
 
     #[test]
     fn first_start_creates_the_slot() {
-        assert_eq!(plan("s", H, None, None, None), StartPlan::Fresh);
+        assert_eq!(plan("s", &on(H), None, None, None), StartPlan::Fresh);
     }
 
     #[test]
     fn a_slot_without_a_record_takes_the_first_start_path() {
-        assert_eq!(plan("s", H, None, slot(100), None), StartPlan::Fresh);
+        assert_eq!(plan("s", &on(H), None, slot(100), None), StartPlan::Fresh);
     }
 
     #[test]
     fn a_rewound_slot_resumes_from_the_recorded_position() {
         let p = position(H, 900);
         assert_eq!(
-            plan("s", H, Some(&p), slot(300), None),
+            plan("s", &on(H), Some(&p), slot(300), None),
             StartPlan::Resume {
                 from: lsn(900),
                 history_changed: false
@@ -213,14 +329,14 @@ mod tests {
             })
         };
         assert_eq!(
-            plan("s", H, Some(&p), slot(300), mem(H)),
+            plan("s", &on(H), Some(&p), slot(300), mem(H)),
             StartPlan::Resume {
                 from: lsn(950),
                 history_changed: false
             }
         );
         assert_eq!(
-            plan("s", PROMOTED, Some(&p), slot(300), mem(H)),
+            plan("s", &on(PROMOTED), Some(&p), slot(300), mem(H)),
             StartPlan::Resume {
                 from: lsn(300),
                 history_changed: true
@@ -233,7 +349,7 @@ mod tests {
     fn a_missing_or_invalidated_slot_is_lost_never_recreated_silently() {
         let p = position(H, 900);
         assert_eq!(
-            plan("s", H, Some(&p), None, None),
+            plan("s", &on(H), Some(&p), None, None),
             StartPlan::Lost {
                 loss: SlotLoss::Missing { slot: "s".into() },
                 delivered_xmin: Some(500)
@@ -242,9 +358,10 @@ mod tests {
         let invalid = Some(SlotView {
             confirmed: lsn(900),
             invalidated: true,
+            active_pid: None,
         });
         assert!(matches!(
-            plan("s", H, Some(&p), invalid, None),
+            plan("s", &on(H), Some(&p), invalid, None),
             StartPlan::Lost {
                 loss: SlotLoss::Invalidated { .. },
                 ..
@@ -256,7 +373,7 @@ mod tests {
     fn a_slot_ahead_of_the_record_was_recreated_by_someone_else() {
         let p = position(H, 900);
         assert_eq!(
-            plan("s", H, Some(&p), slot(901), None),
+            plan("s", &on(H), Some(&p), slot(901), None),
             StartPlan::Lost {
                 loss: SlotLoss::Recreated {
                     slot: "s".into(),
@@ -272,7 +389,7 @@ mod tests {
     fn a_lost_slot_on_another_history_knows_no_delivered_rows() {
         let p = position(H, 900);
         assert_eq!(
-            plan("s", PROMOTED, Some(&p), None, None),
+            plan("s", &on(PROMOTED), Some(&p), None, None),
             StartPlan::Lost {
                 loss: SlotLoss::Missing { slot: "s".into() },
                 delivered_xmin: None
@@ -285,11 +402,146 @@ mod tests {
         let mut p = position(H, 900);
         p.slot_lost = Some("missing".into());
         assert!(matches!(
-            plan("s", H, Some(&p), slot(5000), None),
+            plan("s", &on(H), Some(&p), slot(5000), None),
             StartPlan::Lost {
                 loss: SlotLoss::ResyncInterrupted { .. },
                 delivered_xmin: Some(500)
             }
         ));
+    }
+
+    #[test]
+    fn a_slot_another_process_streams_from_is_busy_never_lost() {
+        // A standby that started while the active relay saved 900 and confirmed 950:
+        // whatever it read, an active slot is not judged.
+        let p = position(H, 900);
+        let active = Some(SlotView {
+            confirmed: lsn(950),
+            invalidated: false,
+            active_pid: Some(4242),
+        });
+        assert_eq!(
+            plan("s", &on(H), Some(&p), active, None),
+            StartPlan::Busy { pid: 4242 }
+        );
+    }
+
+    #[test]
+    fn what_this_process_confirmed_past_the_servers_wal_end_is_forgotten() {
+        // Restored in place: same history, but the WAL ends at 1000 and this process
+        // had confirmed 1500. New commits land below 1500 and must be streamed.
+        let p = position(H, 900);
+        let restored = ServerView {
+            history: H,
+            wal_end: lsn(1_000),
+            forks: Vec::new(),
+        };
+        let mem = Some(Remembered {
+            history: H,
+            confirmed: lsn(1_500),
+        });
+        assert_eq!(
+            plan("s", &restored, Some(&p), slot(300), mem),
+            StartPlan::Resume {
+                from: lsn(1_000),
+                history_changed: true
+            },
+            "the restored WAL is a prefix of what was delivered: up to its end, no further"
+        );
+    }
+
+    #[test]
+    fn a_recorded_position_past_the_servers_wal_end_counts_up_to_it() {
+        let p = position(H, 1_500);
+        let restored = ServerView {
+            history: H,
+            wal_end: lsn(1_000),
+            forks: Vec::new(),
+        };
+        assert_eq!(
+            plan("s", &restored, Some(&p), slot(300), None),
+            StartPlan::Resume {
+                from: lsn(1_000),
+                history_changed: true
+            }
+        );
+    }
+
+    /// The promoted server: timeline 2, forked off timeline 1 at 950.
+    fn promoted() -> ServerView {
+        ServerView {
+            forks: vec![TimelineSwitch {
+                timeline: 1,
+                switchpoint: lsn(950),
+            }],
+            ..on(PROMOTED)
+        }
+    }
+
+    #[test]
+    fn after_a_promotion_a_synced_slot_is_trusted() {
+        let p = position(H, 900);
+        assert_eq!(
+            plan("s", &promoted(), Some(&p), slot(800), None),
+            StartPlan::Resume {
+                from: lsn(800),
+                history_changed: true
+            }
+        );
+    }
+
+    #[test]
+    fn after_a_promotion_a_slot_created_on_the_new_primary_is_lost() {
+        let p = position(H, 900);
+        // Created by hand after the promotion: past the fork.
+        assert!(matches!(
+            plan("s", &promoted(), Some(&p), slot(1_200), None),
+            StartPlan::Lost {
+                loss: SlotLoss::NotSynced { .. },
+                delivered_xmin: None
+            }
+        ));
+        // Past what the relay recorded, even if before the fork.
+        assert!(matches!(
+            plan("s", &promoted(), Some(&p), slot(920), None),
+            StartPlan::Lost {
+                loss: SlotLoss::NotSynced { .. },
+                ..
+            }
+        ));
+        // A standby that was behind: the fork is before the recorded position.
+        let behind = ServerView {
+            forks: vec![TimelineSwitch {
+                timeline: 1,
+                switchpoint: lsn(700),
+            }],
+            ..on(PROMOTED)
+        };
+        assert!(matches!(
+            plan("s", &behind, Some(&p), slot(800), None),
+            StartPlan::Lost {
+                loss: SlotLoss::NotSynced { .. },
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn another_clusters_slot_cannot_be_compared_and_is_trusted() {
+        let p = position(H, 900);
+        let other = ServerView {
+            history: ServerHistory {
+                system_identifier: 8,
+                timeline: 1,
+            },
+            ..on(H)
+        };
+        assert_eq!(
+            plan("s", &other, Some(&p), slot(5_000), None),
+            StartPlan::Resume {
+                from: lsn(5_000),
+                history_changed: true
+            }
+        );
     }
 }

@@ -114,14 +114,6 @@ impl CheckpointError {
         1
     }
 
-    /// Whether the server said it is shutting down or not accepting work yet
-    /// (SQLSTATE class 57P).
-    #[must_use]
-    pub fn is_server_stopping(&self) -> bool {
-        matches!(self, CheckpointError::Postgres(e)
-            if crate::postgres::is_server_stopping(e.code().map(tokio_postgres::error::SqlState::code)))
-    }
-
     /// Whether retrying can help: a PostgreSQL error without a server error (the
     /// connection failed) is transient, anything else is fatal.
     #[must_use]

@@ -73,6 +73,11 @@ pub(crate) enum PoisonInsertError {
     Batch(String),
 }
 
+/// A batch of poison rows is one statement (two with parking): longer means a lock
+/// or a server that stopped answering (`crate::postgres::bound_statements`).
+const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Inserts poison rows with a connection it re-opens when it breaks.
 #[derive(Debug)]
 pub(crate) struct PoisonWriter {
@@ -101,9 +106,15 @@ impl PoisonWriter {
     async fn client(&mut self) -> Result<Client, PoisonInsertError> {
         match self.client.take() {
             Some(client) => Ok(client),
-            None => connect_metadata(&self.conninfo)
-                .await
-                .map_err(PoisonInsertError::Connect),
+            None => {
+                let client = connect_metadata(&self.conninfo)
+                    .await
+                    .map_err(PoisonInsertError::Connect)?;
+                crate::postgres::bound_statements(&client, STATEMENT_TIMEOUT, LOCK_TIMEOUT)
+                    .await
+                    .map_err(PoisonInsertError::Insert)?;
+                Ok(client)
+            }
         }
     }
 

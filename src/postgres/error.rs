@@ -75,13 +75,6 @@ pub enum PgError {
     TableName(#[from] crate::config::TableNameError),
 }
 
-/// Whether a SQLSTATE says the server is shutting down or not accepting work yet
-/// (class 57P: `admin_shutdown`, `crash_shutdown`, `cannot_connect_now`).
-#[must_use]
-pub fn is_server_stopping(sqlstate: Option<&str>) -> bool {
-    sqlstate.is_some_and(|code| code.starts_with("57P"))
-}
-
 impl PgError {
     /// The server's SQLSTATE, when it sent one.
     #[must_use]
@@ -94,13 +87,6 @@ impl PgError {
             PgError::Prerequisite(Prerequisite::Refused { sqlstate, .. }) => sqlstate.as_deref(),
             _ => None,
         }
-    }
-
-    /// Whether the server said it is shutting down or not accepting work yet
-    /// ([`is_server_stopping`]).
-    #[must_use]
-    pub fn is_server_stopping(&self) -> bool {
-        is_server_stopping(self.sqlstate())
     }
 
     /// The process exit code for this error (`docs/architecture.md#exit-codes`).

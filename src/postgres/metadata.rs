@@ -137,6 +137,29 @@ pub async fn table_exists(
         .try_get(0)
 }
 
+/// Bounds every statement of a long-lived writer connection (the position saver,
+/// the poison writer): a statement blocked on a lock held by a stuck transaction,
+/// or on a server that stopped answering without closing the socket, fails with
+/// SQLSTATE `57014` / `55P03` after `statement` / `lock`, and the writer retries it
+/// on a new connection instead of waiting forever while nothing is confirmed.
+///
+/// # Errors
+///
+/// The `SET` failed (the connection is then as good as broken).
+pub async fn bound_statements(
+    client: &tokio_postgres::Client,
+    statement: std::time::Duration,
+    lock: std::time::Duration,
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .batch_execute(&format!(
+            "SET statement_timeout = {}; SET lock_timeout = {}",
+            statement.as_millis(),
+            lock.as_millis()
+        ))
+        .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

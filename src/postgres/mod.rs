@@ -26,5 +26,7 @@ pub mod shard_publication;
 pub mod slot;
 pub mod tls;
 
-pub use error::{PgError, describe_error, is_server_stopping, process_error};
-pub use metadata::{connect, connect_info, connect_metadata, parse_url, table_exists};
+pub use error::{PgError, describe_error, process_error};
+pub use metadata::{
+    bound_statements, connect, connect_info, connect_metadata, parse_url, table_exists,
+};

@@ -805,6 +805,40 @@ impl PrivateCluster {
     }
 }
 
+impl PrivateCluster {
+    /// `scripts/dev-env pg-snapshot NAME`: a copy of the data directory across a
+    /// clean stop; the server runs again afterwards.
+    pub async fn snapshot(&self, name: &str) {
+        self.dev_env(&["pg-snapshot", name]).await;
+    }
+
+    /// `scripts/dev-env pg-restore NAME`: the snapshot put back in place after an
+    /// immediate stop (same system identifier and timeline, an older WAL end).
+    pub async fn restore(&self, name: &str) {
+        self.dev_env(&["pg-restore", name]).await;
+    }
+
+    async fn dev_env(&self, args: &[&str]) {
+        let dir = self.dir.clone();
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("bash")
+                .arg(repo_root().join("scripts/dev-env"))
+                .args(&args)
+                .env("DEV_ENV_DIR", &dir)
+                .output()
+                .expect("run scripts/dev-env")
+        })
+        .await
+        .expect("dev-env task");
+        assert!(
+            out.status.success(),
+            "scripts/dev-env failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 impl Drop for PrivateCluster {
     fn drop(&mut self) {
         let _ = Command::new("bash")

@@ -524,3 +524,56 @@ async fn a_recreated_slot_is_noticed_and_retention_keeps_its_rows() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// The current WAL insert position, as a number.
+async fn wal_lsn(client: &Client) -> u64 {
+    let row = client
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint", &[])
+        .await
+        .expect("read pg_current_wal_lsn");
+    u64::try_from(row.get::<_, i64>(0)).expect("a positive LSN")
+}
+
+/// A data directory restored in place under a running relay (a storage snapshot
+/// rolled back: same system identifier and timeline, an older WAL end). The relay
+/// had confirmed far past the restored WAL's end, and new commits take LSNs below
+/// that: it must stream them, not resume from what it remembers and skip them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_directory_restored_in_place_loses_nothing_written_after_it() {
+    let cluster = PrivateCluster::start("logical").await;
+    let db = TestDb::create_in(&cluster.url, "progress_restore", 3, "").await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let client = harness::connect(&db.url).await;
+    backlog(&client, 0..200).await;
+    wait_delivered(&db, 200, &relay).await;
+    cluster.snapshot("rollback").await;
+    // Delivered and confirmed after the snapshot: gone from the restored server.
+    let client = harness::connect(&db.url).await;
+    backlog(&client, 200..3_200).await;
+    let end_before_restore = wal_lsn(&client).await;
+    wait_delivered(&db, 3_200, &relay).await;
+    harness::wait_until(
+        Duration::from_secs(60),
+        "the relay to confirm the events written after the snapshot",
+        || async {
+            harness::confirmed_flush(&client, &db.slot).await >= end_before_restore - 4_096
+        },
+    )
+    .await;
+    cluster.restore("rollback").await;
+    let client = harness::connect(&db.url).await;
+    backlog(&client, 3_200..3_300).await;
+    assert!(
+        wal_lsn(&client).await < end_before_restore - 4_096,
+        "the new commits must lie below what the relay confirmed, or this test proves nothing"
+    );
+    let duplicates = all_delivered(&db, 3_300, &relay).await;
+    eprintln!("restore in place: {duplicates} duplicates");
+    assert!(
+        relay.log().contains("WAL restored in place"),
+        "the relay says why it forgets its positions; log:\n{}",
+        relay.log()
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+}

@@ -21,6 +21,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use super::config::CoreConfig;
+use super::resend::{Origin, ResendGuard};
+use super::saving::Saving;
 use crate::delivery::EventId;
 use crate::lsn::Lsn;
 
@@ -48,6 +50,10 @@ pub enum Action {
     InsertPoison { id: EventId, attempts: u32 },
     /// Send this standby status update now, whether or not the reader is paused.
     SendStatus(StatusUpdate),
+    /// Save `lsn` in the relay's position table (coalescing with earlier requests;
+    /// `urgent`: without waiting for the saver's gap); report with [`Core::saved`] or
+    /// [`Core::save_failed`]. Statuses never confirm past what is saved (`saving.rs`).
+    Save { lsn: Lsn, urgent: bool },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +107,8 @@ pub(super) struct Event {
     pub(super) key: Option<u64>,
     /// A delivery of it failed at least once (it then blocks its key until resolved).
     pub(super) failed: bool,
+    /// Its name across resends of its transaction.
+    pub(super) origin: Origin,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -141,11 +149,16 @@ pub struct Core {
     pub(super) held: HashMap<u64, VecDeque<EventId>>,
     /// Events in [`EventState::Halted`] (they never leave it).
     pub(super) halted: usize,
+    /// What lost sessions of this process already resolved (`resend.rs`).
+    pub(super) resend: ResendGuard,
+    /// The saved position and the save requests (`saving.rs`).
+    pub(super) saving: Saving,
 }
 
 impl Core {
     /// A core for a replication stream started from `confirmed`, the slot's
-    /// `confirmed_flush_lsn` (what the server will resume from).
+    /// `confirmed_flush_lsn` (what the server will resume from), which the shell has
+    /// saved in the relay's position table before streaming.
     #[must_use]
     pub fn new(cfg: CoreConfig, confirmed: Lsn, now: Instant) -> Self {
         Self {
@@ -168,6 +181,8 @@ impl Core {
             blocked_keys: HashMap::new(),
             held: HashMap::new(),
             halted: 0,
+            resend: ResendGuard::default(),
+            saving: Saving::new(confirmed, now),
         }
     }
 
@@ -176,19 +191,28 @@ impl Core {
     /// their transactions — but event ids continue, so late delivery reports for the old
     /// core's events are recognised as unknown and ignored instead of resolving a new event
     /// that happened to get the same id. The watermark is the higher of `slot_confirmed`
-    /// and what this core had already confirmed (both are durable facts).
+    /// and what this core had already confirmed (both are durable facts), and the shell
+    /// saves it before streaming (the start plan does: `crate::cdc::start`). What the lost
+    /// session resolved of its unconfirmed transactions is remembered, so that their
+    /// resend produces only the events still unresolved (`resend.rs`).
     #[must_use]
-    pub fn restart(self, slot_confirmed: Lsn, now: Instant) -> Self {
+    pub fn restart(mut self, slot_confirmed: Lsn, now: Instant) -> Self {
+        let mut resend = std::mem::take(&mut self.resend);
+        resend.confirmed(self.confirmed);
+        resend.session_lost(self.events.values().map(|e| e.origin));
         let mut next = Self::new(self.cfg, slot_confirmed.max(self.confirmed), now);
         next.reported_flush = next.reported_flush.max(self.reported_flush);
         next.written = next.written.max(self.written);
         next.next_event_id = self.next_event_id;
+        next.resend = resend;
+        next.resend.confirmed(next.confirmed);
         next
     }
 
     /// A fresh core for a new replication connection to a server on another WAL
     /// history (failover): unlike [`Core::restart`] nothing of the old positions is
-    /// kept, because they may name WAL the new server never had; event ids continue.
+    /// kept, because they may name WAL the new server never had (nor what the lost
+    /// session resolved: its names are positions too); event ids continue.
     #[must_use]
     pub fn restart_on_new_history(self, start: Lsn, now: Instant) -> Self {
         let mut next = Self::new(self.cfg, start, now);
@@ -202,16 +226,30 @@ impl Core {
         self.events.contains_key(&id)
     }
 
+    /// The name of in-flight event `id` across resends of its transaction; `None`
+    /// once it is resolved (also at admission, for an event a lost session of this
+    /// process had already resolved: the shell has nothing to do for it).
+    #[must_use]
+    pub fn origin(&self, id: EventId) -> Option<Origin> {
+        self.events.get(&id).map(|e| e.origin)
+    }
+
     /// The normalised configuration in use.
     #[must_use]
     pub fn config(&self) -> &CoreConfig {
         &self.cfg
     }
 
-    /// The next thing to do, status updates first. Requests made stale by later reports
-    /// are skipped.
+    /// The next thing to do, saves and status updates first. Requests made stale by
+    /// later reports are skipped.
     pub fn next_action(&mut self) -> Option<Action> {
         if self.status_due {
+            // The save of what the status would confirm is asked for first: the
+            // status itself confirms only what is saved already (`saving.rs`).
+            self.plan_save(self.last_status_at);
+            if let Some((lsn, urgent)) = self.saving.due.take() {
+                return Some(Action::Save { lsn, urgent });
+            }
             self.status_due = false;
             return Some(Action::SendStatus(self.build_status()));
         }
@@ -256,9 +294,16 @@ impl Core {
     }
 
     /// Whether the shell may read the next replication message: false while the in-flight
-    /// window is full (events or bytes). Status updates do not depend on it.
+    /// window is full (events or bytes), and between transactions while a window's
+    /// worth of resolved events waits for a save (`saving.rs`). Status updates do not
+    /// depend on it.
     #[must_use]
     pub fn can_read(&self) -> bool {
+        self.window_has_room() && !self.save_blocks_reading()
+    }
+
+    /// The in-flight window is not full (events and bytes).
+    pub(super) fn window_has_room(&self) -> bool {
         self.events.len() < self.cfg.max_in_flight_events
             && self.in_flight_bytes < self.cfg.max_in_flight_bytes
     }

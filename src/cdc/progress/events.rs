@@ -52,6 +52,9 @@ impl Core {
     /// [`Core::admit`] for a record whose key hashes to `key`: while an earlier event
     /// of that key is being retried, this one is held (no produce) until the earlier
     /// one is delivered or poisoned, so it cannot overtake it.
+    ///
+    /// An event that a lost session of this process already resolved (`resend.rs`) is
+    /// resolved at once and nothing is queued for it: [`Core::origin`] is `None` then.
     pub fn admit_keyed(
         &mut self,
         bytes: usize,
@@ -64,7 +67,13 @@ impl Core {
         } else {
             EventState::Producing { attempt: 1 }
         };
-        let id = self.admit_event(bytes, state)?;
+        let id = match self.admit_event(bytes, state)? {
+            Admission::New(id) => id,
+            Admission::AlreadyResolved(id) => {
+                self.poll_status(now);
+                return Ok(id);
+            }
+        };
         if let Some(event) = self.events.get_mut(&id) {
             event.key = key;
         }
@@ -81,16 +90,22 @@ impl Core {
     /// It occupies the window until [`Core::poison_committed`]. Errors as for
     /// [`Core::admit`].
     pub fn admit_unmappable(&mut self, bytes: usize) -> Result<EventId, ProtocolError> {
-        let id = self.admit_event(bytes, EventState::Poisoning)?;
-        self.actions.push_back(Pending::InsertPoison { id });
-        Ok(id)
+        match self.admit_event(bytes, EventState::Poisoning)? {
+            Admission::New(id) => {
+                self.actions.push_back(Pending::InsertPoison { id });
+                Ok(id)
+            }
+            Admission::AlreadyResolved(id) => Ok(id),
+        }
     }
 
-    fn admit_event(&mut self, bytes: usize, state: EventState) -> Result<EventId, ProtocolError> {
+    /// Counts the next row of the open transaction in the window, or resolves it at
+    /// once when a lost session already did.
+    fn admit_event(&mut self, bytes: usize, state: EventState) -> Result<Admission, ProtocolError> {
         let Some(open) = self.open else {
             return Err(ProtocolError::ChangeOutsideTransaction);
         };
-        if !self.can_read() {
+        if !self.window_has_room() {
             return Err(ProtocolError::WindowFull {
                 events: self.events.len(),
                 bytes: self.in_flight_bytes,
@@ -98,6 +113,7 @@ impl Core {
         }
         let id = EventId::from_raw(self.next_event_id);
         self.next_event_id = self.next_event_id.wrapping_add(1);
+        let origin = self.resend.next();
         self.txs
             .entry(open.seq)
             .or_insert(TxEntry {
@@ -116,10 +132,15 @@ impl Core {
                 state,
                 key: None,
                 failed: false,
+                origin,
             },
         );
         self.in_flight_bytes = self.in_flight_bytes.saturating_add(bytes);
-        Ok(id)
+        if self.resend.already_resolved(origin) {
+            self.resolve(id);
+            return Ok(Admission::AlreadyResolved(id));
+        }
+        Ok(Admission::New(id))
     }
 
     /// The broker acked the record of `id`. Ignored unless a produce of `id` is outstanding.
@@ -338,6 +359,7 @@ impl Core {
         };
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(event.bytes);
         self.resolved_since_status = self.resolved_since_status.saturating_add(1);
+        self.saving.resolved();
         if event.failed
             && let Some(k) = event.key
         {
@@ -369,6 +391,15 @@ impl Core {
             }
         }
     }
+}
+
+/// What [`Core::admit_event`] did with a row.
+enum Admission {
+    /// Counted in the window; the caller queues its first action.
+    New(EventId),
+    /// Resolved at once: a lost session of this process already delivered or
+    /// poisoned it.
+    AlreadyResolved(EventId),
 }
 
 /// `initial * 2^(failures-1)`, capped at `max`.

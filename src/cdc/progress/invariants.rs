@@ -77,6 +77,10 @@ impl Core {
             self.reported_flush <= self.confirmed,
             "reported past confirmed"
         );
+        assert!(
+            self.saving.stopping || self.reported_flush <= self.saving.saved,
+            "reported past the saved position on a server that is not stopping"
+        );
         if let Some((_, front)) = self.txs.first_key_value()
             && let Some(end) = front.end_lsn
         {

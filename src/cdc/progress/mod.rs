@@ -16,6 +16,9 @@
 //! * `tracker.rs`: the ack tracker, the watermark rule, and idle advance from keepalives;
 //! * `events.rs`: each event's produce / retry / poison life, and per-key order;
 //! * `status.rs`: when a [`StatusUpdate`] is sent, whatever the back-pressure;
+//! * `resend.rs`: what a lost session already resolved, so a resend does not produce
+//!   it again;
+//! * `saving.rs`: the relay's saved position, and why no status confirms past it;
 //! * `config.rs`: [`CoreConfig`] and its normalisation; `error.rs`: [`ProtocolError`].
 //!
 //! The seeded simulator (`simulator.rs`) drives the core against a model walsender,
@@ -42,6 +45,8 @@ mod config;
 mod core;
 mod error;
 mod events;
+mod resend;
+mod saving;
 mod status;
 mod tracker;
 
@@ -55,3 +60,5 @@ mod tests;
 pub use self::config::CoreConfig;
 pub use self::core::{Action, Core, StatusUpdate};
 pub use self::error::ProtocolError;
+pub use self::resend::Origin;
+pub use self::saving::{SavePhase, means_shutdown};

@@ -23,8 +23,16 @@ use std::time::{Duration, Instant};
 
 use super::core::EventState;
 use super::*;
+use crate::cdc::start::{self, ServerView, SlotView, StartPlan};
 use crate::delivery::{EventId, Failure};
 use crate::lsn::Lsn;
+use crate::outbox::position::{Position, ServerHistory};
+
+/// The simulated server's history (a standby's start plan needs one).
+const HISTORY: ServerHistory = ServerHistory {
+    system_identifier: 7,
+    timeline: 1,
+};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -142,6 +150,18 @@ struct Stats {
     big_transactions: u64,
     /// Events admitted while an earlier event of their key was being retried.
     held: u64,
+    /// Events resolved at admission because a lost session had resolved them.
+    resend_skipped: u64,
+    /// Producers replaced at a reconnect (their unacked records purged).
+    producer_replacements: u64,
+    save_requests: u64,
+    saves: u64,
+    /// Save failures of a healthy server, 57P01 and 57P02 among them.
+    healthy_save_failures: u64,
+    /// Fast shutdowns of PostgreSQL that completed.
+    shutdowns: u64,
+    /// Start plans of a standby relay made while this one streamed.
+    standby_starts: u64,
 }
 
 struct Sim {
@@ -163,6 +183,21 @@ struct Sim {
     slot_confirmed: Lsn,
     slot_persisted: Lsn,
     restart_from: Lsn,
+    /// The relay's position table, and the saver's newest request.
+    position: Lsn,
+    save_target: Option<Lsn>,
+    /// A fast shutdown is under way: new connections are refused (57P03).
+    server_stopping: bool,
+    /// Duplicates since the last restart, and their documented bound: the window in
+    /// flight, plus the resolved events a save had not covered yet (below a window
+    /// between transactions), plus one transaction read whole past that.
+    dups_since_restart: u64,
+    dup_bound: u64,
+    /// A standby relay starting: what it read of the slot (first), and whether the
+    /// slot was streamed (it reads the saved position at a later step).
+    standby_read: Option<SlotView>,
+    /// The highest status sent past the saved position while the server shut down.
+    shutdown_confirmed: Lsn,
     // Ground truth and checks.
     resolved: Vec<Vec<bool>>,
     unresolved: Vec<usize>,
@@ -256,6 +291,14 @@ impl Sim {
             slot_confirmed: slot,
             slot_persisted: slot,
             restart_from: slot,
+            position: slot,
+            save_target: None,
+            server_stopping: false,
+            dups_since_restart: 0,
+            standby_read: None,
+            shutdown_confirmed: Lsn::ZERO,
+            dup_bound: 2 * cfg.max_in_flight_events as u64
+                + wal.iter().map(|t| t.events.len() as u64).max().unwrap_or(0),
             resolved: wal.iter().map(|t| vec![false; t.events.len()]).collect(),
             unresolved: wal.iter().map(|t| t.events.len()).collect(),
             first_unresolved: 0,
@@ -324,6 +367,10 @@ impl Sim {
             903..906 if !draining => self.reconnect(),
             906..908 if !draining => self.crash(true),
             908..920 => self.slot_persisted = self.slot_confirmed,
+            920..990 => self.saver_step(draining),
+            990..993 if !draining => self.shutdown_step(),
+            993..1_000 => self.standby_step(),
+            _ if draining && self.server_stopping => self.shutdown_step(),
             _ => self.read(),
         }
         self.drain_actions();
@@ -343,15 +390,19 @@ impl Sim {
         let result = match msg {
             Msg::Keepalive(lsn, reply) => {
                 self.core.keepalive(lsn, reply, now);
-                if reply && !matches!(self.core.next_action(), Some(Action::SendStatus(_))) {
-                    // Re-check with the status the core produced (it was consumed).
-                    self.fail("reply_requested did not produce a status first");
-                }
                 if reply {
-                    self.last_status_at = now;
-                    self.last_sent_flush = self.last_sent_flush.max(self.core.confirmed());
-                    self.slot_confirmed = self.slot_confirmed.max(self.core.confirmed());
-                    self.stats.statuses += 1;
+                    // The status comes first (after the save it asks for).
+                    match self.core.next_action() {
+                        Some(Action::Save { lsn, .. }) => {
+                            self.on_save_request(lsn);
+                            match self.core.next_action() {
+                                Some(Action::SendStatus(s)) => self.on_status(s),
+                                _ => self.fail("reply_requested did not produce a status first"),
+                            }
+                        }
+                        Some(Action::SendStatus(s)) => self.on_status(s),
+                        _ => self.fail("reply_requested did not produce a status first"),
+                    }
                 }
                 if self.core.confirmed() > before {
                     self.stats.idle_advances += 1;
@@ -374,6 +425,16 @@ impl Sim {
                 id.map(|id| {
                     if self.ids.insert(id, (i, k)).is_some() {
                         self.fail(&format!("{id} issued twice"));
+                    }
+                    if self.core.origin(id).is_none() {
+                        // Resolved at admission: a lost session must have done it.
+                        self.stats.resend_skipped += 1;
+                        if !self.resolved[i][k] {
+                            self.fail(&format!(
+                                "event {k} of transaction {i} skipped as resolved by a lost \
+                                 session, but it never was"
+                            ));
+                        }
                     }
                     if self
                         .core
@@ -416,7 +477,100 @@ impl Sim {
                     self.poison_db.push(id);
                 }
                 Action::SendStatus(s) => self.on_status(s),
+                Action::Save { lsn, .. } => self.on_save_request(lsn),
             }
+        }
+    }
+
+    /// The saver keeps the newest request only.
+    fn on_save_request(&mut self, lsn: Lsn) {
+        self.stats.save_requests += 1;
+        if lsn <= self.position {
+            self.fail("a save request for a position already saved");
+        }
+        self.save_target = Some(self.save_target.map_or(lsn, |t| t.max(lsn)));
+    }
+
+    /// The saving task's next attempt: it saves, or fails as a healthy server's
+    /// errors do (a terminated backend, a crashed neighbour, a refused connection),
+    /// or — while the server shuts down — a new connection is refused with 57P03.
+    fn saver_step(&mut self, draining: bool) {
+        let Some(target) = self.save_target else {
+            return;
+        };
+        let now = self.now;
+        if self.server_stopping {
+            self.core
+                .save_failed(SavePhase::Connecting, Some("57P03"), now);
+            return;
+        }
+        if draining || self.rng.percent(75) {
+            self.stats.saves += 1;
+            self.position = self.position.max(target);
+            self.save_target = None;
+            self.core.saved(target, now);
+            return;
+        }
+        self.stats.healthy_save_failures += 1;
+        let (phase, sqlstate) = match self.rng.below(5) {
+            0 => (SavePhase::Statement, Some("57P01")),
+            1 => (SavePhase::Statement, Some("57P02")),
+            2 => (SavePhase::Statement, None),
+            3 => (SavePhase::Connecting, None),
+            _ => (SavePhase::Statement, Some("40001")),
+        };
+        self.core.save_failed(phase, sqlstate, now);
+    }
+
+    /// A standby relay starts: it reads the slot at one step and the saved position
+    /// at a later one, in the shell's order, while this relay goes on saving and
+    /// confirming in between; its start plan must never find the slot lost. The slot
+    /// looks streamed most of the time (the standby waits) and idle otherwise (between
+    /// two sessions of this relay), where only the order of the reads protects it.
+    fn standby_step(&mut self) {
+        let Some(slot) = self.standby_read.take() else {
+            self.standby_read = Some(SlotView {
+                confirmed: self.slot_confirmed,
+                invalidated: false,
+                active_pid: self.rng.percent(70).then_some(4_242),
+            });
+            return;
+        };
+        self.stats.standby_starts += 1;
+        let position = Position {
+            history: HISTORY,
+            confirmed: self.position,
+            delivered_xmin: None,
+            slot_lost: None,
+            resyncs: 0,
+        };
+        let server = ServerView {
+            history: HISTORY,
+            wal_end: Lsn(u64::MAX),
+            forks: Vec::new(),
+        };
+        let plan = start::plan("slot", &server, Some(&position), Some(slot), None);
+        // Only statuses sent while the server shut down may pass the saved position
+        // (a documented false alarm: a resync, never a loss).
+        if matches!(plan, StartPlan::Lost { .. }) && slot.confirmed > self.shutdown_confirmed {
+            self.fail(&format!(
+                "a standby found the slot lost while this relay streamed: {plan:?}"
+            ));
+        }
+    }
+
+    /// A fast shutdown of PostgreSQL begins: new connections are refused until the
+    /// walsender has been told everything was received, then the server restarts
+    /// (the session is lost; the process lives on).
+    fn shutdown_step(&mut self) {
+        if self.server_stopping {
+            if self.rng.percent(40) {
+                self.stats.shutdowns += 1;
+                self.server_stopping = false;
+                self.reconnect();
+            }
+        } else {
+            self.server_stopping = true;
         }
     }
 
@@ -449,8 +603,15 @@ impl Sim {
             }
             if self.produced_ever[i][k] {
                 self.stats.duplicates += 1;
+                self.dups_since_restart += 1;
                 if self.wal[i].final_lsn < self.restart_from {
                     self.fail("duplicate from a transaction confirmed before the restart");
+                }
+                if self.dups_since_restart > self.dup_bound {
+                    self.fail(&format!(
+                        "{} duplicates since the last restart, past the bound {}",
+                        self.dups_since_restart, self.dup_bound
+                    ));
                 }
             } else {
                 if self.last_first_ever.get(&key).is_some_and(|&p| p >= (i, k)) {
@@ -478,6 +639,15 @@ impl Sim {
         }
         if self.must_resend_from().is_some_and(|lsn| s.flush > lsn) {
             self.fail("status confirms past an unresolved event");
+        }
+        if s.flush > self.position {
+            if !self.server_stopping {
+                self.fail(&format!(
+                    "status confirms {} past the saved position {} on a healthy server",
+                    s.flush, self.position
+                ));
+            }
+            self.shutdown_confirmed = self.shutdown_confirmed.max(s.flush);
         }
         self.last_sent_flush = s.flush;
         self.slot_confirmed = self.slot_confirmed.max(s.flush);
@@ -596,6 +766,13 @@ impl Sim {
     fn crash(&mut self, graceful: bool) {
         self.stats.crashes += 1;
         if graceful {
+            // The shell saves what the core confirmed (unless the server refuses),
+            // then sends the final status.
+            let confirmed = self.core.confirmed();
+            if !self.server_stopping && confirmed > self.position {
+                self.position = confirmed;
+                self.core.saved(confirmed, self.now);
+            }
             let s = self.core.shutdown_status();
             self.on_status(s);
         }
@@ -610,7 +787,13 @@ impl Sim {
             }
         }
         self.maybe_revert_slot();
-        self.core = Core::new(self.cfg.clone(), self.slot_confirmed, self.now);
+        self.server_stopping = false;
+        // A new process: the start plan resumes from the saved position (the slot is
+        // never ahead of it but after a shutdown's confirmations; the server then
+        // starts at the slot, past nothing unresolved).
+        let from = self.position.max(self.slot_confirmed);
+        self.start_session(from);
+        self.core = Core::new(self.cfg.clone(), from, self.now);
         self.ids.clear();
         self.done_ids.clear();
         self.permanent.clear();
@@ -620,18 +803,44 @@ impl Sim {
 
     /// The replication connection dropped; the process (and its producer) lives on,
     /// so reports for the old core's events keep arriving at the new one.
+    ///
+    /// Sometimes the producer is replaced too (a stalled or fatally failed one): each
+    /// record it had not acked either landed before the purge or never will.
     fn reconnect(&mut self) {
         self.stats.reconnects += 1;
+        if self.rng.percent(30) {
+            self.stats.producer_replacements += 1;
+            for id in std::mem::take(&mut self.broker) {
+                if self.rng.percent(50) {
+                    self.mark_resolved(id);
+                }
+            }
+        }
         self.maybe_revert_slot();
+        // The same process: the start plan takes the highest of the saved position
+        // and what this process confirmed, and saves it before streaming.
+        let from = self.position.max(self.core.confirmed());
+        if self.slot_confirmed > from {
+            self.fail("the slot is ahead of every position the relay saved or confirmed");
+        }
+        self.start_session(from);
         let placeholder = Core::new(self.cfg.clone(), Lsn::ZERO, self.now);
         let old = std::mem::replace(&mut self.core, placeholder);
-        self.core = old.restart(self.slot_confirmed, self.now);
+        self.core = old.restart(from, self.now);
         self.after_restart();
     }
 
+    /// The shell saves a session's start before streaming from it; the saver of the
+    /// lost session is gone with its requests.
+    fn start_session(&mut self, from: Lsn) {
+        self.position = self.position.max(from);
+        self.save_target = None;
+        self.restart_from = from.max(self.slot_confirmed);
+        self.dups_since_restart = 0;
+    }
+
     fn after_restart(&mut self) {
-        self.server = Server::connect(&self.wal, self.slot_confirmed);
-        self.restart_from = self.slot_confirmed;
+        self.server = Server::connect(&self.wal, self.restart_from);
         self.produced_this_core.clear();
         self.last_first_this_core.clear();
         self.failed_now.clear();
@@ -667,6 +876,8 @@ impl Sim {
             && self.core.is_idle()
             && self.broker.is_empty()
             && self.poison_db.is_empty()
+            && self.save_target.is_none()
+            && !self.server_stopping
     }
 
     fn run(mut self, random_steps: usize) -> Stats {
@@ -687,6 +898,8 @@ impl Sim {
         let last_end = self.wal.last().map_or(Lsn::ZERO, |t| t.end_lsn);
         self.now += self.cfg.status_interval;
         self.core.tick(self.now);
+        self.drain_actions();
+        self.saver_step(true);
         self.drain_actions();
         if self.last_sent_flush < last_end {
             self.fail("the final status does not confirm the last transaction");
@@ -722,6 +935,13 @@ fn simulated_schedules_never_lose_reorder_or_over_confirm() {
         total.statuses += s.statuses;
         total.big_transactions += s.big_transactions;
         total.held += s.held;
+        total.resend_skipped += s.resend_skipped;
+        total.producer_replacements += s.producer_replacements;
+        total.save_requests += s.save_requests;
+        total.saves += s.saves;
+        total.healthy_save_failures += s.healthy_save_failures;
+        total.shutdowns += s.shutdowns;
+        total.standby_starts += s.standby_starts;
     }
     // The schedules must actually exercise every path.
     let Stats {
@@ -736,6 +956,13 @@ fn simulated_schedules_never_lose_reorder_or_over_confirm() {
         statuses,
         big_transactions,
         held,
+        resend_skipped,
+        producer_replacements,
+        save_requests,
+        saves,
+        healthy_save_failures,
+        shutdowns,
+        standby_starts,
     } = total;
     for (name, n) in [
         ("crashes", crashes),
@@ -749,6 +976,16 @@ fn simulated_schedules_never_lose_reorder_or_over_confirm() {
         ("statuses", statuses),
         ("transactions larger than the window", big_transactions),
         ("events held behind a retried event of their key", held),
+        ("events a lost session had resolved", resend_skipped),
+        (
+            "producer replacements at a reconnect",
+            producer_replacements,
+        ),
+        ("save requests", save_requests),
+        ("saves", saves),
+        ("save failures of a healthy server", healthy_save_failures),
+        ("fast shutdowns", shutdowns),
+        ("standby starts", standby_starts),
     ] {
         assert!(n > 10, "simulation never exercised {name} ({n})");
     }
@@ -758,4 +995,24 @@ fn simulated_schedules_never_lose_reorder_or_over_confirm() {
          {held} events held behind a retry of their key",
         started.elapsed()
     );
+}
+
+/// Schedules that broke a promise before the decision moved into the core; each
+/// failed with the code named, and must pass now.
+#[test]
+fn regression_seeds_of_the_review_findings() {
+    for (seed, finding) in [
+        // A session lost before it re-read a transaction's unresolved events cleared
+        // them; the next session skipped them as resolved (a silent loss).
+        (6_787_673_437_251_955_064, "resend guard"),
+        // Any 57P error (a terminated saver backend: 57P01) let statuses pass the
+        // saved position on a healthy server.
+        (13_429_108_288_681_693_588, "57P from a healthy server"),
+        // A standby that read the saved position before the slot, and judged an
+        // active slot, found it "re-created" while this relay saved and confirmed.
+        (0, "standby start"),
+    ] {
+        eprintln!("regression seed {seed}: {finding}");
+        Sim::new(seed).run(300);
+    }
 }

@@ -17,6 +17,8 @@ use std::time::Instant;
 
 use super::config::MIN_STATUS_INTERVAL;
 use super::core::{Core, StatusUpdate};
+use super::saving::{SavePhase, means_shutdown};
+use crate::lsn::Lsn;
 
 impl Core {
     /// The final status update to send on graceful shutdown (typically once
@@ -56,12 +58,93 @@ impl Core {
         self.last_status_at = self.last_status_at.max(now);
     }
 
+    /// The status to send now: the watermark capped at the saved position
+    /// (`saving.rs`).
     pub(super) fn build_status(&mut self) -> StatusUpdate {
         self.resolved_since_status = 0;
-        let flush = self.confirmed.max(self.reported_flush);
+        let flush = self.status_flush();
         self.reported_flush = flush;
+        StatusUpdate::at(self.written, flush)
+    }
+}
+
+// The saved position (`saving.rs` explains the rule).
+impl Core {
+    /// The shell saved `lsn` in `outbox_relay_position`. A status confirming it is
+    /// sent at once, rather than at the next interval.
+    pub fn saved(&mut self, lsn: Lsn, now: Instant) {
+        if self.saving.saved(lsn) && self.saving.limit(self.confirmed) > self.reported_flush {
+            self.schedule_status(now);
+        }
+    }
+
+    /// A save failed in `phase` with `sqlstate` (if the server sent one). The shell
+    /// keeps retrying the newest request; only a refused new connection during a
+    /// shutdown changes what a status may confirm (module docs).
+    pub fn save_failed(&mut self, phase: SavePhase, sqlstate: Option<&str>, now: Instant) {
+        if means_shutdown(phase, sqlstate) && !self.saving.stopping {
+            self.saving.stopping = true;
+            if self.confirmed > self.reported_flush {
+                self.schedule_status(now);
+            }
+        }
+    }
+
+    /// The highest position known to be saved.
+    #[must_use]
+    pub fn saved_position(&self) -> Lsn {
+        self.saving.saved
+    }
+
+    /// Whether statuses currently confirm past the saved position because the server
+    /// is shutting down.
+    #[must_use]
+    pub fn server_stopping(&self) -> bool {
+        self.saving.stopping
+    }
+
+    /// Resolved events the saved position may not cover yet.
+    #[must_use]
+    pub fn unsaved_events(&self) -> usize {
+        self.saving.unsaved()
+    }
+
+    /// Whether the position a status would confirm waits for a save.
+    pub(super) fn save_blocks_reading(&self) -> bool {
+        self.open.is_none()
+            && !self.saving.stopping
+            && self.saving.unsaved() >= self.cfg.max_in_flight_events
+    }
+
+    /// Asks for a save of the watermark when events were resolved since the last
+    /// request (urgently once half a window waits), else — keepalive progress only —
+    /// once per status interval, so the save's own WAL cannot keep an idle relay
+    /// saving.
+    pub(super) fn plan_save(&mut self, now: Instant) {
+        let confirmed = self.confirmed;
+        let s = &mut self.saving;
+        if confirmed <= s.requested {
+            return;
+        }
+        let idle_due = now.saturating_duration_since(s.requested_at) >= self.cfg.status_interval;
+        if !s.resolved_since_request && !idle_due {
+            return;
+        }
+        let urgent = s.unsaved() >= self.cfg.max_in_flight_events.div_ceil(2);
+        s.request(confirmed, urgent, now);
+    }
+
+    /// `flush` of the next status: the watermark, capped at the saved position.
+    pub(super) fn status_flush(&self) -> Lsn {
+        self.saving.limit(self.confirmed).max(self.reported_flush)
+    }
+}
+
+impl StatusUpdate {
+    /// A status confirming `flush`, with `write` never below it.
+    pub(super) fn at(write: Lsn, flush: Lsn) -> Self {
         StatusUpdate {
-            write: self.written.max(flush),
+            write: write.max(flush),
             flush,
             apply: flush,
             reply_requested: false,

@@ -29,10 +29,17 @@ fn core_at(confirmed: u64) -> (Core, Instant) {
     (Core::new(cfg(), Lsn(confirmed), now), now)
 }
 
+/// Drained actions; saves are performed at once (a saver that never lags) and left out.
 fn drain(core: &mut Core) -> Vec<Action> {
     let mut out = Vec::new();
     while let Some(a) = core.next_action() {
-        out.push(a);
+        match a {
+            Action::Save { lsn, .. } => {
+                let at = core.last_status_at;
+                core.saved(lsn, at);
+            }
+            a => out.push(a),
+        }
     }
     core.check_invariants();
     out
@@ -447,7 +454,16 @@ fn idle_advance_from_keepalive_and_xlogdata() {
     assert_eq!(core.confirmed(), Lsn(600));
     core.keepalive(Lsn(400), false, now);
     assert_eq!(core.confirmed(), Lsn(600), "never backwards");
+    // Keepalive progress alone is saved once per status interval (so the save's own
+    // WAL cannot keep an idle relay saving), and confirmed once saved.
     core.keepalive(Lsn(700), true, now);
+    let s = statuses(&drain(&mut core));
+    assert_eq!(
+        (s[0].flush, s[0].write),
+        (Lsn(50), Lsn(700)),
+        "not saved yet"
+    );
+    core.keepalive(Lsn(700), true, now + cfg().status_interval);
     let s = statuses(&drain(&mut core));
     assert_eq!(s.len(), 1);
     assert_eq!((s[0].flush, s[0].write), (Lsn(700), Lsn(700)));
@@ -579,7 +595,7 @@ fn status_flush_is_monotonic_and_write_never_below_flush() {
             reply_requested: false
         }
     );
-    core.keepalive(Lsn(900), true, now);
+    core.keepalive(Lsn(900), true, now + cfg().status_interval);
     let s = statuses(&drain(&mut core))[0];
     assert_eq!((s.write, s.flush, s.apply), (Lsn(900), Lsn(900), Lsn(900)));
     // A reconnect whose slot is behind (its position was not yet persisted) does not
@@ -942,4 +958,129 @@ mod arbitrary {
             }
         }
     }
+}
+
+/// Drains without saving: the saves asked for, and the statuses sent.
+fn drain_unsaved(core: &mut Core) -> (Vec<Lsn>, Vec<StatusUpdate>) {
+    let (mut saves, mut statuses) = (Vec::new(), Vec::new());
+    while let Some(a) = core.next_action() {
+        match a {
+            Action::Save { lsn, .. } => saves.push(lsn),
+            Action::SendStatus(s) => statuses.push(s),
+            _ => {}
+        }
+    }
+    core.check_invariants();
+    (saves, statuses)
+}
+
+#[test]
+fn statuses_never_confirm_past_the_saved_position() {
+    let (mut core, now) = core_at(50);
+    let ids = tx(&mut core, 100, 1, now);
+    core.delivered(ids[0], now);
+    core.tick(now + ms(1_000));
+    let (saves, statuses) = drain_unsaved(&mut core);
+    assert_eq!(saves, [Lsn(110)], "the watermark is saved first");
+    assert!(statuses.iter().all(|s| s.flush == Lsn(50)), "{statuses:?}");
+    core.saved(Lsn(110), now + ms(1_010));
+    let (_, statuses) = drain_unsaved(&mut core);
+    assert_eq!(
+        statuses.last().map(|s| s.flush),
+        Some(Lsn(110)),
+        "a status follows the save at once"
+    );
+}
+
+#[test]
+fn a_healthy_servers_57p_errors_do_not_let_statuses_pass_the_saved_position() {
+    // pg_terminate_backend of the saver (57P01 on its statement), a crash of another
+    // backend (57P02), a refused connection without a code: the server is not stopping.
+    let failures = [
+        (SavePhase::Statement, Some("57P01")),
+        (SavePhase::Statement, Some("57P02")),
+        (SavePhase::Statement, Some("57P03")),
+        (SavePhase::Connecting, Some("57P01")),
+        (SavePhase::Connecting, None),
+        (SavePhase::Statement, None),
+    ];
+    for (phase, sqlstate) in failures {
+        let (mut core, now) = core_at(50);
+        let ids = tx(&mut core, 100, 1, now);
+        core.delivered(ids[0], now);
+        core.save_failed(phase, sqlstate, now);
+        core.tick(now + ms(1_000));
+        let (_, statuses) = drain_unsaved(&mut core);
+        assert!(!core.server_stopping(), "{phase:?} {sqlstate:?}");
+        assert!(!statuses.is_empty(), "a status is due");
+        assert!(
+            statuses.iter().all(|s| s.flush <= core.saved_position()),
+            "{phase:?} {sqlstate:?}: {statuses:?}"
+        );
+    }
+}
+
+#[test]
+fn a_connection_refused_during_shutdown_confirms_what_was_delivered() {
+    let (mut core, now) = core_at(50);
+    let ids = tx(&mut core, 100, 1, now);
+    core.delivered(ids[0], now);
+    core.save_failed(SavePhase::Connecting, Some("57P03"), now);
+    assert!(core.server_stopping());
+    let (_, statuses) = drain_unsaved(&mut core);
+    assert_eq!(statuses.last().map(|s| s.flush), Some(Lsn(110)));
+    // The next session starts from what was saved or remembered, and saves again.
+    let core = core.restart(Lsn(110), now);
+    assert!(!core.server_stopping());
+    assert_eq!(core.saved_position(), Lsn(110));
+}
+
+#[test]
+fn reading_pauses_between_transactions_while_a_window_waits_for_a_save() {
+    let (mut core, now) = core_at(50);
+    for n in 0..4_u64 {
+        let ids = tx(&mut core, 100 + 20 * n, 1, now);
+        core.delivered(ids[0], now);
+    }
+    assert_eq!(core.unsaved_events(), 4);
+    core.tick(now + ms(1_000));
+    let (saves, _) = drain_unsaved(&mut core);
+    assert!(
+        !core.can_read(),
+        "a window of resolved events waits for a save"
+    );
+    core.saved(*saves.last().unwrap(), now + ms(30));
+    assert_eq!(core.unsaved_events(), 0);
+    assert!(core.can_read());
+}
+
+#[test]
+fn a_reconnect_does_not_produce_what_the_lost_session_resolved() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 7).unwrap();
+    let first: Vec<_> = (0..4).map(|_| core.admit(10, now).unwrap()).collect();
+    work(&mut core);
+    core.delivered(first[0], now);
+    core.delivered(first[1], now);
+    // Lost mid-transaction with events 2 and 3 unresolved.
+    let mut core = core.restart(Lsn(50), now);
+    core.begin(Lsn(100), 7).unwrap();
+    let second: Vec<_> = (0..2).map(|_| core.admit(10, now).unwrap()).collect();
+    assert!(
+        second.iter().all(|&id| core.origin(id).is_none()),
+        "resolved before"
+    );
+    assert!(work(&mut core).is_empty(), "nothing produced again");
+    // Lost again before reaching 2 and 3: they must still be produced.
+    let mut core = core.restart(Lsn(50), now);
+    core.begin(Lsn(100), 7).unwrap();
+    let third: Vec<_> = (0..4).map(|_| core.admit(10, now).unwrap()).collect();
+    let produced: Vec<_> = work(&mut core)
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Produce { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(produced, third[2..].to_vec());
 }

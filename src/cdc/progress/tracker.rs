@@ -82,6 +82,7 @@ impl Core {
             final_lsn,
             seq,
         });
+        self.resend.begin(final_lsn);
         Ok(())
     }
 
@@ -114,6 +115,7 @@ impl Core {
             });
         }
         self.open = None;
+        self.resend.commit();
         self.last_commit_end = Some(end_lsn);
         self.written = self.written.max(end_lsn);
         self.txs
@@ -161,7 +163,7 @@ impl Core {
         };
         self.txs.remove(&seq);
         match self.txs.range_mut(..seq).next_back() {
-            None => self.confirmed = self.confirmed.max(end),
+            None => self.advance(end),
             Some((_, before)) => {
                 // Unreachable `None` (an open entry before a committed one) would keep the
                 // smaller end: a late confirmation, never an early one.
@@ -174,7 +176,16 @@ impl Core {
 
     fn idle_advance(&mut self, wal_end: Lsn) {
         if self.open.is_none() && self.txs.is_empty() && self.events.is_empty() {
-            self.confirmed = self.confirmed.max(wal_end);
+            self.advance(wal_end);
+        }
+    }
+
+    /// The watermark moves to `to` (never back); what the resend guard remembers of
+    /// the transactions before it is dropped.
+    fn advance(&mut self, to: Lsn) {
+        if to > self.confirmed {
+            self.confirmed = to;
+            self.resend.confirmed(to);
         }
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! A `replication=database` walsender understands a small command grammar next to
 //! SQL (<https://www.postgresql.org/docs/current/protocol-replication.html>):
-//! `IDENTIFY_SYSTEM`, `CREATE_REPLICATION_SLOT`, `DROP_REPLICATION_SLOT` and
-//! `START_REPLICATION`. Names are double-quoted identifiers and plugin option values
+//! `IDENTIFY_SYSTEM`, `TIMELINE_HISTORY`, `CREATE_REPLICATION_SLOT`,
+//! `DROP_REPLICATION_SLOT` and `START_REPLICATION`. Names are double-quoted identifiers and plugin option values
 //! single-quoted literals, with the quote doubled inside; backslashes are not special.
 //! The slot name and options come from configuration, so a name with a quote must
 //! round-trip and a NUL byte (which would end the query string) is refused before
@@ -22,6 +22,45 @@ use crate::config::quote_ident;
 use crate::lsn::Lsn;
 
 use super::error::ReplicationError;
+
+/// Where one ancestor timeline of the server's current one ended: a line of the
+/// timeline history file `TIMELINE_HISTORY` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimelineSwitch {
+    /// The ancestor timeline.
+    pub timeline: u32,
+    /// The WAL position at which it ended and its child timeline began: WAL past it
+    /// on the ancestor is not on the server's history.
+    pub switchpoint: Lsn,
+}
+
+/// Parses a timeline history file: one line per ancestor, `parentTLI`, the switch
+/// point as `X/X` and a free-text reason, separated by tabs; blank lines and lines
+/// starting with `#` are skipped (as `readTimeLineHistory` in PostgreSQL's
+/// `timeline.c` does).
+///
+/// # Errors
+///
+/// [`ReplicationError::Protocol`] for a line that is not of that shape.
+pub fn parse_timeline_history(content: &str) -> Result<Vec<TimelineSwitch>, ReplicationError> {
+    let mut switches = Vec::new();
+    for line in content.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut fields = line.split_whitespace();
+        let bad =
+            || ReplicationError::Protocol(format!("malformed timeline history line {line:?}"));
+        let timeline = fields.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+        let switchpoint = fields.next().and_then(|f| f.parse().ok()).ok_or_else(bad)?;
+        switches.push(TimelineSwitch {
+            timeline,
+            switchpoint,
+        });
+    }
+    Ok(switches)
+}
 
 /// The output plugin the relay decodes.
 pub(crate) const OUTPUT_PLUGIN: &str = "pgoutput";

@@ -29,9 +29,9 @@ use crate::postgres::conninfo::ConnInfo;
 
 use super::auth::Authenticator;
 use super::commands::{
-    CreatedSlot, SnapshotAction, SystemIdentity, TextRows, check_no_nul, create_slot_command,
-    parse_field, parse_lsn_field, parse_major_version, publication_names_option, required_field,
-    single_row, start_replication_command,
+    CreatedSlot, SnapshotAction, SystemIdentity, TextRows, TimelineSwitch, check_no_nul,
+    create_slot_command, parse_field, parse_lsn_field, parse_major_version, parse_timeline_history,
+    publication_names_option, required_field, single_row, start_replication_command,
 };
 use super::error::ReplicationError;
 use super::messages::{
@@ -169,6 +169,26 @@ impl ReplicationConnection {
             xlogpos: parse_lsn_field(row, 2, "IDENTIFY_SYSTEM xlogpos")?,
             dbname: row.get(3).cloned().flatten(),
         })
+    }
+
+    /// `TIMELINE_HISTORY tli`: where each ancestor of timeline `tli` ended. Timeline
+    /// 1 has no ancestors (and no history file): an empty list, without asking.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::simple_query`]; [`ReplicationError::Protocol`] for a malformed answer.
+    pub async fn timeline_history(
+        &mut self,
+        timeline: u32,
+    ) -> Result<Vec<TimelineSwitch>, ReplicationError> {
+        if timeline <= 1 {
+            return Ok(Vec::new());
+        }
+        let rows = self
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"))
+            .await?;
+        let row = single_row(&rows, "TIMELINE_HISTORY", 2)?;
+        parse_timeline_history(required_field(row, 1, "TIMELINE_HISTORY content")?)
     }
 
     /// `CREATE_REPLICATION_SLOT "name" [TEMPORARY] LOGICAL pgoutput …`.

@@ -35,7 +35,10 @@ mod transport;
 #[cfg(test)]
 mod tests;
 
-pub use commands::{CreatedSlot, SnapshotAction, SystemIdentity, TextRows, create_slot_command};
+pub use commands::{
+    CreatedSlot, SnapshotAction, SystemIdentity, TextRows, TimelineSwitch, create_slot_command,
+    parse_timeline_history,
+};
 pub(crate) use commands::{publication_names_option, quote_literal};
 pub use connection::ReplicationConnection;
 pub(crate) use connection::SESSION_OPTIONS;

@@ -10,8 +10,8 @@ use postgres_protocol::authentication::md5_hash;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 use super::commands::{
-    create_slot_command, parse_major_version, publication_names_option, quote_literal,
-    start_replication_command,
+    TimelineSwitch, create_slot_command, parse_major_version, parse_timeline_history,
+    publication_names_option, quote_literal, start_replication_command,
 };
 use super::frames::{PRIMARY_KEEPALIVE, ServerFrame, StandbyStatus, XLOG_DATA};
 use super::messages::{
@@ -639,4 +639,28 @@ async fn connect_timeout_bounds_a_silent_server() {
     assert!(err.to_string().contains("connect_timeout"), "{err}");
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
     assert_eq!(err.classify(), ErrorClass::Transient);
+}
+
+#[test]
+fn timeline_history_files_parse_as_postgresql_writes_them() {
+    // What a server promoted twice writes (timeline.c: "%u\t%X/%X\t%s\n").
+    let content = "1\t0/3000158\tno recovery target specified\n\n# a comment\n\
+                   2\t0/5000000\tat restore point \"before upgrade\"\n";
+    assert_eq!(
+        parse_timeline_history(content).unwrap(),
+        [
+            TimelineSwitch {
+                timeline: 1,
+                switchpoint: Lsn(0x0300_0158)
+            },
+            TimelineSwitch {
+                timeline: 2,
+                switchpoint: Lsn(0x0500_0000)
+            },
+        ]
+    );
+    assert!(parse_timeline_history("").unwrap().is_empty());
+    for bad in ["x\t0/1\tr", "1\tnot-an-lsn\tr", "1"] {
+        assert!(parse_timeline_history(bad).is_err(), "{bad:?}");
+    }
 }

@@ -506,12 +506,14 @@ impl NullSink {
         Ok(())
     }
 
-    /// Produce actions are acked on the spot; status updates go to the server.
+    /// Produce actions are acked and saves taken as written on the spot (the core
+    /// alone, without a broker or a position table); status updates go to the server.
     async fn execute(&mut self, stream: &mut ReplicationStream) -> Result<()> {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, .. } => self.core.delivered(id, Instant::now()),
                 Action::InsertPoison { id, .. } => self.core.poison_committed(id, Instant::now()),
+                Action::Save { lsn, .. } => self.core.saved(lsn, Instant::now()),
                 Action::SendStatus(status) => send_status(stream, status).await?,
             }
         }
