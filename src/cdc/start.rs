@@ -43,14 +43,17 @@
 //! * **A position past the server's WAL end names WAL the server no longer has.** A
 //!   data directory restored in place (a snapshot, a crash-recovered older copy) keeps
 //!   its system identifier and timeline, but its WAL ends before what this process
-//!   confirmed; new commits take LSNs below that and would be skipped. The restored
-//!   WAL is a prefix of the WAL the relay read, so everything before its end was
-//!   delivered: what the process remembers (and a recorded position, should it be
-//!   ahead too) counts up to the server's current WAL flush position
-//!   (`IDENTIFY_SYSTEM`'s `xlogpos`) and no further, and nothing else the process
-//!   remembers of positions is kept. (A restored server that has already written past
-//!   the remembered position before the relay reconnects cannot be told apart this
-//!   way; the relay reconnects within seconds, a restore takes longer.)
+//!   confirmed; new commits take LSNs below that and would be skipped. So what the
+//!   process remembers counts only while it is at or below the server's current WAL
+//!   flush position (`IDENTIFY_SYSTEM`'s `xlogpos`); past it, nothing the process
+//!   remembers of positions is kept and the start is the recorded position, which was
+//!   restored with the WAL. Not the server's WAL end either: commits made after the
+//!   restore and before the relay reconnects lie below it, and the restored WAL is a
+//!   prefix of what the relay read only up to the (unknown) restore point. A recorded
+//!   position past the WAL end belongs to another history. (A restored server that
+//!   has already written past the remembered position before the relay reconnects
+//!   cannot be told apart this way; the relay reconnects within seconds, a restore
+//!   takes longer.)
 
 use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
@@ -188,14 +191,15 @@ pub(crate) fn plan(
         .filter(|r| r.history == history)
         .map(|r| r.confirmed);
     // This process confirmed WAL the server no longer has: restored in place.
-    let mut rewound = remembered.is_some_and(|r| r > server.wal_end);
-    let remembered = remembered.map(|r| r.min(server.wal_end));
+    let rewound = remembered.is_some_and(|r| r > server.wal_end);
+    let remembered = remembered.filter(|_| !rewound);
     let Some(position) = position else {
         // The slot, if any, is adopted by the first-start path (which also finishes
         // an interrupted cutover); an invalidated one is reported there (exit 3).
         return StartPlan::Fresh;
     };
-    let same_history = position.history == history;
+    // A recorded position past the server's WAL end is of another history too.
+    let same_history = position.history == history && position.confirmed <= server.wal_end;
     // xids past a fork are not comparable either.
     let delivered_xmin = position.delivered_xmin.filter(|_| same_history);
     let lost = |loss| StartPlan::Lost {
@@ -235,11 +239,7 @@ pub(crate) fn plan(
             history_changed: true,
         };
     }
-    rewound |= position.confirmed > server.wal_end;
-    let recorded = position
-        .confirmed
-        .min(server.wal_end)
-        .max(remembered.unwrap_or(Lsn::ZERO));
+    let recorded = position.confirmed.max(remembered.unwrap_or(Lsn::ZERO));
     if slot.confirmed > recorded {
         return lost(SlotLoss::Recreated {
             slot: slot_name.to_owned(),
@@ -443,15 +443,16 @@ mod tests {
         assert_eq!(
             plan("s", &restored, Some(&p), slot(300), mem),
             StartPlan::Resume {
-                from: lsn(1_000),
+                from: lsn(900),
                 history_changed: true
             },
-            "the restored WAL is a prefix of what was delivered: up to its end, no further"
+            "the recorded position, restored with the WAL; not the WAL end: commits made \
+             since the restore lie below it"
         );
     }
 
     #[test]
-    fn a_recorded_position_past_the_servers_wal_end_counts_up_to_it() {
+    fn a_recorded_position_past_the_servers_wal_end_is_of_another_history() {
         let p = position(H, 1_500);
         let restored = ServerView {
             history: H,
@@ -461,7 +462,7 @@ mod tests {
         assert_eq!(
             plan("s", &restored, Some(&p), slot(300), None),
             StartPlan::Resume {
-                from: lsn(1_000),
+                from: lsn(300),
                 history_changed: true
             }
         );
