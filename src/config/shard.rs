@@ -11,14 +11,19 @@
 //!
 //! # The filter
 //!
-//! `(hashtext(coalesce((id)::text, '')) & 2147483647) % N = i`, over the configured
+//! `(hashtext(coalesce((id)::text COLLATE "C", '')) & 2147483647) % N = i`, over the configured
 //! entity-id column (the record key). Each part is what a row filter allows: built-in
 //! immutable functions and operators, no user-defined ones. `hashtext` is the hash
 //! PostgreSQL's own hash indexes use for text; `& 2147483647` drops the sign bit
 //! instead of `abs()`, which fails on `-2147483648`; `coalesce` puts rows with a
 //! NULL id (which the relay poisons as unmappable) into exactly one shard, where a
 //! NULL filter result would publish them to none. The cast to text covers ids of type
-//! text, bigint and uuid alike.
+//! text, bigint and uuid alike. `COLLATE "C"` (a built-in collation, which a row
+//! filter allows) makes the hash one of the id's bytes: `hashtext` hashes a
+//! *nondeterministic* collation's sort key instead (an ICU case-insensitive collation
+//! on the column, say), which moves ids between shards when the ICU library is
+//! upgraded and breaks per-key order. For the usual deterministic collations both
+//! hash the same bytes, so publications made before keep their shards.
 //!
 //! # What sharding does not remove
 //!
@@ -54,7 +59,7 @@ pub fn shard_name(base: &str, shards: u32, shard: u32) -> String {
 pub fn row_filter(id_column: &str, shards: u32, shard: u32) -> Option<String> {
     (shards > 1).then(|| {
         format!(
-            "(hashtext(coalesce(({})::text, '')) & 2147483647) % {shards} = {shard}",
+            "(hashtext(coalesce(({})::text COLLATE \"C\", '')) & 2147483647) % {shards} = {shard}",
             quote_ident(id_column)
         )
     })
@@ -75,7 +80,9 @@ mod tests {
         assert_eq!(shard_name("outbox_relay", 4, 3), "outbox_relay_shard3");
         assert_eq!(
             row_filter("aggregateId", 4, 3).as_deref(),
-            Some("(hashtext(coalesce((\"aggregateId\")::text, '')) & 2147483647) % 4 = 3")
+            Some(
+                "(hashtext(coalesce((\"aggregateId\")::text COLLATE \"C\", '')) & 2147483647) % 4 = 3"
+            )
         );
     }
 }

@@ -50,7 +50,7 @@ async fn keys_in_shard(db: &TestDb, shard: u32) -> HashSet<String> {
     db.client
         .query(
             "SELECT idempotency_key FROM outbox
-              WHERE (hashtext(coalesce(aggregate_id::text, '')) & 2147483647) % $1 = $2",
+              WHERE (hashtext(coalesce(aggregate_id::text COLLATE \"C\", '')) & 2147483647) % $1 = $2",
             &[
                 &i32::try_from(SHARDS).unwrap(),
                 &i32::try_from(shard).unwrap(),
@@ -214,5 +214,48 @@ async fn two_shards_relay_every_event_once_and_keep_each_key_in_one_shard() {
                 &[&format!("{}_shard{i}", db.slot)],
             )
             .await;
+    }
+}
+
+/// An id's shard is a function of its bytes, not of the column's collation: with a
+/// nondeterministic (ICU, case-insensitive) collation `hashtext` would hash the sort
+/// key, so "Order-1" and "ORDER-1" would share a shard, and an ICU upgrade could move
+/// ids between shards (breaking per-key order).
+#[tokio::test]
+async fn the_shard_of_an_id_ignores_the_columns_collation() {
+    let db = TestDb::create("shard_collation").await;
+    let icu = db
+        .client
+        .batch_execute(
+            "CREATE COLLATION shard_ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+             CREATE TABLE ids (ci text COLLATE shard_ci, c text COLLATE \"C\");
+             INSERT INTO ids SELECT v, v FROM unnest(ARRAY['Order-1', 'ORDER-1', 'order-1', 'x', 'X']) v;",
+        )
+        .await;
+    if let Err(e) = icu {
+        // A server built without ICU cannot make the collation at all.
+        eprintln!("skipped: this PostgreSQL has no ICU collations ({e})");
+        return;
+    }
+    let filter = |column: &str| {
+        outbox_relay::config::shard::row_filter(column, 7, 0)
+            .expect("a filter for 7 shards")
+            .replace(" = 0", "")
+    };
+    let rows = db
+        .client
+        .query(
+            &format!(
+                "SELECT c, {} AS by_ci, {} AS by_c FROM ids",
+                filter("ci"),
+                filter("c")
+            ),
+            &[],
+        )
+        .await
+        .expect("evaluate the shard filter");
+    for row in &rows {
+        let (id, by_ci, by_c): (String, i32, i32) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(by_ci, by_c, "{id}: the collation moved it to another shard");
     }
 }
