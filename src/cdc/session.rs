@@ -390,11 +390,25 @@ async fn connect_when_reachable(
 
 /// Why `event` can never be produced: larger than the producer's
 /// `message.max.bytes`, or than the topic's `max.message.bytes` (which bounds a
-/// record batch: the record plus [`BATCH_OVERHEAD`] and the framing of its headers).
+/// record batch: the record plus [`BATCH_OVERHEAD`] and the framing of its headers)
+/// when the producer does not compress.
+///
+/// The two limits are measured on different bytes. librdkafka checks
+/// `message.max.bytes` against the record as given, key, value and headers plus
+/// framing, before anything is compressed (`rd_kafka_msg_new0`), so that check holds
+/// whatever the codec. The broker checks the topic's limit against the record batch
+/// as written, which is compressed when `compression.type` is set: a 3 MB JSON event
+/// may travel as 300 KB. The uncompressed size then says nothing about the topic's
+/// limit, and poisoning by it would poison events the broker accepts, so with
+/// `compressed` the topic's limit is not checked here. The event is produced; a
+/// broker that refuses it answers `MessageSizeTooLarge` (or `RecordBatchTooLarge`),
+/// which is permanent (`kafka::classify`): the record is retried alone, then up to
+/// `relay.max_attempts`, then poisoned with the broker's error.
 fn too_large(
     event: &crate::outbox::OutboxEvent,
     producer_limit: usize,
     topic_limit: Option<usize>,
+    compressed: bool,
 ) -> Option<String> {
     let size = event.byte_size();
     if size > producer_limit {
@@ -402,6 +416,9 @@ fn too_large(
             "record of {size} bytes (key, value and headers) is larger than the producer's \
              message.max.bytes = {producer_limit} (kafka.producer)"
         ));
+    }
+    if compressed {
+        return None;
     }
     let limit = topic_limit?;
     let batch = size + BATCH_OVERHEAD + HEADER_OVERHEAD * event.headers.len();
@@ -1409,7 +1426,9 @@ impl Relay {
         tracing::trace!(%id, topic = %event.topic, "produce");
         let now = Instant::now();
         let topic_limit = self.topic_limits.limit(&event.topic, now);
-        if let Some(why) = too_large(event, self.publisher.max_message_bytes(), topic_limit) {
+        let producer_limit = self.publisher.max_message_bytes();
+        let compressed = self.publisher.compresses();
+        if let Some(why) = too_large(event, producer_limit, topic_limit, compressed) {
             // No retry can make it fit: poisoned now, with the limit in the error.
             let message = format!("{why}; topic {:?}", event.topic);
             self.record_failure(
@@ -1482,11 +1501,12 @@ impl Relay {
             return false;
         }
         let producer_limit = self.publisher.max_message_bytes();
+        let compressed = self.publisher.compresses();
         let Some(InFlight::Event { event, alone, .. }) = self.pending.get_mut(&id) else {
             return false;
         };
         let topic_limit = self.topic_limits.limit(&event.topic, Instant::now());
-        if *alone || too_large(event, producer_limit, topic_limit).is_some() {
+        if *alone || too_large(event, producer_limit, topic_limit, compressed).is_some() {
             return false;
         }
         *alone = true;
@@ -1629,4 +1649,62 @@ async fn send_status(
 
 fn replication_error(e: ReplicationError) -> Error {
     crate::postgres::process_error(e, "").into()
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::config::OutboxConfig;
+    use crate::outbox::{OutboxEvent, OutboxMapper, OutboxRow};
+
+    /// An event whose payload is `bytes` bytes of one repeated letter: what
+    /// compresses to almost nothing.
+    fn event_of(bytes: usize) -> OutboxEvent {
+        let mapper = OutboxMapper::with_template(&OutboxConfig::default(), "events", None)
+            .expect("a valid template");
+        let row = OutboxRow {
+            id: Some(Bytes::from_static(b"1")),
+            aggregate_id: Some(Bytes::from_static(b"order-1")),
+            payload: Some(Bytes::from(format!("\"{}\"", "x".repeat(bytes - 2)))),
+            ..OutboxRow::default()
+        };
+        mapper.map_row(&row, None).expect("a mappable row")
+    }
+
+    #[test]
+    fn the_topic_limit_applies_only_to_uncompressed_batches() {
+        let event = event_of(12_000);
+        assert!(event.byte_size() > 12_000);
+        let why = too_large(&event, 1_000_000, Some(4_000), false).expect("above the topic limit");
+        assert!(
+            why.contains("topic's max.message.bytes = 4000"),
+            "the limit is in the error: {why}"
+        );
+        // Compressed, the batch the broker measures may be far smaller than the
+        // record: the broker decides, the relay does not poison in advance.
+        assert_eq!(too_large(&event, 1_000_000, Some(4_000), true), None);
+        // Within every limit either way.
+        for compressed in [false, true] {
+            assert_eq!(
+                too_large(&event, 1_000_000, Some(1_000_000), compressed),
+                None
+            );
+            assert_eq!(too_large(&event, 1_000_000, None, compressed), None);
+        }
+    }
+
+    #[test]
+    fn the_producer_limit_applies_whether_compressed_or_not() {
+        // librdkafka compares message.max.bytes with the uncompressed record.
+        let event = event_of(12_000);
+        for compressed in [false, true] {
+            let why = too_large(&event, 10_000, None, compressed).expect("above the producer's");
+            assert!(
+                why.contains("message.max.bytes = 10000"),
+                "compressed {compressed}: {why}"
+            );
+        }
+    }
 }

@@ -158,6 +158,33 @@ fn table(code: RDKafkaErrorCode) -> (ErrorClass, &'static str) {
 mod tests {
     use super::*;
 
+    /// A broker's refusal for size is what decides about a record the relay cannot
+    /// measure in advance (a compressed batch, `cdc::session::too_large`): it must
+    /// count against the event, whatever `relay.on_config_error` says, so the usual
+    /// retries and then the poison table apply, and never hold the stream.
+    #[test]
+    fn size_refusals_are_permanent() {
+        use RDKafkaErrorCode as C;
+        for code in [
+            C::MessageSizeTooLarge,
+            C::MessageBatchTooLarge,
+            C::InvalidMessageSize,
+        ] {
+            assert!(is_size_error(code), "{code:?}");
+            assert!(!is_configuration(code), "{code:?}");
+            assert_eq!(classify(code), Failure::Permanent, "{code:?}");
+            for poison_configuration_errors in [false, true] {
+                assert_eq!(
+                    classify(code).under(poison_configuration_errors),
+                    Failure::Permanent,
+                    "{code:?}"
+                );
+            }
+        }
+        assert_eq!(error_kind(C::MessageSizeTooLarge), "message_size_too_large");
+        assert_eq!(error_kind(C::MessageBatchTooLarge), "record_list_too_large");
+    }
+
     #[test]
     fn classification_table() {
         use RDKafkaErrorCode as C;

@@ -217,6 +217,30 @@ fn check_override(
     }
 }
 
+/// Whether the producer compresses its record batches: `compression.type` or its
+/// alias `compression.codec` (`kafka.producer`) names a codec, not `none` (nor
+/// `inherit`, the topic-level default that defers to the global setting).
+///
+/// Matters for size limits: the broker applies the topic's `max.message.bytes` to
+/// the batch as written, compressed when the producer compresses, so the record's
+/// own size then says nothing about that limit (`cdc::session`). When both keys are
+/// set and disagree, which one librdkafka applies depends on the order it is given
+/// them, so a codec in either counts: taking a compressing producer for a plain one
+/// would poison events the broker accepts, the other way round only lets the broker
+/// decide.
+#[must_use]
+pub fn compresses(cfg: &ClientConfig) -> bool {
+    ["compression.type", "compression.codec"]
+        .iter()
+        .filter_map(|key| cfg.get(key))
+        .map(str::trim)
+        .any(|codec| {
+            !(codec.is_empty()
+                || codec.eq_ignore_ascii_case("none")
+                || codec.eq_ignore_ascii_case("inherit"))
+        })
+}
+
 /// The producer's `linger.ms` (or its alias `queue.buffering.max.ms`; librdkafka
 /// takes fractions), 5 ms (the default this crate sets) when neither is set or one is unreadable.
 #[must_use]
@@ -245,6 +269,28 @@ pub(super) mod tests {
         assert_eq!(linger(&cfg), Duration::from_millis(20));
         cfg.set("linger.ms", "soon");
         assert_eq!(linger(&cfg), Duration::from_millis(5));
+    }
+
+    #[test]
+    fn compression_is_read_from_either_key() {
+        let compresses_with = |settings: &[(&str, &str)]| compresses(&build(settings).unwrap());
+        assert!(!compresses_with(&[]), "librdkafka's default is none");
+        assert!(!compresses_with(&[("compression.type", "none")]));
+        assert!(!compresses_with(&[("compression.codec", "none")]));
+        for codec in ["gzip", "snappy", "lz4", "zstd"] {
+            assert!(compresses_with(&[("compression.type", codec)]), "{codec}");
+            assert!(compresses_with(&[("compression.codec", codec)]), "{codec}");
+        }
+        // Disagreeing keys: librdkafka's choice depends on the order, so a codec wins.
+        assert!(compresses_with(&[
+            ("compression.type", "none"),
+            ("compression.codec", "zstd")
+        ]));
+        let mut cfg = ClientConfig::new();
+        cfg.set("compression.type", " ZSTD ");
+        assert!(compresses(&cfg));
+        cfg.set("compression.type", "inherit");
+        assert!(!compresses(&cfg));
     }
 
     pub(crate) fn kafka(producer: &[(&str, &str)]) -> KafkaConfig {

@@ -53,7 +53,7 @@ mod topic_limits;
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
 pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
-pub use config::{linger, producer_config, report_capacity};
+pub use config::{compresses, linger, producer_config, report_capacity};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};

@@ -231,6 +231,8 @@ pub struct Publisher {
     poison_configuration_errors: bool,
     /// The producer's `message.max.bytes`: a larger record is refused at send.
     max_message_bytes: usize,
+    /// Whether the producer compresses its batches ([`super::compresses`]).
+    compresses: bool,
     /// Sends lingering records at once when the relay's stream goes idle
     /// (`relay.flush_when_idle`); see [`Publisher::stream_idle`].
     idle_flush: Option<IdleFlush>,
@@ -420,6 +422,7 @@ impl Publisher {
             brokers,
             poison_configuration_errors: false,
             max_message_bytes,
+            compresses: super::compresses(cfg),
             idle_flush: None,
         })
     }
@@ -438,6 +441,13 @@ impl Publisher {
     #[must_use]
     pub fn max_message_bytes(&self) -> usize {
         self.max_message_bytes
+    }
+
+    /// Whether the producer compresses its batches (`compression.type`): the
+    /// broker then applies the topic's `max.message.bytes` to the compressed batch.
+    #[must_use]
+    pub fn compresses(&self) -> bool {
+        self.compresses
     }
 
     /// How the relay treats a failure with this code (`relay.on_config_error` applied).

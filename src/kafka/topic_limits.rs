@@ -9,7 +9,10 @@
 //! relay poisons an oversize event before producing it, with the limit in the
 //! error, and small events never share its fate. (When the limit cannot be read —
 //! no `DescribeConfigs` permission, an old broker — the relay still retries every
-//! record of a refused batch alone before blaming it; see `cdc::session`.)
+//! record of a refused batch alone before blaming it; see `cdc::session`.) The
+//! limit bounds the batch as written, so it is used only when the producer does not
+//! compress: a compressed batch can be far smaller than its records, and the
+//! broker's own answer then decides.
 //!
 //! # How
 //!

@@ -72,58 +72,11 @@
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
+pub use super::checkpoint_error::CheckpointError;
+use super::checkpoint_error::parse_lsn;
+use super::position::PositionTable;
 use crate::config::{self, Config, quote_ident};
-use crate::delivery::ErrorClass;
-use crate::lsn::{Lsn, ParseLsnError};
-
-/// Why a checkpoint could not be taken, read or pruned.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CheckpointError {
-    /// `outbox.table` is not a table name like `schema.table` (the configuration
-    /// check refuses it first; the message is the configuration's).
-    #[error(transparent)]
-    TableName(#[from] crate::config::TableNameError),
-    /// A statement on the checkpoint table or `pg_replication_slots` failed.
-    #[error("PostgreSQL error: {}", crate::postgres::describe_error(.0))]
-    Postgres(#[from] tokio_postgres::Error),
-    /// The server sent text that is not an LSN.
-    #[error("server sent an invalid LSN {text:?}: {source}")]
-    InvalidLsn {
-        /// The text as received.
-        text: String,
-        /// Why it is not an LSN.
-        source: ParseLsnError,
-    },
-    /// A column of the relay's position table holds a value the relay never writes.
-    #[error("{column} in the relay position table is invalid: {text:?}")]
-    InvalidValue {
-        /// The column.
-        column: &'static str,
-        /// The text as read.
-        text: String,
-    },
-}
-
-impl CheckpointError {
-    /// The process exit code: 1, as for any PostgreSQL failure that is not a missing
-    /// prerequisite (exit code 3 is reserved for the checks in
-    /// `postgres::prerequisite`).
-    #[must_use]
-    pub fn exit_code(&self) -> u8 {
-        1
-    }
-
-    /// Whether retrying can help: a PostgreSQL error without a server error (the
-    /// connection failed) is transient, anything else is fatal.
-    #[must_use]
-    pub fn class(&self) -> ErrorClass {
-        match self {
-            CheckpointError::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
-            _ => ErrorClass::Fatal,
-        }
-    }
-}
+use crate::lsn::Lsn;
 
 /// Result of the checkpoint operations.
 type Result<T, E = CheckpointError> = std::result::Result<T, E>;
@@ -320,15 +273,12 @@ fn confirmed_sql(n: u8) -> String {
 /// The relay's recorded position, when its table exists and has a row for the slot:
 /// with shards, the lowest of those recorded.
 async fn relay_position(client: &impl GenericClient, cfg: &Config) -> Result<Option<Lsn>> {
-    if !super::position::PositionTable::new(cfg)?
-        .exists(client)
-        .await?
-    {
+    if !PositionTable::new(cfg)?.exists(client).await? {
         return Ok(None);
     }
     let mut lowest: Option<Lsn> = None;
     for slot in cfg.postgres.all_slot_names() {
-        let positions = super::position::PositionTable::for_slot(cfg, slot)?;
+        let positions = PositionTable::for_slot(cfg, slot)?;
         if let Some(p) = positions.load(client).await? {
             lowest = Some(lowest.map_or(p.confirmed, |l| l.min(p.confirmed)));
         }
@@ -432,14 +382,6 @@ fn checkpoint_from_row(row: &tokio_postgres::Row) -> Result<Checkpoint> {
         wal_lsn: parse_lsn(&lsn)?,
         snapshot_xmin: row.try_get(1)?,
         taken_at: row.try_get(2)?,
-    })
-}
-
-/// `text` as an LSN, or the error that names it (shared with `position`).
-pub(super) fn parse_lsn(text: &str) -> Result<Lsn> {
-    text.parse().map_err(|source| CheckpointError::InvalidLsn {
-        text: text.to_owned(),
-        source,
     })
 }
 

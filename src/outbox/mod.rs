@@ -22,10 +22,12 @@
 //! | `bytea` | `bytea` text output → bytes | both of PostgreSQL's formats |
 //! | [`checkpoint`] | which rows the CDC relay has delivered, from `xmin` alone | retention and `poll --after-cdc` |
 //! | [`position`] | the relay's own saved confirmed LSN, with its server history | survives PostgreSQL restarts and lost slots |
+//! | `checkpoint_error` | [`checkpoint::CheckpointError`], shared by `checkpoint` and `position`, and the LSNs they read | below both: `checkpoint` reads the position, so `position` imports nothing from it |
 //! | [`enqueue`] | writing an event inside the caller's transaction | the writer's side |
 
 mod bytea;
 pub mod checkpoint;
+mod checkpoint_error;
 mod columns;
 pub mod enqueue;
 mod envelope;

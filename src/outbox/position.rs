@@ -44,7 +44,7 @@
 
 use tokio_postgres::GenericClient;
 
-use super::checkpoint::{CheckpointError, parse_lsn};
+use super::checkpoint_error::{CheckpointError, parse_lsn};
 use crate::config::{self, Config, quote_ident};
 use crate::lsn::Lsn;
 
