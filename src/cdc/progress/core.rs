@@ -91,6 +91,9 @@ pub(super) enum EventState {
     /// Would have been poisoned, but `relay.on_poison = "halt"`: never resolved by
     /// this core, so the watermark stops before its transaction.
     Halted,
+    /// Failed, and due for a retry, but an earlier failed event of its key is not
+    /// resolved yet: retried when that one is (see "Per-key order" in `events.rs`).
+    Waiting,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -28,10 +28,14 @@
 //! overtake nothing only if no later event of the key were produced meanwhile. So from
 //! the moment an event fails, later events of its key ([`Core::admit_keyed`]) are
 //! *held* — admitted, counted in the window, not produced — until it is delivered or
-//! poisoned; then they are produced in order. What this cannot undo: events of the key
-//! produced *before* the failure was reported (at most the producer's in-flight
-//! requests for that partition) may land before the retried event. A poisoned event is
-//! out of order by nature when replayed.
+//! poisoned; then they are produced in order. Failed events of one key are retried one
+//! at a time, oldest first: a retry due while an earlier failed event of its key is
+//! unresolved waits for it ([`EventState::Waiting`](super::core::EventState)), so a
+//! successor is never delivered ahead of a predecessor's retry (nor at all while the
+//! predecessor is halted under `relay.on_poison = "halt"`). What this cannot undo:
+//! events of the key produced *before* the failure was reported (at most the
+//! producer's in-flight requests for that partition) may land before the retried
+//! event. A poisoned event is out of order by nature when replayed.
 
 use std::time::{Duration, Instant};
 
@@ -289,7 +293,9 @@ impl Core {
             .values()
             .filter(|e| match e.state {
                 EventState::Halted => false,
-                EventState::Held => e.key.is_none_or(|k| !halted_keys.contains(&k)),
+                EventState::Held | EventState::Waiting => {
+                    e.key.is_none_or(|k| !halted_keys.contains(&k))
+                }
                 _ => true,
             })
             .count()
@@ -331,11 +337,17 @@ impl Core {
                 break;
             }
             self.retries.pop_first();
+            let wait = self
+                .events
+                .get(&id)
+                .and_then(|e| e.key)
+                .is_some_and(|k| self.earlier_failure(k, id));
             if let Some(event) = self.events.get_mut(&id)
                 && let EventState::Backoff { until, then } = event.state
                 && until == at
             {
                 match then {
+                    Then::Produce if wait => event.state = EventState::Waiting,
                     Then::Produce => {
                         event.attempts = event.attempts.saturating_add(1);
                         let attempt = event.attempts;
@@ -364,11 +376,42 @@ impl Core {
             && let Some(k) = event.key
         {
             self.unblock(k);
+            self.retry_next_waiting(k);
         }
         if let Some(entry) = self.txs.get_mut(&event.tx) {
             entry.pending = entry.pending.saturating_sub(1);
         }
         self.settle(event.tx);
+    }
+
+    /// Whether an event of key `k` admitted before `id` failed and is unresolved.
+    fn earlier_failure(&self, k: u64, id: EventId) -> bool {
+        self.events
+            .range(..id)
+            .any(|(_, e)| e.failed && e.key == Some(k))
+    }
+
+    /// A failed event of key `k` resolved: the oldest failed event of `k` waiting for
+    /// it is retried now (it waited its backoff already), unless another earlier
+    /// failure of `k` is still unresolved.
+    fn retry_next_waiting(&mut self, k: u64) {
+        let Some(id) = self
+            .events
+            .iter()
+            .find(|(_, e)| e.state == EventState::Waiting && e.key == Some(k))
+            .map(|(&id, _)| id)
+        else {
+            return;
+        };
+        if self.earlier_failure(k, id) {
+            return;
+        }
+        if let Some(event) = self.events.get_mut(&id) {
+            event.attempts = event.attempts.saturating_add(1);
+            let attempt = event.attempts;
+            event.state = EventState::Producing { attempt };
+            self.actions.push_back(Pending::Produce { id, attempt });
+        }
     }
 
     /// One failed event of key `k` resolved; when it was the last, the held events of

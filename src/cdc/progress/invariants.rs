@@ -21,6 +21,16 @@ impl Core {
         assert_eq!(bytes, self.in_flight_bytes, "in-flight bytes");
         for (id, e) in &self.events {
             assert!(self.txs.contains_key(&e.tx), "{id} has no transaction");
+            if e.state == EventState::Waiting {
+                let k = e.key.expect("only keyed events wait");
+                assert!(e.failed, "{id} waits without having failed");
+                assert!(
+                    self.events
+                        .range(..*id)
+                        .any(|(_, o)| o.failed && o.key == Some(k)),
+                    "{id} waits for no earlier failure of its key"
+                );
+            }
             if let EventState::Backoff { until, .. } = e.state {
                 assert!(self.retries.contains(&(until, *id)), "{id} has no timer");
             }

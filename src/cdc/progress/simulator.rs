@@ -620,6 +620,10 @@ impl Sim {
                 self.last_first_ever.insert(key, (i, k));
                 self.produced_ever[i][k] = true;
             }
+        } else if self.failed_now.range(..(i, k)).any(|&(fi, fk)| {
+            (fi, fk) != (i, k) && self.wal[fi].events[fk].key == self.wal[i].events[k].key
+        }) {
+            self.fail("a retry went ahead of an earlier failed event of its key");
         } else if let Some(at) = self.transient_at.remove(&id) {
             self.stats.transient_retries += 1;
             if self.now < at + self.cfg.retry_backoff_initial {
@@ -1011,6 +1015,9 @@ fn regression_seeds_of_the_review_findings() {
         // A standby that read the saved position before the slot, and judged an
         // active slot, found it "re-created" while this relay saved and confirmed.
         (0, "standby start"),
+        // Two failed events of one key retried independently: the second's retry
+        // went ahead of the first's (under "halt", a successor of a halted event).
+        (8_411_472_503_653_835_560, "retries of one key"),
     ] {
         eprintln!("regression seed {seed}: {finding}");
         Sim::new(seed).run(300);

@@ -1084,3 +1084,40 @@ fn a_reconnect_does_not_produce_what_the_lost_session_resolved() {
         .collect();
     assert_eq!(produced, third[2..].to_vec());
 }
+
+#[test]
+fn failed_events_of_one_key_are_retried_oldest_first_and_never_past_a_halted_one() {
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 7).unwrap();
+    let a = core.admit_keyed(10, Some(1), now).unwrap();
+    let b = core.admit_keyed(10, Some(1), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    work(&mut core);
+    // Both were produced before the first failure was reported; both fail.
+    core.delivery_failed(a, Failure::Permanent, now);
+    core.delivery_failed(b, Failure::Transient, now);
+    core.tick(now + ms(1_000));
+    let retried: Vec<EventId> = work(&mut core)
+        .into_iter()
+        .filter_map(|action| match action {
+            Action::Produce { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(retried, [a], "b waits for a's retry to resolve");
+    // a fails for good and is halted (relay.on_poison = "halt"): b is never produced.
+    core.delivery_failed(a, Failure::Permanent, now + ms(1_000));
+    core.tick(now + ms(3_000));
+    core.delivery_failed(a, Failure::Permanent, now + ms(3_000));
+    assert_eq!(
+        work(&mut core),
+        vec![Action::InsertPoison { id: a, attempts: 3 }]
+    );
+    core.halt(a, now + ms(3_000));
+    core.tick(now + ms(10_000));
+    assert!(
+        work(&mut core).is_empty(),
+        "nothing of key 1 past a halted event"
+    );
+    assert_eq!(core.resolvable_events(), 0);
+}
