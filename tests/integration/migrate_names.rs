@@ -225,4 +225,15 @@ async fn table_names_of_63_bytes_get_every_index() {
         .unwrap()
         .get(0);
     assert_eq!(read, "OrderPlaced");
+
+    // Without the unique index, `check` says de-duplication is off.
+    db.client
+        .batch_execute(&format!("DROP INDEX \"public\".\"{}\"", names[2]))
+        .await
+        .unwrap();
+    let missing = check(&db, "postgres.migrations");
+    assert_eq!(missing["status"], "problem", "{missing}");
+    let detail = missing["detail"].as_str().unwrap();
+    assert!(detail.contains(&names[2]), "{detail}");
+    assert!(detail.contains("not de-duplicated"), "{detail}");
 }
