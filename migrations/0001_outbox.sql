@@ -40,6 +40,6 @@ CREATE TABLE IF NOT EXISTS {{outbox_table}} (
 
 -- What the poller scans: unsent rows in (created_at, id) order. Partial, so it
 -- stays small however large the table grows.
-CREATE INDEX IF NOT EXISTS {{outbox_table_name}}_unsent_idx
+CREATE INDEX IF NOT EXISTS {{outbox_unsent_idx}}
     ON {{outbox_table}} ({{col_created_at}}, {{col_id}})
     WHERE sent_at IS NULL;

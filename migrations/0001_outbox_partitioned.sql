@@ -46,7 +46,7 @@ CREATE TABLE IF NOT EXISTS {{outbox_table}} (
     UNIQUE ({{col_idempotency_key}}, {{col_created_at}})
 ) PARTITION BY RANGE ({{col_created_at}});
 
-CREATE INDEX IF NOT EXISTS {{outbox_table_name}}_unsent_idx
+CREATE INDEX IF NOT EXISTS {{outbox_unsent_idx}}
     ON {{outbox_table}} ({{col_created_at}}, {{col_id}})
     WHERE sent_at IS NULL;
 

@@ -44,4 +44,4 @@ CREATE TRIGGER outbox_relay_refuse_truncate
     BEFORE TRUNCATE ON {{poison_table}}
     FOR EACH STATEMENT EXECUTE FUNCTION {{schema}}.outbox_relay_refuse_poison_delete();
 
-CREATE INDEX IF NOT EXISTS {{poison_table_name}}_key_idx ON {{poison_table}} (idempotency_key);
+CREATE INDEX IF NOT EXISTS {{poison_key_idx}} ON {{poison_table}} (idempotency_key);

@@ -77,7 +77,7 @@ FROM (
 ) AS d
 WHERE p.poison_id = d.poison_id AND d.first <> d.poison_id AND p.duplicate_of IS NULL;
 
-CREATE UNIQUE INDEX IF NOT EXISTS {{poison_table_name}}_occurrence_key ON {{poison_table}} (
+CREATE UNIQUE INDEX IF NOT EXISTS {{poison_occurrence_key}} ON {{poison_table}} (
     (outbox_id IS NULL),
     (COALESCE(outbox_id, row_sha256)),
     (COALESCE(lsn, '0/0'::pg_lsn))

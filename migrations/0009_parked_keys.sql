@@ -27,7 +27,7 @@ ALTER TABLE {{poison_table}}
     ADD COLUMN IF NOT EXISTS tx_position integer;
 
 -- What `replay` and the relay ask of a key: its unreplayed rows, in order.
-CREATE INDEX IF NOT EXISTS {{poison_table_name}}_key_order_idx
+CREATE INDEX IF NOT EXISTS {{poison_key_order_idx}}
     ON {{poison_table}} (topic, aggregate_id, lsn, tx_position, poison_id)
     WHERE replayed_at IS NULL AND (parked OR holds_key);
 

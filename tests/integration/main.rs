@@ -20,6 +20,7 @@ mod fault_drill;
 mod harness;
 mod kafka_publisher;
 mod kafka_security;
+mod migrate_names;
 mod operations;
 mod parking;
 mod poison;

@@ -6,21 +6,28 @@
 //! A role that may not read `outbox_relay_migrations` (the least-privilege role
 //! needs no right on it) gets a warning, not a problem: `run` then still checks
 //! that each table it uses exists.
+//!
+//! With every migration recorded, the poison table's unique occurrence index must
+//! exist too: without it poisoned events are recorded once per attempt instead of
+//! once, and nothing else says so. Before index names were kept within 63 bytes
+//! (`ops::migrate::names`), a long poison table name made PostgreSQL cut the name
+//! to one that already existed, and `0008` skipped the index without an error.
 
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
 use super::Check;
-use crate::config::Config;
+use crate::config::{Config, quote_qualified};
 use crate::error::Error;
 use crate::ops::migrate;
+use crate::ops::migrate::names::Index;
 
 const NAME: &str = "postgres.migrations";
 
 /// `postgres.migrations`.
 pub(super) async fn check(client: &Client, config: &Config) -> Check {
     match migrate::pending(client, config).await {
-        Ok(pending) if pending.is_empty() => Check::ok(NAME, "every migration is applied"),
+        Ok(pending) if pending.is_empty() => occurrence_index(client, config).await,
         Ok(pending) => Check::problem(
             NAME,
             format!("not applied: {}", pending.join(", ")),
@@ -43,5 +50,45 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
             e.to_string(),
             "fix [outbox] / [outbox.columns] to describe the existing outbox (docs/configuration.md)",
         ),
+    }
+}
+
+/// `postgres.migrations` once every migration is recorded: whether the poison
+/// table has its unique occurrence index, valid, under the name `migrate` gives it
+/// or the one earlier versions gave it (module doc).
+async fn occurrence_index(client: &Client, config: &Config) -> Check {
+    let index = Index::PoisonOccurrence;
+    let names = match (
+        index.name(&config.outbox),
+        index.legacy_name(&config.outbox),
+    ) {
+        (Ok(name), Ok(legacy)) => vec![name, legacy],
+        (Err(e), _) | (_, Err(e)) => {
+            return Check::problem(NAME, e.to_string(), "fix outbox.poison_table");
+        }
+    };
+    let found = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                            WHERE i.indrelid = to_regclass($1) AND i.indisunique
+                              AND i.indisvalid AND c.relname = ANY($2::text[]))",
+            &[&quote_qualified(&config.outbox.poison_table), &names],
+        )
+        .await
+        .and_then(|row| row.try_get::<_, bool>(0));
+    match found {
+        Ok(true) => Check::ok(NAME, "every migration is applied"),
+        Ok(false) => Check::problem(
+            NAME,
+            format!(
+                "every migration is recorded, but {} has no unique index {:?}: poisoned \
+                 events are not de-duplicated",
+                config.outbox.poison_table, names[0]
+            ),
+            "as the tables' owner, DELETE FROM outbox_relay_migrations WHERE version = 8, then \
+             run `outbox-relay migrate`: migration 0008 runs again, labels repeated rows \
+             with duplicate_of and creates the index",
+        ),
+        Err(e) => Check::query_failed(NAME, "cannot look up the poison table's indexes", &e),
     }
 }

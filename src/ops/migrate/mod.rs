@@ -4,10 +4,12 @@
 //! The SQL lives in `migrations/NNNN_name.sql` and is embedded in the binary. Table,
 //! column and publication names come from the config, so users with an existing
 //! outbox keep their names: the files use `{{placeholders}}` that are filled with
-//! quoted identifiers before execution. A hand-written runner (instead of a
-//! migration crate) is what allows this templating; it is small: each migration runs
-//! in its own transaction under an advisory lock and is recorded in
-//! `outbox_relay_migrations` with a checksum of the SQL it ran.
+//! quoted identifiers before execution; index names are computed from the table
+//! names so that PostgreSQL's 63-byte limit never cuts two of them alike
+//! (`names.rs`). A hand-written runner (instead of a migration crate) is what
+//! allows this templating; it is small: each migration runs in its own transaction
+//! under an advisory lock and is recorded in `outbox_relay_migrations` with a
+//! checksum of the SQL it ran.
 //!
 //! `0008` upgrades the poison table in place (de-duplication by occurrence, columns
 //! for content jsonb refuses, see [`crate::poison`]) and keeps every existing row: an
@@ -28,6 +30,7 @@
 //! what it needs, else an adapted version or nothing, with a note (see `adopt.rs`).
 
 mod adopt;
+pub mod names;
 
 use tokio_postgres::Client;
 
@@ -155,6 +158,16 @@ impl Applied {
     }
 }
 
+/// How [`render_as`] writes the index names into a migration (see `names.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IndexNames {
+    /// As `migrate` names them: within 63 bytes, quoted unless plain.
+    Current,
+    /// `<table>_<suffix>`, bare, as versions before `names.rs` wrote them: only to
+    /// recognise the checksums those versions recorded, never run.
+    Legacy,
+}
+
 /// Fills the `{{placeholders}}` of a migration from the config.
 ///
 /// # Errors
@@ -162,9 +175,13 @@ impl Applied {
 /// [`Error::OpsTableName`] for a table name that is not `schema.table`,
 /// [`Error::MigrationPlaceholder`] for a placeholder the config does not fill.
 pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
+    render_as(sql, cfg, IndexNames::Current)
+}
+
+/// [`render`], with the index names written as `index_names` says.
+fn render_as(sql: &str, cfg: &Config, index_names: IndexNames) -> Result<String> {
     // Config validation already checked both names; a hand-built Config may not be.
-    let (schema, table) = config::qualified_name(&cfg.outbox.table)?;
-    let (_, poison_table) = config::qualified_name(&cfg.outbox.poison_table)?;
+    let (schema, _) = config::qualified_name(&cfg.outbox.table)?;
     let c = &cfg.outbox.columns;
     let publication = &cfg.postgres.publication;
     let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
@@ -173,12 +190,10 @@ pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
     } else {
         "publish = 'insert'"
     };
-    let vars: [(&str, String); 20] = [
+    let vars: [(&str, String); 18] = [
         ("schema", quote_ident(&schema)),
         ("outbox_table", quote_qualified(&cfg.outbox.table)),
-        ("outbox_table_name", table.replace('"', "")),
         ("poison_table", quote_qualified(&cfg.outbox.poison_table)),
-        ("poison_table_name", poison_table.replace('"', "")),
         ("publication", quote_ident(publication)),
         (
             "publication_literal",
@@ -208,6 +223,13 @@ pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
     for (name, value) in &vars {
         out = out.replace(&format!("{{{{{name}}}}}"), value);
     }
+    for index in names::Index::ALL {
+        let name = match index_names {
+            IndexNames::Current => names::sql_name(&index.name(&cfg.outbox)?),
+            IndexNames::Legacy => index.legacy_sql(&cfg.outbox)?,
+        };
+        out = out.replace(&format!("{{{{{}}}}}", index.placeholder()), &name);
+    }
     if let Some(start) = out.find("{{") {
         let end = out[start..].find("}}").map_or(out.len(), |e| start + e + 2);
         return Err(Error::MigrationPlaceholder {
@@ -219,12 +241,27 @@ pub(crate) fn render(sql: &str, cfg: &Config) -> Result<String> {
 
 /// FNV-1a of the rendered SQL: detects a migration that changed after it ran.
 fn checksum(sql: &str) -> i64 {
+    i64::from_ne_bytes(fnv1a(sql.as_bytes()).to_ne_bytes())
+}
+
+/// Whether `recorded` is the checksum of this migration (`template` before,
+/// `sql` after rendering) as `migrate` renders it now, or as versions before
+/// `names.rs` rendered it (the two differ only for a table name that needs quoting
+/// or is long). Anything else means the names in the config changed since.
+fn recorded_matches(recorded: i64, sql: &str, template: &str, cfg: &Config) -> Result<bool> {
+    Ok(recorded == checksum(sql)
+        || recorded == checksum(&render_as(template, cfg, IndexNames::Legacy)?))
+}
+
+/// 64-bit FNV-1a: a hash that never changes across builds (checksums and index
+/// names are stored in databases).
+fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in sql.bytes() {
+    for &b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    i64::from_ne_bytes(h.to_ne_bytes())
+    h
 }
 
 /// Applies every migration not yet recorded. Idempotent.
@@ -248,15 +285,16 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
             4 => adopt::enqueue(cfg, existing.as_ref()),
             _ => adopt::Step::Standard,
         };
-        let (sql, adapted) = match step {
-            adopt::Step::Standard => (render(standard, cfg)?, None),
-            adopt::Step::Adapted { sql, note } => (render(&sql, cfg)?, Some(note)),
+        let (template, adapted) = match step {
+            adopt::Step::Standard => (standard.to_owned(), None),
+            adopt::Step::Adapted { sql, note } => (sql, Some(note)),
             adopt::Step::Skipped(why) => {
                 tracing::warn!(migration = %label, reason = %why, "migration skipped");
                 result.skipped.push((label, why));
                 continue;
             }
         };
+        let sql = render(&template, cfg)?;
         let tx = client.transaction().await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
             .await?;
@@ -268,7 +306,7 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
             .await?;
         if let Some(row) = done {
             let recorded: i64 = row.try_get(0)?;
-            if recorded != checksum(&sql) {
+            if !recorded_matches(recorded, &sql, &template, cfg)? {
                 tracing::warn!(
                     version = m.version,
                     name = m.name,
@@ -412,7 +450,89 @@ mod tests {
         let sql = render(MIGRATIONS[0].sql, &c).unwrap();
         assert!(sql.contains("\"app\".\"events\""));
         assert!(sql.contains("\"aggregateid\""));
-        assert!(sql.contains("events_unsent_idx"));
+        // Bare, as before index names were computed: the same SQL, the same checksum.
+        assert!(
+            sql.contains("CREATE INDEX IF NOT EXISTS events_unsent_idx\n"),
+            "{sql}"
+        );
+    }
+
+    #[test]
+    fn default_names_render_the_sql_earlier_versions_recorded() {
+        // Checksums recorded by `migrate` before index names were computed: an
+        // installation with plain names must see the same SQL, or `migrate` warns.
+        let recorded: [(usize, i64); 4] = [
+            (0, 7_896_810_129_725_535_395),
+            (1, 8_357_278_350_221_042_888),
+            (7, 2_881_431_604_909_798_034),
+            (8, 4_604_766_812_397_827_512),
+        ];
+        let c = cfg("");
+        for (m, sum) in recorded {
+            assert_eq!(
+                checksum(&render(MIGRATIONS[m].sql, &c).unwrap()),
+                sum,
+                "{m}"
+            );
+        }
+        let p = cfg("[outbox]\npartitioned = true\n");
+        let sql = render(MIGRATIONS[0].sql_for(&p), &p).unwrap();
+        assert_eq!(checksum(&sql), -2_990_221_139_848_938_183);
+    }
+
+    #[test]
+    fn checksums_of_names_written_bare_before_are_recognised() {
+        // Capitals worked before (folded, unquoted); the SQL is quoted now.
+        let c = cfg("[outbox]\ntable = \"app.Events\"\n");
+        let template = MIGRATIONS[0].sql;
+        let sql = render(template, &c).unwrap();
+        let before = render_as(template, &c, IndexNames::Legacy).unwrap();
+        assert!(
+            before.contains("CREATE INDEX IF NOT EXISTS Events_unsent_idx\n"),
+            "{before}"
+        );
+        assert_ne!(checksum(&sql), checksum(&before));
+        assert!(recorded_matches(checksum(&before), &sql, template, &c).unwrap());
+        assert!(recorded_matches(checksum(&sql), &sql, template, &c).unwrap());
+        let other = render(template, &cfg("[outbox]\ntable = \"app.other\"\n")).unwrap();
+        assert!(!recorded_matches(checksum(&other), &sql, template, &c).unwrap());
+    }
+
+    #[test]
+    fn index_names_are_quoted_unless_plain() {
+        let c = cfg(
+            "[outbox]\ntable = \"app.Order-Events\"\npoison_table = \"app.x; DROP TABLE t; --\"\n",
+        );
+        let sql = render(MIGRATIONS[0].sql, &c).unwrap();
+        assert!(
+            sql.contains("CREATE INDEX IF NOT EXISTS \"Order-Events_unsent_idx\"\n"),
+            "{sql}"
+        );
+        for (m, suffix) in [(1, "key_idx"), (7, "occurrence_key"), (8, "key_order_idx")] {
+            let sql = render(MIGRATIONS[m].sql, &c).unwrap();
+            let quoted = format!("IF NOT EXISTS \"x; DROP TABLE t; --_{suffix}\"");
+            assert!(sql.contains(&quoted), "{sql}");
+        }
+    }
+
+    #[test]
+    fn long_table_names_get_index_names_postgresql_keeps() {
+        let table = "e".repeat(63);
+        let c = cfg(&format!(
+            "[outbox]\ntable = \"{table}\"\npoison_table = \"{table}\"\n"
+        ));
+        for index in names::Index::ALL {
+            let name = index.name(&c.outbox).unwrap();
+            assert_eq!(name.len(), names::MAX_IDENTIFIER_BYTES, "{name}");
+            let m = match index {
+                names::Index::OutboxUnsent => 0,
+                names::Index::PoisonKey => 1,
+                names::Index::PoisonOccurrence => 7,
+                names::Index::PoisonKeyOrder => 8,
+            };
+            let sql = render(MIGRATIONS[m].sql, &c).unwrap();
+            assert!(sql.contains(&format!("IF NOT EXISTS {name}")), "{sql}");
+        }
     }
 
     #[test]
