@@ -35,6 +35,11 @@ use tokio::sync::mpsc;
 /// How long a topic's limit is trusted before it is read again.
 pub(crate) const REFRESH: Duration = Duration::from_secs(300);
 
+/// Most topics whose limit is kept: topic names can come from the data
+/// (`outbox.topic` column, `{aggregate_type}` in the template), so the map must not
+/// grow with them. Past it, limits older than [`REFRESH`] go first, then the oldest.
+const MAX_KNOWN: usize = 4_096;
+
 /// How long one lookup may take.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -102,6 +107,7 @@ impl TopicLimits {
     pub(crate) fn limit(&mut self, topic: &str, now: Instant) -> Option<usize> {
         while let Ok((name, limit)) = self.answers.try_recv() {
             self.asked.remove(&name);
+            self.make_room(now);
             self.known.insert(name, Known { limit, at: now });
         }
         let known = self.known.get(topic).copied();
@@ -111,6 +117,26 @@ impl TopicLimits {
             self.ask(topic, now);
         }
         known.and_then(|k| k.limit)
+    }
+
+    /// Keeps the map below [`MAX_KNOWN`] before an insert.
+    fn make_room(&mut self, now: Instant) {
+        if self.known.len() < MAX_KNOWN {
+            return;
+        }
+        self.known
+            .retain(|_, k| now.saturating_duration_since(k.at) < REFRESH);
+        while self.known.len() >= MAX_KNOWN {
+            let Some(oldest) = self
+                .known
+                .iter()
+                .min_by_key(|(_, k)| k.at)
+                .map(|(name, _)| name.clone())
+            else {
+                return;
+            };
+            self.known.remove(&oldest);
+        }
     }
 
     fn ask(&mut self, topic: &str, now: Instant) {
@@ -215,5 +241,23 @@ mod tests {
         limits.answers_tx.send(("t".into(), Some(2000))).unwrap();
         assert_eq!(limits.limit("t", now), Some(2000));
         assert_eq!(limits.limit("other", now), None);
+    }
+
+    #[test]
+    fn data_driven_topic_names_do_not_grow_the_map_without_bound() {
+        let mut limits = TopicLimits::new(&ClientConfig::new());
+        let now = Instant::now();
+        for n in 0..MAX_KNOWN + 100 {
+            limits
+                .answers_tx
+                .send((format!("topic-{n}"), Some(1_000)))
+                .unwrap();
+        }
+        limits
+            .answers_tx
+            .send(("last".into(), Some(2_000)))
+            .unwrap();
+        assert_eq!(limits.limit("last", now), Some(2_000));
+        assert!(limits.known.len() <= MAX_KNOWN, "{}", limits.known.len());
     }
 }
