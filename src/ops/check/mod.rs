@@ -37,6 +37,7 @@ mod kafka;
 mod migrations;
 mod privileges;
 mod publication;
+mod resync;
 mod server;
 
 use serde::Serialize;
@@ -333,7 +334,7 @@ async fn connect(config: &Config) -> Result<(Client, ConnInfo), Check> {
 /// Every PostgreSQL check but the connection's own, concurrently on one client
 /// (tokio-postgres pipelines them).
 async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> Vec<Check> {
-    let (tls, wal, slots, senders, role, grants, publication, slot, keep, migrations) = tokio::join!(
+    let (tls, wal, slots, senders, role, grants, publication, slot, keep, migrations, resync) = tokio::join!(
         server::tls(client, info),
         server::wal_level(client),
         server::free_slots(client, config),
@@ -344,6 +345,7 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         server::slot(client, config),
         server::max_slot_wal_keep_size(client, config),
         migrations::check(client, config),
+        resync::check(client, config),
     );
     vec![
         tls,
@@ -356,6 +358,7 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         slot,
         keep,
         migrations,
+        resync,
     ]
 }
 

@@ -1,0 +1,98 @@
+//! `postgres.resync`: whether a lost slot can be healed on this outbox's layout.
+//!
+//! A resync (`crate::cdc::resync`) publishes the rows committed since the relay's
+//! saved position from the outbox table itself, in an exported snapshot, and marks
+//! them as a cutover does: it needs the poller's `sent_at`, `attempts` and
+//! `last_error` columns. An adopted layout (the Debezium preset, say) often lacks
+//! them; a lost slot then cannot be healed and `run` stops with exit code 3 before
+//! touching anything. Said here rather than on the day the slot is lost, with the
+//! two ways out. And even with the columns, a resync can only republish rows that
+//! are still in the table: an application that deletes outbox rows right after
+//! inserting them (a common Debezium habit) loses what happened while the slot was
+//! gone, whatever the relay does.
+
+use tokio_postgres::Client;
+
+use super::Check;
+use crate::config::{Config, SlotLossMode, quote_qualified};
+
+const NAME: &str = "postgres.resync";
+
+/// The columns a resync marks rows with (the poller's).
+const RESYNC_COLUMNS: [&str; 3] = ["sent_at", "attempts", "last_error"];
+
+/// `postgres.resync`.
+pub(super) async fn check(client: &Client, config: &Config) -> Check {
+    let outbox = quote_qualified(&config.outbox.table);
+    let rows = match client
+        .query(
+            "SELECT attname::text FROM pg_attribute
+              WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+            &[&outbox],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => return Check::query_failed(NAME, "cannot read the outbox's columns", &e),
+    };
+    let columns: Vec<String> = rows.iter().filter_map(|r| r.try_get(0).ok()).collect();
+    if columns.is_empty() {
+        // The outbox is missing: the publication and migration checks say so.
+        return Check::ok(NAME, "no outbox table to look at");
+    }
+    let missing: Vec<&str> = RESYNC_COLUMNS
+        .into_iter()
+        .filter(|c| !columns.iter().any(|have| have == c))
+        .collect();
+    verdict(config, &outbox, &missing)
+}
+
+/// The check's result for the columns `missing` of `outbox`.
+fn verdict(config: &Config, outbox: &str, missing: &[&str]) -> Check {
+    match (config.relay.on_slot_loss, missing.is_empty()) {
+        (SlotLossMode::Fail, _) => Check::ok(
+            NAME,
+            "relay.on_slot_loss = \"fail\": a lost slot stops `run` (exit 3) for an operator to decide",
+        ),
+        (SlotLossMode::Resync, true) => Check::ok(
+            NAME,
+            "a lost slot is resynced from the saved position (only rows still in the outbox can be \
+             republished: an application that deletes them after insert loses what happened while \
+             the slot was gone)",
+        ),
+        (SlotLossMode::Resync, false) => Check::warn(
+            NAME,
+            format!(
+                "a lost slot cannot be resynced on this layout: {outbox} has no {} (a resync marks \
+                 the rows it republishes); `run` would stop with exit 3 when the slot is lost",
+                missing.join(", ")
+            ),
+            format!(
+                "add the columns (ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS sent_at timestamptz, \
+                 ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0, \
+                 ADD COLUMN IF NOT EXISTS last_error text: cheap, no rewrite), or set \
+                 relay.on_slot_loss = \"fail\" to stop on a lost slot by design"
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_config as cfg;
+
+    #[test]
+    fn a_layout_without_the_marks_cannot_be_resynced_and_says_how_to_fix_it() {
+        let config = cfg("");
+        let check = verdict(&config, "\"public\".\"outbox\"", &["sent_at", "attempts"]);
+        let text = format!("{check:?}");
+        assert!(text.contains("Warn"), "{text}");
+        assert!(text.contains("has no sent_at, attempts"), "{text}");
+        assert!(text.contains("ALTER TABLE"), "{text}");
+        assert!(text.contains("on_slot_loss = \\\"fail\\\""), "{text}");
+        let fail = cfg("[relay]\non_slot_loss = \"fail\"\n");
+        assert!(format!("{:?}", verdict(&fail, "t", &["sent_at"])).contains("Ok"));
+        assert!(format!("{:?}", verdict(&config, "t", &[])).contains("Ok"));
+    }
+}
