@@ -158,7 +158,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 Ok(config) => init_tracing(&config.log),
                 Err(_) => init_tracing(&LogConfig::default()),
             }
-            let report = check::run(loaded).await;
+            let report = Box::pin(check::run(loaded)).await;
             if args.json {
                 println!("{}", report.to_json());
             } else {

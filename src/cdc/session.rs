@@ -163,6 +163,11 @@ enum Lost {
     /// ends and the start plan decides again.
     #[error("{reason}")]
     PositionRefused { reason: String },
+    /// PostgreSQL is shutting down (a new connection was refused with 57P03): the
+    /// session ends so that the walsender, which waits for its client, exits and
+    /// the shutdown completes with the slot at the last saved position.
+    #[error("PostgreSQL is shutting down ({reason}): ending the session")]
+    ServerStopping { reason: String },
 }
 
 impl Lost {
@@ -687,6 +692,9 @@ impl Relay {
     /// Connects, decides where to start (`cdc::start`), heals a lost slot, and starts
     /// streaming with a core that continues this process's event ids.
     async fn start_session(&mut self, first: bool) -> Result<ReplicationStream> {
+        // The previous session's saver stops before anything is decided: a late save
+        // of its would move the position row under this session's plan.
+        self.saver = None;
         // A fresh metadata connection per session: the previous one may have died
         // with the server.
         let mut metadata = crate::postgres::connect_info(&self.conninfo).await?;
@@ -739,6 +747,8 @@ impl Relay {
                 .into());
             }
             StartPlan::Fresh => {
+                // The core starts at exactly what was recorded, nothing remembered.
+                fresh_core = true;
                 self.create_slot(&mut conn, &mut metadata, busy_timeout, history)
                     .await?
             }
@@ -752,10 +762,12 @@ impl Relay {
                         "recording the position on this server history (failover, or WAL restored in place)");
                     self.positions.adopt(&metadata, history, from).await?;
                     fresh_core = true;
-                } else {
+                } else if !self.positions.save(&metadata, history, from).await? {
                     // The start may come from this process's memory: saved before
-                    // any status update can confirm it.
-                    self.positions.save(&metadata, history, from).await?;
+                    // any status can confirm it. A row that refuses it (marked lost
+                    // by a relay resyncing, or of another history meanwhile): decide
+                    // again.
+                    return Err(Error::RelaySlotHealedElsewhere { slot: slot_name });
                 }
                 from
             }
@@ -819,9 +831,15 @@ impl Relay {
                 active_pid: info.active_pid,
             });
         let recorded = self.positions.load(metadata).await?;
+        // The WAL end last, and now: a session that waited for its slot must not
+        // judge a position saved meanwhile by the WAL end it saw before the wait.
+        let server = ServerView {
+            wal_end: server.wal_end.max(wal_end(metadata).await?),
+            ..server.clone()
+        };
         Ok(start::plan(
             slot_name,
-            server,
+            &server,
             recorded.as_ref(),
             slot,
             remembered,
@@ -1396,9 +1414,12 @@ impl Relay {
                 sqlstate,
                 message,
             } => {
-                self.core.save_failed(phase, sqlstate.as_deref(), now);
+                self.core.save_failed(phase, sqlstate.as_deref());
+                if self.core.server_stopping() {
+                    return Some(Lost::ServerStopping { reason: message });
+                }
                 let since = *self.save_failing_since.get_or_insert(now);
-                if now.duration_since(since) >= SAVE_FAILURE_ALERT && !self.core.server_stopping() {
+                if now.duration_since(since) >= SAVE_FAILURE_ALERT {
                     self.health.set_alert(
                         "position",
                         Some(format!(
@@ -1610,6 +1631,19 @@ impl Relay {
         tracing::info!(confirmed = %self.summary.confirmed, delivered = self.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
     }
+}
+
+/// The server's WAL flush position now (its replay position on a standby).
+async fn wal_end(metadata: &Client) -> Result<Lsn> {
+    let row = metadata
+        .query_one(
+            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                          ELSE pg_current_wal_flush_lsn() END)::text",
+            &[],
+        )
+        .await?;
+    let text: Option<String> = row.try_get(0)?;
+    Ok(text.and_then(|t| t.parse().ok()).unwrap_or(Lsn::ZERO))
 }
 
 /// Where each ancestor of `timeline` ended (`TIMELINE_HISTORY`), for the start plan's

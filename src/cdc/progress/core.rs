@@ -246,13 +246,11 @@ impl Core {
     /// The next thing to do, saves and status updates first. Requests made stale by
     /// later reports are skipped.
     pub fn next_action(&mut self) -> Option<Action> {
+        // A save first: a status confirms only what is saved already (`saving.rs`).
+        if let Some((lsn, urgent)) = self.saving.due.take() {
+            return Some(Action::Save { lsn, urgent });
+        }
         if self.status_due {
-            // The save of what the status would confirm is asked for first: the
-            // status itself confirms only what is saved already (`saving.rs`).
-            self.plan_save(self.last_status_at);
-            if let Some((lsn, urgent)) = self.saving.due.take() {
-                return Some(Action::Save { lsn, urgent });
-            }
             self.status_due = false;
             return Some(Action::SendStatus(self.build_status()));
         }
@@ -290,10 +288,10 @@ impl Core {
             self.status_deadline()
         };
         let retry = self.retries.first().map(|&(at, _)| at);
-        match (status, retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [status, retry, self.save_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Whether the shell may read the next replication message: false while the in-flight

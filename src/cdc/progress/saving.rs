@@ -13,23 +13,26 @@
 //! writes them and reports [`Core::saved`](super::Core::saved), and every status the
 //! core builds caps `flush` at the saved position (`status.rs`).
 //!
-//! # The one exception: a server that is shutting down
+//! # A server that is shutting down: no exception, the session ends
 //!
 //! During a fast shutdown PostgreSQL ends every backend, refuses new connections, and
 //! each walsender waits until its client confirms the very end of the WAL before it
-//! exits; a position that cannot be saved would hold the shutdown forever. So while a
-//! *new connection* is refused with SQLSTATE `57P03` (`cannot_connect_now`: the
-//! server is shutting down, starting up or recovering), the core confirms what was
-//! delivered without saving it, for the rest of this session only. Nothing can be lost
-//! that way (only resolved events are confirmed), and the next session starts from what
-//! the process remembers and saves that first.
+//! exits; a position that cannot be saved would hold the shutdown forever. Confirming
+//! without saving would let it complete, but the shutdown checkpoint of PostgreSQL 17
+//! persists the slot, which would then be ahead of every saved position: a relay
+//! process or a standby started afterwards takes it for lost. A walsender waiting for
+//! its client also exits when the client goes away. So once a *new connection* of the
+//! saver is refused with SQLSTATE `57P03` (`cannot_connect_now`: the server is
+//! shutting down, starting up or recovering), the core says the session must end
+//! ([`Core::server_stopping`](super::Core::server_stopping)); the shell closes the
+//! connection, the shutdown completes, and the slot keeps the last saved status. What
+//! was delivered and not saved is re-sent after the restart, within the bound below.
 //!
 //! The other codes of class 57P do not mean the server stops: `57P01`
 //! (`admin_shutdown`) is also what `pg_terminate_backend` of the saver's backend
 //! gives, and `57P02` (`crash_shutdown`) what a crash of *another* backend gives, on a
-//! server that is back a moment later. Taking those for a shutdown would let statuses
-//! pass the saved position on a healthy server, and the next start would take its own
-//! slot for lost. See
+//! server that is back a moment later (the previous rule let statuses pass the saved
+//! position on them, on a healthy server). See
 //! <https://www.postgresql.org/docs/current/errcodes-appendix.html> (class 57) and
 //! `ProcessStartupPacket` / `canAcceptConnections` in `postmaster.c`.
 //!
@@ -73,7 +76,7 @@ pub(super) struct Saving {
     pub(super) requested_at: Instant,
     /// Events were resolved since the last request.
     pub(super) resolved_since_request: bool,
-    /// PostgreSQL refused a new connection while shutting down, in this session.
+    /// PostgreSQL refused a new connection while shutting down: the session ends.
     pub(super) stopping: bool,
     /// Events resolved in this core, and how many a completed save covers.
     resolved: u64,
@@ -114,7 +117,6 @@ impl Saving {
             return false;
         }
         self.saved = lsn;
-        self.stopping = false;
         while let Some(&(at, count)) = self.requests.front() {
             if at > lsn {
                 break;
@@ -139,11 +141,7 @@ impl Saving {
 
     /// How far a status may confirm.
     pub(super) fn limit(&self, confirmed: Lsn) -> Lsn {
-        if self.stopping {
-            confirmed
-        } else {
-            confirmed.min(self.saved)
-        }
+        confirmed.min(self.saved)
     }
 }
 

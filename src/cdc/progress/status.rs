@@ -29,12 +29,13 @@ impl Core {
     }
 
     pub(super) fn status_deadline(&self) -> Option<Instant> {
-        if self.confirmed > self.reported_flush
-            && self.resolved_since_status >= self.cfg.max_in_flight_events
-        {
+        // Progress is what a status may confirm now: the watermark capped at the
+        // saved position (a watermark ahead of it waits for the save, not a timer).
+        let progress = self.saving.limit(self.confirmed) > self.reported_flush;
+        if progress && self.resolved_since_status >= self.cfg.max_in_flight_events {
             return Some(self.last_status_at);
         }
-        let wait = if self.confirmed > self.reported_flush {
+        let wait = if progress {
             self.cfg
                 .progress_status_interval
                 .clamp(MIN_STATUS_INTERVAL, self.cfg.status_interval)
@@ -45,6 +46,7 @@ impl Core {
     }
 
     pub(super) fn poll_status(&mut self, now: Instant) {
+        self.plan_save(now);
         if !self.status_due
             && let Some(due) = self.status_deadline()
             && now >= due
@@ -54,6 +56,7 @@ impl Core {
     }
 
     pub(super) fn schedule_status(&mut self, now: Instant) {
+        self.plan_save(now);
         self.status_due = true;
         self.last_status_at = self.last_status_at.max(now);
     }
@@ -70,23 +73,22 @@ impl Core {
 
 // The saved position (`saving.rs` explains the rule).
 impl Core {
-    /// The shell saved `lsn` in `outbox_relay_position`. A status confirming it is
-    /// sent at once, rather than at the next interval.
+    /// The shell saved `lsn` in `outbox_relay_position`. The status confirming it
+    /// follows the usual timing (at most one per `progress_status_interval`, at once
+    /// when a window's worth of events waits), so saves completing one after another
+    /// do not turn into a status each.
     pub fn saved(&mut self, lsn: Lsn, now: Instant) {
-        if self.saving.saved(lsn) && self.saving.limit(self.confirmed) > self.reported_flush {
-            self.schedule_status(now);
+        if self.saving.saved(lsn) {
+            self.poll_status(now);
         }
     }
 
     /// A save failed in `phase` with `sqlstate` (if the server sent one). The shell
-    /// keeps retrying the newest request; only a refused new connection during a
-    /// shutdown changes what a status may confirm (module docs).
-    pub fn save_failed(&mut self, phase: SavePhase, sqlstate: Option<&str>, now: Instant) {
-        if means_shutdown(phase, sqlstate) && !self.saving.stopping {
+    /// keeps retrying the newest request; a new connection refused during a shutdown
+    /// means the session must end ([`Core::server_stopping`], module docs).
+    pub fn save_failed(&mut self, phase: SavePhase, sqlstate: Option<&str>) {
+        if means_shutdown(phase, sqlstate) {
             self.saving.stopping = true;
-            if self.confirmed > self.reported_flush {
-                self.schedule_status(now);
-            }
         }
     }
 
@@ -96,8 +98,9 @@ impl Core {
         self.saving.saved
     }
 
-    /// Whether statuses currently confirm past the saved position because the server
-    /// is shutting down.
+    /// The server is shutting down: the shell must end the session (close the
+    /// connection), so that the walsender, which waits for its client before it
+    /// exits, lets the shutdown complete (`saving.rs`).
     #[must_use]
     pub fn server_stopping(&self) -> bool {
         self.saving.stopping
@@ -111,9 +114,16 @@ impl Core {
 
     /// Whether the position a status would confirm waits for a save.
     pub(super) fn save_blocks_reading(&self) -> bool {
-        self.open.is_none()
-            && !self.saving.stopping
-            && self.saving.unsaved() >= self.cfg.max_in_flight_events
+        self.open.is_none() && self.saving.unsaved() >= self.cfg.max_in_flight_events
+    }
+
+    /// When a save of keepalive progress alone falls due (once per status
+    /// interval); `None` when none waits for the clock.
+    pub(super) fn save_deadline(&self) -> Option<Instant> {
+        let s = &self.saving;
+        (self.confirmed > s.requested && !s.resolved_since_request)
+            .then(|| s.requested_at.checked_add(self.cfg.status_interval))
+            .flatten()
     }
 
     /// Asks for a save of the watermark when events were resolved since the last

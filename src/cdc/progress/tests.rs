@@ -1008,8 +1008,8 @@ fn a_healthy_servers_57p_errors_do_not_let_statuses_pass_the_saved_position() {
         let (mut core, now) = core_at(50);
         let ids = tx(&mut core, 100, 1, now);
         core.delivered(ids[0], now);
-        core.save_failed(phase, sqlstate, now);
-        core.tick(now + ms(1_000));
+        core.save_failed(phase, sqlstate);
+        core.tick(now + cfg().status_interval);
         let (_, statuses) = drain_unsaved(&mut core);
         assert!(!core.server_stopping(), "{phase:?} {sqlstate:?}");
         assert!(!statuses.is_empty(), "a status is due");
@@ -1021,15 +1021,22 @@ fn a_healthy_servers_57p_errors_do_not_let_statuses_pass_the_saved_position() {
 }
 
 #[test]
-fn a_connection_refused_during_shutdown_confirms_what_was_delivered() {
+fn a_connection_refused_during_shutdown_ends_the_session_and_confirms_nothing_unsaved() {
     let (mut core, now) = core_at(50);
     let ids = tx(&mut core, 100, 1, now);
     core.delivered(ids[0], now);
-    core.save_failed(SavePhase::Connecting, Some("57P03"), now);
-    assert!(core.server_stopping());
+    core.save_failed(SavePhase::Connecting, Some("57P03"));
+    assert!(
+        core.server_stopping(),
+        "the shell must close the connection"
+    );
+    core.tick(now + ms(1_000));
     let (_, statuses) = drain_unsaved(&mut core);
-    assert_eq!(statuses.last().map(|s| s.flush), Some(Lsn(110)));
-    // The next session starts from what was saved or remembered, and saves again.
+    assert!(
+        statuses.iter().all(|s| s.flush == Lsn(50)),
+        "not saved, not confirmed: {statuses:?}"
+    );
+    // The next session starts from what was saved or remembered, and saves it.
     let core = core.restart(Lsn(110), now);
     assert!(!core.server_stopping());
     assert_eq!(core.saved_position(), Lsn(110));
