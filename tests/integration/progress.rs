@@ -603,9 +603,12 @@ async fn standbys_started_under_load_never_judge_the_active_slot() {
         tokio::spawn(async move {
             let client = harness::connect(&url).await;
             let mut written = 0_i64;
+            // About 400 events a second: steady saves and confirmations while the
+            // standbys start, and a topic the end check can read in seconds.
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                backlog(&client, written..written + 50).await;
-                written += 50;
+                backlog(&client, written..written + 20).await;
+                written += 20;
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
             written
         })
