@@ -818,6 +818,47 @@ impl PrivateCluster {
         self.dev_env(&["pg-restore", name]).await;
     }
 
+    /// A physical standby of this cluster (`scripts/dev-env pg-standby-of`), in a
+    /// state directory of its own, streaming from it.
+    pub async fn standby(&self) -> PrivateCluster {
+        let dir = repo_root().join(".dev").join(unique("standby"));
+        let primary = self.dir.clone();
+        let dir_for_task = dir.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("bash")
+                .arg(repo_root().join("scripts/dev-env"))
+                .arg("pg-standby-of")
+                .arg(&primary)
+                .env("DEV_ENV_DIR", &dir_for_task)
+                .output()
+                .expect("run scripts/dev-env pg-standby-of")
+        })
+        .await
+        .expect("pg-standby-of task");
+        assert!(
+            out.status.success(),
+            "the standby did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        PrivateCluster { dir, url }
+    }
+
+    /// `pg_ctl promote` of this standby: a new timeline begins.
+    pub async fn promote(&self) {
+        self.dev_env(&["pg-promote"]).await;
+    }
+
+    /// The port this cluster listens on.
+    pub fn port(&self) -> u16 {
+        self.url
+            .rsplit(':')
+            .next()
+            .and_then(|rest| rest.split('/').next())
+            .and_then(|p| p.parse().ok())
+            .expect("a port in the cluster's URL")
+    }
+
     async fn dev_env(&self, args: &[&str]) {
         let dir = self.dir.clone();
         let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();

@@ -402,7 +402,7 @@ async fn migration_keeps_every_row_of_an_old_poison_table() {
     // The table as migration 2 created it, and migration 8 not yet applied.
     let old = include_str!("../../migrations/0002_poison_outbox.sql")
         .replace("{{poison_table}}", "\"public\".\"poison_outbox\"")
-        .replace("{{poison_table_name}}", "poison_outbox")
+        .replace("{{poison_key_idx}}", "poison_outbox_key_idx")
         .replace("{{schema}}", "\"public\"");
     db.client
         .batch_execute(&format!(

@@ -646,3 +646,81 @@ async fn standbys_started_under_load_never_judge_the_active_slot() {
     assert_eq!((resyncs, lost), (0, None));
     active.terminate(Duration::from_secs(30)).await;
 }
+
+/// A failover to a promoted physical standby on which the slot was created by hand
+/// (as an operator or an HA manager "re-creating the slot the relay needs" would):
+/// it starts at the promoted server's WAL end, past the rows written between the
+/// promotion and its creation. The relay must not trust it: the slot is lost
+/// (past the fork of the recorded timeline), and the resync publishes those rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_created_by_hand_on_a_promoted_standby_is_lost_not_trusted() {
+    let primary = PrivateCluster::start("logical").await;
+    let db = TestDb::create_in(&primary.url, "progress_promote", 3, "").await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let client = harness::connect(&db.url).await;
+    backlog(&client, 0..200).await;
+    wait_delivered(&db, 200, &relay).await;
+    let standby = primary.standby().await;
+    let standby_url = db.url.replace(
+        &format!(":{}/", primary.port()),
+        &format!(":{}/", standby.port()),
+    );
+    let replica = harness::connect(&standby_url).await;
+    let primary_end = wal_lsn(&client).await;
+    harness::wait_until(
+        Duration::from_secs(60),
+        "the standby to replay the primary's WAL",
+        || {
+            let replica = &replica;
+            async move {
+                let row = replica
+                    .query_one(
+                        "SELECT (pg_last_wal_replay_lsn() - '0/0'::pg_lsn)::bigint",
+                        &[],
+                    )
+                    .await
+                    .expect("read the replay position");
+                u64::try_from(row.get::<_, i64>(0)).unwrap_or(0) >= primary_end
+            }
+        },
+    )
+    .await;
+    relay.terminate(Duration::from_secs(30)).await;
+    standby.promote().await;
+    // Written on the new primary before anyone made a slot there.
+    let promoted = harness::connect(&standby_url).await;
+    harness::wait_until(Duration::from_secs(30), "the promotion", || {
+        let promoted = &promoted;
+        async move {
+            promoted
+                .query_one("SELECT NOT pg_is_in_recovery()", &[])
+                .await
+                .is_ok_and(|r| r.get::<_, bool>(0))
+        }
+    })
+    .await;
+    backlog(&promoted, 200..300).await;
+    promoted
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&db.slot],
+        )
+        .await
+        .expect("create the slot by hand on the promoted server");
+    backlog(&promoted, 300..400).await;
+    let config = std::fs::read_to_string(&db.config_path)
+        .expect("the test config")
+        .replace(&db.url, &standby_url);
+    let config_path = db.config_path.with_extension("promoted.toml");
+    std::fs::write(&config_path, config).expect("write the promoted config");
+    let relay = RelayProcess::start(&config_path, &[]);
+    let duplicates = all_delivered(&db, 400, &relay).await;
+    eprintln!("promotion with a slot made by hand: {duplicates} duplicates");
+    let log = relay.log();
+    assert!(
+        log.contains("not synced from the old primary"),
+        "the slot is lost, and said why; log:\n{log}"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+}
