@@ -77,6 +77,10 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "1",
         "--second-relays",
         "2",
+        "--standby-starts",
+        "1",
+        "--standby-burst",
+        "8",
         "--events",
         "2000",
         "--outage",
@@ -159,6 +163,7 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "conn_cut",
         "slot_drop",
         "second_relay",
+        "standby_start",
     ] {
         let n = report["faults"][fault].as_u64().unwrap_or(0);
         assert!(n > 0, "fault {fault} was never injected; {context}");
@@ -185,7 +190,9 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "more duplicates than the faults allow; {context}"
     );
     // Everything else the drill checks: the relay never exited by itself, the
-    // second relay exited 3 with a clear message or waited as a standby, the slot
+    // second relay exited 3 with a clear message or waited as a standby, no standby
+    // started under load (on_slot_loss = "fail") exited by itself or failed a save of
+    // the active relay, the slot
     // never changed hands, a dropped slot was logged as lost (ERROR) and resynced
     // (never re-created silently) and no other fault made the relay find its slot
     // lost, the relay caught up after every fault and drained, and SIGTERM ended it
