@@ -751,25 +751,7 @@ pub struct PrivateCluster {
 impl PrivateCluster {
     pub async fn start(wal_level: &str) -> PrivateCluster {
         let dir = repo_root().join(".dev").join(unique("cluster"));
-        let wal_level = wal_level.to_owned();
-        let dir_for_task = dir.clone();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash")
-                .arg(repo_root().join("scripts/dev-env"))
-                .arg("pg-up")
-                .env("DEV_ENV_DIR", &dir_for_task)
-                .env("DEV_ENV_WAL_LEVEL", &wal_level)
-                .output()
-                .expect("run scripts/dev-env pg-up")
-        })
-        .await
-        .expect("pg-up task");
-        assert!(
-            out.status.success(),
-            "private cluster did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let url = dev_env(&dir, &["pg-up"], &[("DEV_ENV_WAL_LEVEL", wal_level)]).await;
         PrivateCluster { dir, url }
     }
 
@@ -785,68 +767,33 @@ impl PrivateCluster {
     /// `pg_ctl restart -m <mode>`: `fast` (clean shutdown) or `immediate` (a crash,
     /// recovered from WAL at the start). Same port and data.
     pub async fn restart(&self, mode: &str) {
-        let dir = self.dir.clone();
-        let mode = mode.to_owned();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash")
-                .arg(repo_root().join("scripts/dev-env"))
-                .args(["pg-restart", &mode])
-                .env("DEV_ENV_DIR", &dir)
-                .output()
-                .expect("run scripts/dev-env pg-restart")
-        })
-        .await
-        .expect("pg-restart task");
-        assert!(
-            out.status.success(),
-            "private cluster did not restart: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        dev_env(&self.dir, &["pg-restart", mode], &[]).await;
     }
-}
 
-impl PrivateCluster {
     /// `scripts/dev-env pg-snapshot NAME`: a copy of the data directory across a
     /// clean stop; the server runs again afterwards.
     pub async fn snapshot(&self, name: &str) {
-        self.dev_env(&["pg-snapshot", name]).await;
+        dev_env(&self.dir, &["pg-snapshot", name], &[]).await;
     }
 
     /// `scripts/dev-env pg-restore NAME`: the snapshot put back in place after an
     /// immediate stop (same system identifier and timeline, an older WAL end).
     pub async fn restore(&self, name: &str) {
-        self.dev_env(&["pg-restore", name]).await;
+        dev_env(&self.dir, &["pg-restore", name], &[]).await;
     }
 
     /// A physical standby of this cluster (`scripts/dev-env pg-standby-of`), in a
     /// state directory of its own, streaming from it.
     pub async fn standby(&self) -> PrivateCluster {
         let dir = repo_root().join(".dev").join(unique("standby"));
-        let primary = self.dir.clone();
-        let dir_for_task = dir.clone();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash")
-                .arg(repo_root().join("scripts/dev-env"))
-                .arg("pg-standby-of")
-                .arg(&primary)
-                .env("DEV_ENV_DIR", &dir_for_task)
-                .output()
-                .expect("run scripts/dev-env pg-standby-of")
-        })
-        .await
-        .expect("pg-standby-of task");
-        assert!(
-            out.status.success(),
-            "the standby did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let primary = self.dir.to_string_lossy().into_owned();
+        let url = dev_env(&dir, &["pg-standby-of", &primary], &[]).await;
         PrivateCluster { dir, url }
     }
 
     /// `pg_ctl promote` of this standby: a new timeline begins.
     pub async fn promote(&self) {
-        self.dev_env(&["pg-promote"]).await;
+        dev_env(&self.dir, &["pg-promote"], &[]).await;
     }
 
     /// The port this cluster listens on.
@@ -858,26 +805,35 @@ impl PrivateCluster {
             .and_then(|p| p.parse().ok())
             .expect("a port in the cluster's URL")
     }
+}
 
-    async fn dev_env(&self, args: &[&str]) {
-        let dir = self.dir.clone();
-        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new("bash")
-                .arg(repo_root().join("scripts/dev-env"))
-                .args(&args)
-                .env("DEV_ENV_DIR", &dir)
-                .output()
-                .expect("run scripts/dev-env")
-        })
-        .await
-        .expect("dev-env task");
-        assert!(
-            out.status.success(),
-            "scripts/dev-env failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+/// `scripts/dev-env ARGS` with `DEV_ENV_DIR=dir` (and `env`), on a blocking thread;
+/// fails the test unless it succeeds, and returns what it printed (trimmed).
+async fn dev_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
+    let dir = dir.to_path_buf();
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let what = args.join(" ");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("bash")
+            .arg(repo_root().join("scripts/dev-env"))
+            .args(&args)
+            .env("DEV_ENV_DIR", &dir)
+            .envs(env)
+            .output()
+            .expect("run scripts/dev-env")
+    })
+    .await
+    .expect("dev-env task");
+    assert!(
+        out.status.success(),
+        "scripts/dev-env {what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 impl Drop for PrivateCluster {
