@@ -243,7 +243,7 @@ async fn check_on_a_good_deploy_is_all_ok_and_run_starts() {
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     let (doc, list) = checks(&stdout);
     assert_eq!(doc["ready"], true);
-    assert_eq!(list.len(), 14, "{list:#?}");
+    assert_eq!(list.len(), 15, "{list:#?}");
     for (name, status, detail, _) in &list {
         assert_eq!(status, "ok", "{name}: {detail}");
     }
