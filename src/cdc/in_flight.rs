@@ -32,8 +32,6 @@ pub(crate) enum InFlight {
         produced_at: Instant,
         /// The last delivery failure: librdkafka's error kind and message.
         last_error: Option<(&'static str, String)>,
-        /// Its name across resends of its transaction.
-        origin: Origin,
         /// Its key is parked (`relay.on_poison = "park-key"`): it is written to the
         /// poison table as parked instead of being produced.
         parked: bool,
@@ -42,7 +40,6 @@ pub(crate) enum InFlight {
         alone: bool,
     },
     Unmappable {
-        origin: Origin,
         fields: Box<PoisonFields>,
         error_kind: &'static str,
         reason: String,
@@ -62,12 +59,14 @@ impl InFlight {
 
     /// The `poison_outbox` row for this event after `attempts` produces; `parking`
     /// says whether it parks its key (a parked event's row says so by itself).
-    pub(crate) fn poison_row(&self, attempts: u32, parking: Parking) -> PoisonRow {
+    /// `origin` is the event's name in its transaction (the core's
+    /// [`Core::origin`](crate::cdc::progress::Core::origin)): its ordinal is the row's
+    /// `tx_position`.
+    pub(crate) fn poison_row(&self, attempts: u32, parking: Parking, origin: Origin) -> PoisonRow {
         let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
         match self {
             InFlight::Event {
                 event,
-                origin,
                 parked: true,
                 ..
             } => PoisonRow {
@@ -85,10 +84,7 @@ impl InFlight {
                 parking: Parking::Parked,
             },
             InFlight::Event {
-                event,
-                last_error,
-                origin,
-                ..
+                event, last_error, ..
             } => {
                 let (kind, error) = last_error
                     .clone()
@@ -108,7 +104,6 @@ impl InFlight {
                 error_kind,
                 reason,
                 lsn,
-                origin,
             } => PoisonRow {
                 fields: (**fields).clone(),
                 error: reason.clone(),

@@ -1159,8 +1159,8 @@ impl Relay {
     }
 
     /// Admits an outbox row to the core; the shell keeps the record only while the
-    /// core has something to do for it (an event a lost session already resolved has
-    /// no origin: it is resolved at admission).
+    /// core has something to do for it (an event a lost session already resolved is
+    /// resolved at admission).
     fn admit(&mut self, mapped: Mapped, now: Instant) -> std::result::Result<(), ProtocolError> {
         match mapped {
             Mapped::NotOutbox => Ok(()),
@@ -1169,7 +1169,7 @@ impl Relay {
                     .core
                     .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
                 self.instruments.received(self.current_commit_time);
-                if let Some(origin) = self.core.origin(id) {
+                if self.core.is_in_flight(id) {
                     self.pending.insert(
                         id,
                         InFlight::Event {
@@ -1178,7 +1178,6 @@ impl Relay {
                             received_at: now,
                             produced_at: now,
                             last_error: None,
-                            origin,
                             parked: false,
                             alone: false,
                         },
@@ -1189,11 +1188,10 @@ impl Relay {
             Mapped::Unmappable(row) => {
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
-                if let Some(origin) = self.core.origin(id) {
+                if self.core.is_in_flight(id) {
                     self.pending.insert(
                         id,
                         InFlight::Unmappable {
-                            origin,
                             fields: Box::new(row.fields),
                             error_kind: row.error_kind,
                             reason: row.reason,
@@ -1542,14 +1540,14 @@ impl Relay {
     }
 
     fn request_poison(&mut self, id: EventId, attempts: u32) {
-        let Some(pending) = self.pending.get(&id) else {
+        let (Some(pending), Some(origin)) = (self.pending.get(&id), self.core.origin(id)) else {
             return;
         };
         let parking = match self.policy.dispose(pending) {
             Disposal::Insert(parking) => parking,
             Disposal::Halt => return self.halt(id, attempts),
         };
-        let row = pending.poison_row(attempts, parking);
+        let row = pending.poison_row(attempts, parking, origin);
         // The channel holds one request per in-flight event at most, so it is never
         // full; if it were, the core retries after a backoff.
         if self.poison_tx.try_send(PoisonRequest { id, row }).is_err() {
@@ -1560,10 +1558,10 @@ impl Relay {
     /// `relay.on_poison = "halt"`: `id` is not poisoned; it holds the relay, with an
     /// error log and an alert that say which event and why.
     fn halt(&mut self, id: EventId, attempts: u32) {
-        let Some(pending) = self.pending.get(&id) else {
+        let (Some(pending), Some(origin)) = (self.pending.get(&id), self.core.origin(id)) else {
             return;
         };
-        let row = pending.poison_row(attempts, Parking::None);
+        let row = pending.poison_row(attempts, Parking::None, origin);
         tracing::error!(
             idempotency_key = row.fields.idempotency_key.as_deref().unwrap_or(""),
             topic = row.fields.topic.as_deref().unwrap_or(""),

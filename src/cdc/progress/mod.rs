@@ -61,4 +61,4 @@ pub use self::config::CoreConfig;
 pub use self::core::{Action, Core, StatusUpdate};
 pub use self::error::ProtocolError;
 pub use self::resend::Origin;
-pub use self::saving::{SavePhase, means_shutdown};
+pub use self::saving::SavePhase;

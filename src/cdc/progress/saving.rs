@@ -147,6 +147,6 @@ impl Saving {
 
 /// Whether a failed save means the server is shutting down (module docs).
 #[must_use]
-pub fn means_shutdown(phase: SavePhase, sqlstate: Option<&str>) -> bool {
+pub(super) fn means_shutdown(phase: SavePhase, sqlstate: Option<&str>) -> bool {
     phase == SavePhase::Connecting && sqlstate == Some(CANNOT_CONNECT_NOW)
 }
