@@ -74,6 +74,10 @@ pub enum Command {
     /// Try it in one command: throwaway PostgreSQL, embedded broker, sample events
     /// relayed and audited, summary printed, everything cleaned up.
     Demo(crate::tools::demo::DemoArgs),
+    #[cfg(feature = "tools")]
+    /// A single-node, in-memory Kafka-protocol broker with transactions, for trying
+    /// and testing `kafka.delivery = "exactly-once"`.
+    DevBroker(crate::tools::dev_broker::DevBrokerArgs),
     /// Re-publish poison rows with their original idempotency key (never deletes).
     Replay {
         #[command(flatten)]

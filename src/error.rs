@@ -73,6 +73,22 @@ pub enum Error {
     /// the session is started again from the healed slot.
     #[error("replication slot {slot} was healed by another relay; starting again")]
     RelaySlotHealedElsewhere { slot: String },
+    /// `run` with `kafka.delivery = "exactly-once"`: a transactional call failed in a
+    /// way the session cannot absorb (fenced by another relay, a broker without
+    /// transactions: exit 3), or the progress record could not be read.
+    #[error(transparent)]
+    Transaction(#[from] crate::kafka::TransactionError),
+    /// `run` with `kafka.delivery = "exactly-once"`: the progress topic is missing
+    /// (exit 3: `migrate` creates it).
+    #[error(
+        "the progress topic {topic:?} does not exist: run `outbox-relay migrate` (it creates \
+         it, compacted) or create it (cleanup.policy=compact), or set kafka.progress_topic"
+    )]
+    ProgressTopicMissing { topic: String },
+    /// `run` with `kafka.delivery = "exactly-once"`: the progress record could not
+    /// be read (retried like a lost connection).
+    #[error("{0}")]
+    ProgressRecord(String),
     /// `run`: the task writing `poison_outbox` rows stopped.
     #[error("the poison writer stopped")]
     RelayPoisonWriterStopped,
@@ -83,6 +99,19 @@ pub enum Error {
          stop the process streaming from it (it may miss the backlog), then start again"
     )]
     CutoverSlotActive { slot: String, pid: i32 },
+    /// Cutover or resync: a backlog row was given up on and `relay.on_poison =
+    /// "halt"`: the rest is resolved, streaming does not start. Retried like a lost
+    /// connection, so the row is tried again until its cause is fixed.
+    #[error(
+        "{count} backlog row(s) cannot be delivered and relay.on_poison = \"halt\"; first: \
+         outbox id {id}: {error}. Streaming does not start until they are: fix the cause \
+         (the relay keeps trying), or set relay.on_poison to \"skip\" or \"park-key\""
+    )]
+    BacklogHalted {
+        count: usize,
+        id: String,
+        error: String,
+    },
     /// `cutover`: a termination signal arrived before the cutover completed.
     #[error(
         "cutover interrupted before it completed: run it again (or `run`); it starts \
@@ -220,6 +249,9 @@ impl Error {
         ExitCode::from(match self {
             Error::Config(_) => 2,
             Error::Prerequisite(_) => 3,
+            Error::Transaction(e) if e.needs_operator() => 3,
+            Error::ProgressTopicMissing { .. } => 3,
+            Error::Transaction(_) | Error::ProgressRecord(_) => 1,
             Error::Pg(e) => e.exit_code(),
             Error::Checkpoint(e) => e.exit_code(),
             Error::Broker(e) => e.exit_code(),
@@ -233,6 +265,7 @@ impl Error {
             | Error::RelaySlotHealedElsewhere { .. }
             | Error::RelayPoisonWriterStopped
             | Error::CutoverSlotActive { .. }
+            | Error::BacklogHalted { .. }
             | Error::CutoverInterrupted
             | Error::MetricsBuckets(_)
             | Error::MetricsRecorder(_)
@@ -262,7 +295,10 @@ impl Error {
             Error::Io(_)
             | Error::RelaySlotTaken(_)
             | Error::RelaySlotHealedElsewhere { .. }
+            | Error::BacklogHalted { .. }
             | Error::CutoverSlotActive { .. } => ErrorClass::Transient,
+            Error::ProgressRecord(_) => ErrorClass::Transient,
+            Error::Transaction(e) if !e.needs_operator() => ErrorClass::Transient,
             // No server error attached: the connection itself failed.
             Error::Postgres(e) if e.as_db_error().is_none() => ErrorClass::Transient,
             Error::Pg(e) => e.class(),

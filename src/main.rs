@@ -12,6 +12,8 @@ use outbox_relay::ops::{audit, check, health, migrate, replay};
 use outbox_relay::tools::bench::BenchError;
 #[cfg(feature = "tools")]
 use outbox_relay::tools::demo::{self, DemoError};
+#[cfg(feature = "tools")]
+use outbox_relay::tools::dev_broker::{self, DevBrokerError};
 use outbox_relay::{Error, postgres};
 
 /// Why a command failed: the relay's [`Error`], or a developer tool's own error,
@@ -26,6 +28,9 @@ enum Failure {
     #[cfg(feature = "tools")]
     #[error(transparent)]
     Demo(#[from] DemoError),
+    #[cfg(feature = "tools")]
+    #[error(transparent)]
+    DevBroker(#[from] DevBrokerError),
     #[error("{0}")]
     Json(#[from] serde_json::Error),
 }
@@ -52,6 +57,8 @@ impl Failure {
             Failure::Bench(e) => e.exit_code(),
             #[cfg(feature = "tools")]
             Failure::Demo(e) => e.exit_code(),
+            #[cfg(feature = "tools")]
+            Failure::DevBroker(e) => e.exit_code(),
             Failure::Json(_) => ExitCode::from(1),
         }
     }
@@ -150,6 +157,15 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             let mut client = postgres::connect(&config.postgres.url).await?;
             let applied = migrate::apply(&mut client, &config).await?;
             print!("{}", applied.render());
+            if config.kafka.delivery == outbox_relay::config::DeliveryMode::ExactlyOnce {
+                outbox_relay::kafka::create_progress_topic(&config.kafka)
+                    .await
+                    .map_err(Error::from)?;
+                println!(
+                    "kafka.progress_topic {} exists (compacted; the exactly-once progress record)",
+                    config.kafka.progress_topic
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { config, args } => {
@@ -206,6 +222,15 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        #[cfg(feature = "tools")]
+        Command::DevBroker(args) => {
+            init_tracing(&LogConfig {
+                level: "info".into(),
+                ..LogConfig::default()
+            });
+            dev_broker::run(&args, termination_signal()).await?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Retention { config, args } => {
             let config = config.load()?;

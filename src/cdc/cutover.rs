@@ -37,19 +37,20 @@
 //! 3. In the snapshot, read every row the poller has not sent — `sent_at IS NULL`,
 //!    no `poison_outbox` row, whatever its attempts (a row a poller gave up on
 //!    without poisoning it is published once more, and poisoned if it fails) — in
-//!    `created_at, id` order, through a cursor (bounded memory, one window of rows
-//!    at a time).
+//!    commit order as near as the table tells it, through a cursor (bounded memory,
+//!    one window of rows at a time; `cdc::backlog`).
 //! 4. Map each row with the poller's (and so the stream's) mapping and publish the
-//!    window through a dedicated [`Publisher`]: every send is queued, then every
-//!    ack awaited. The `source_lsn` header is the slot's consistent point: an upper
+//!    window through a dedicated producer: every send is queued, then every ack
+//!    awaited. The `source_lsn` header is the slot's consistent point: an upper
 //!    bound of the row's commit LSN, and a lower bound of every streamed one (the
 //!    slot streams transactions whose commit record starts at or after it), so
 //!    ordering by `source_lsn` never puts a streamed event before a backlog event.
 //! 5. Mark the window as the poller would (`poller::write_marks`): `sent_at` for
-//!    acked rows, `attempts`/`last_error` for refused ones, a `poison_outbox` row
-//!    once `max_attempts` is reached (unmappable rows at once), and the progress
-//!    counters of the marker row, in one transaction. Refused rows are retried (with
-//!    backoff) until acked or poisoned before the next window.
+//!    acked rows, a `poison_outbox` row once `max_attempts` is reached (unmappable
+//!    rows at once), and the progress counters of the marker row, in one
+//!    transaction. Refused rows are retried (with backoff, their attempts counted in
+//!    memory) until acked or poisoned before the next window, with the stream's
+//!    per-key order and `relay.on_poison` (`cdc::backlog`).
 //! 6. Set `completed_at`; the relay then streams from the consistent point.
 //!
 //! # Crashes
@@ -79,35 +80,21 @@
 //! `sent_at`/`attempts` columns (e.g. Debezium's) has nothing "unsent": `auto`
 //! then just streams from the new slot.
 
-use std::time::Duration;
+use tokio_postgres::Client;
 
-use tokio_postgres::{Client, IsolationLevel};
-
+use crate::cdc::backlog::{Backlog, BacklogQuery, BacklogSummary};
 use crate::config::{Config, ConfigError, CutoverMode, qualified_name, quote_ident};
-use crate::delivery::Failure;
 use crate::error::{Error, Result};
-use crate::kafka::{self, DeliveryReport, Publisher};
-use crate::lifecycle::{Backoff, Shutdown, millis};
+use crate::lifecycle::Shutdown;
 use crate::lsn::Lsn;
-use crate::outbox::OutboxMapper;
-use crate::poller::{self, BatchOutcome, BatchRow, Delivery, Polled, RowResult};
+use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
-use crate::postgres::replication::{ReplicationConnection, SnapshotAction, quote_literal};
+use crate::postgres::replication::{ReplicationConnection, SnapshotAction};
 use crate::postgres::slot::{self, SlotInfo};
 
 /// The marker table (migrations/0006_cutover.sql), in the outbox's schema.
 const MARKER_TABLE: &str = "outbox_relay_cutover";
-
-/// Most rows read, published and marked as one window.
-const MAX_WINDOW: usize = 10_000;
-
-/// Backoff between retries of refused rows, doubling (see [`Backoff`]).
-const RETRY_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
-const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(10);
-
-/// Broker check before the backlog is read (exit code 4 when it fails).
-const BROKER_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The slot of an interrupted cutover is being streamed by someone: right after a
 /// crash during `CREATE_REPLICATION_SLOT` the old walsender may still hold the slot
@@ -185,6 +172,20 @@ pub struct CutoverSummary {
     /// The exported snapshot's xmin (64-bit): every transaction below it is visible
     /// in the snapshot, so its rows were read.
     pub snapshot_xmin: i64,
+}
+
+impl CutoverSummary {
+    /// The summary of a backlog published from the slot created at `consistent_point`.
+    pub(super) fn of(consistent_point: Lsn, backlog: BacklogSummary) -> CutoverSummary {
+        CutoverSummary {
+            consistent_point,
+            rows: backlog.rows,
+            published: backlog.published,
+            poisoned: backlog.poisoned,
+            restarted: false,
+            snapshot_xmin: backlog.snapshot_xmin,
+        }
+    }
 }
 
 /// What `prepare` found or did.
@@ -326,10 +327,10 @@ async fn cut_over(
     // are byte-identical to the stream's.
     let mut backlog = Backlog::open(config, metadata, Some(marker_table)).await?;
     let mut reader = poller::session(conninfo).await?;
-    begin_marker(backlog.metadata, marker_table, slot_name).await?;
+    begin_marker(backlog.metadata(), marker_table, slot_name).await?;
     let (consistent_point, snapshot) = create_exported_slot(conn, slot_name).await?;
     backlog
-        .metadata
+        .metadata()
         .execute(
             &format!(
                 "UPDATE {marker_table} SET consistent_point = $2::text::pg_lsn WHERE slot_name = $1"
@@ -344,7 +345,7 @@ async fn cut_over(
         snapshot = %snapshot,
         "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
     );
-    let summary = backlog
+    let published = backlog
         .publish(
             &mut reader,
             &snapshot,
@@ -352,8 +353,9 @@ async fn cut_over(
             BacklogQuery::Unsent,
         )
         .await?;
+    let summary = CutoverSummary::of(consistent_point, published);
     backlog
-        .metadata
+        .metadata()
         .execute(
             &format!(
                 "UPDATE {marker_table} SET completed_at = clock_timestamp(), published = $2, poisoned = $3
@@ -372,17 +374,6 @@ async fn cut_over(
         "cutover complete: streaming starts at the consistent point"
     );
     Ok(summary)
-}
-
-/// Which rows of the snapshot a [`Backlog`] publishes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum BacklogQuery {
-    /// The cutover's: rows the poller has not sent (`sent_at IS NULL`) and not
-    /// poisoned, whatever their attempts.
-    Unsent,
-    /// A resync's: unsent, unpoisoned rows not known to be delivered, i.e. not below
-    /// this checkpoint xmin (0: none known), whatever their attempts.
-    Undelivered { delivered_xmin: i64 },
 }
 
 /// Creates the slot with an exported snapshot (valid until the next command on
@@ -406,267 +397,6 @@ pub(super) async fn create_exported_slot(
             slot: slot_name.to_owned(),
         })?;
     Ok((created.consistent_point, snapshot))
-}
-
-/// The backlog publisher: mapper, producer, prepared marks.
-pub(super) struct Backlog<'a> {
-    config: &'a Config,
-    metadata: &'a mut Client,
-    /// The cutover's marker table, whose progress counters each round updates.
-    marker_table: Option<&'a str>,
-    sql: poller::Sql,
-    prepared: poller::Prepared,
-    layout: poller::Layout,
-    mapper: OutboxMapper,
-    publisher: Publisher,
-    reports: tokio::sync::mpsc::Receiver<DeliveryReport>,
-    max_attempts: i32,
-    window: usize,
-    /// Event id base of the next publish round (ids are per producer).
-    next_id: u64,
-}
-
-impl<'a> Backlog<'a> {
-    /// The metadata connection the marks are written on.
-    pub(super) fn metadata(&self) -> &Client {
-        self.metadata
-    }
-
-    pub(super) async fn open(
-        config: &'a Config,
-        metadata: &'a mut Client,
-        marker_table: Option<&'a str>,
-    ) -> Result<Backlog<'a>> {
-        let layout = poller::inspect_tables(metadata, &config.outbox).await?;
-        // A shard's cutover or resync publishes its shard's rows only.
-        let shard_filter = crate::config::shard::row_filter(
-            &config.outbox.columns.aggregate_id,
-            config.postgres.shards,
-            config.postgres.shard,
-        );
-        let sql = poller::Sql::new(
-            &config.outbox,
-            &layout,
-            config.relay.poison_copy_limit_bytes,
-            shard_filter.as_deref(),
-        );
-        let prepared = poller::Prepared::new(metadata, &sql).await?;
-        let mapper =
-            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
-        let window = window_size(config.relay.max_in_flight_events);
-        let capacity = kafka::report_capacity(&config.relay).max(window + 1);
-        let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
-        let (publisher, reports) = Publisher::new(producer_config, capacity)?;
-        let publisher =
-            publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());
-        publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
-        let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
-        Ok(Backlog {
-            config,
-            metadata,
-            marker_table,
-            sql,
-            prepared,
-            layout,
-            mapper,
-            publisher,
-            reports,
-            max_attempts,
-            window,
-            next_id: 0,
-        })
-    }
-
-    /// Reads the backlog in the exported snapshot, window by window, and resolves
-    /// every row (acked or poisoned) before reading the next window.
-    pub(super) async fn publish(
-        &mut self,
-        reader: &mut Client,
-        snapshot: &str,
-        consistent_point: Lsn,
-        query: BacklogQuery,
-    ) -> Result<CutoverSummary> {
-        let mut summary = CutoverSummary {
-            consistent_point,
-            ..CutoverSummary::default()
-        };
-        let tx = reader
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .await
-            .map_err(poller::pg_error)?;
-        // Must be the transaction's first statement.
-        tx.batch_execute(&format!(
-            "SET TRANSACTION SNAPSHOT {}",
-            quote_literal(snapshot)
-        ))
-        .await
-        .map_err(poller::pg_error)?;
-        summary.snapshot_xmin = tx
-            .query_one(
-                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
-                &[],
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(poller::pg_error)?;
-        let (sql, params): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match &query {
-            BacklogQuery::Unsent => (&self.sql.backlog, vec![]),
-            BacklogQuery::Undelivered { delivered_xmin } => {
-                (&self.sql.undelivered, vec![delivered_xmin])
-            }
-        };
-        let statement = tx.prepare(sql).await.map_err(poller::pg_error)?;
-        let portal = tx
-            .bind(&statement, &params)
-            .await
-            .map_err(poller::pg_error)?;
-        let window = i32::try_from(self.window).unwrap_or(i32::MAX);
-        loop {
-            let chunk = tx
-                .query_portal(&portal, window)
-                .await
-                .map_err(poller::pg_error)?;
-            let fetched = chunk.len();
-            let mut rows = Vec::with_capacity(fetched);
-            for row in &chunk {
-                let (polled, outbox_row) = poller::read_row(row, self.layout.payload_format)?;
-                rows.push(to_batch_row(
-                    &self.mapper,
-                    polled,
-                    &outbox_row,
-                    consistent_point,
-                ));
-            }
-            drop(chunk);
-            summary.rows += fetched as u64;
-            if !rows.is_empty() {
-                let outcome = self.resolve(rows, &summary).await?;
-                summary.published += outcome.delivered as u64;
-                summary.poisoned += outcome.poisoned as u64;
-                tracing::debug!(
-                    rows = summary.rows,
-                    published = summary.published,
-                    "cutover window resolved"
-                );
-            }
-            if fetched < self.window {
-                break;
-            }
-        }
-        tx.commit().await.map_err(poller::pg_error)?;
-        Ok(summary)
-    }
-
-    /// Publishes one window until every row is acked or poisoned; the marks of
-    /// each round are committed with the marker row's progress counters.
-    async fn resolve(
-        &mut self,
-        mut rows: Vec<BatchRow>,
-        before: &CutoverSummary,
-    ) -> Result<BatchOutcome> {
-        let mut total = BatchOutcome::default();
-        let mut backoff = Backoff::new(RETRY_BACKOFF_INITIAL, RETRY_BACKOFF_MAX);
-        loop {
-            let base = self.next_id;
-            self.next_id = self.next_id.wrapping_add(rows.len() as u64);
-            poller::publish(&self.publisher, &mut self.reports, base, &mut rows).await?;
-            let tx = self
-                .metadata
-                .transaction()
-                .await
-                .map_err(poller::pg_error)?;
-            let outcome =
-                poller::write_marks(&tx, &self.prepared, self.max_attempts, &rows).await?;
-            let published = before.published + (total.delivered + outcome.delivered) as u64;
-            let poisoned = before.poisoned + (total.poisoned + outcome.poisoned) as u64;
-            if let Some(marker_table) = self.marker_table {
-                tx.execute(
-                    &format!(
-                        "UPDATE {marker_table} SET published = $2, poisoned = $3 WHERE slot_name = $1"
-                    ),
-                    &[
-                        &self.config.postgres.slot_name(),
-                        &count(published),
-                        &count(poisoned),
-                    ],
-                )
-                .await
-                .map_err(poller::pg_error)?;
-            }
-            tx.commit().await.map_err(poller::pg_error)?;
-            total.delivered += outcome.delivered;
-            total.poisoned += outcome.poisoned;
-            total.failed += outcome.failed;
-            rows = still_to_send(rows, self.max_attempts);
-            if rows.is_empty() {
-                return Ok(total);
-            }
-            let pause = backoff.next_pause();
-            tracing::warn!(
-                rows = rows.len(),
-                retry_in_ms = millis(pause),
-                "cutover: rows not acked yet; retrying before streaming starts"
-            );
-            // No shutdown here: `prepare` as a whole is raced against it.
-            tokio::time::sleep(pause).await;
-        }
-    }
-}
-
-/// Maps one backlog row as the stream would, with the consistent point as its
-/// `source_lsn`.
-fn to_batch_row(
-    mapper: &OutboxMapper,
-    polled: Polled,
-    row: &crate::outbox::OutboxRow,
-    consistent_point: Lsn,
-) -> BatchRow {
-    BatchRow::map(mapper, polled, row, Some(consistent_point))
-}
-
-/// The rows of a marked round that must be sent again: not acked, not poisoned.
-/// A permanent failure counts one attempt (as [`poller::write_marks`] recorded it);
-/// transient failures and missing reports count none.
-fn still_to_send(rows: Vec<BatchRow>, max_attempts: i32) -> Vec<BatchRow> {
-    rows.into_iter()
-        .filter_map(|mut row| {
-            let RowResult::Event { delivery, .. } = &mut row.result else {
-                // Unmappable rows are poisoned by the marks.
-                return None;
-            };
-            match delivery {
-                Delivery::Acked => None,
-                Delivery::Pending
-                | Delivery::Failed {
-                    failure: Failure::Transient | Failure::Configuration,
-                    ..
-                } => {
-                    *delivery = Delivery::Pending;
-                    Some(row)
-                }
-                Delivery::Failed {
-                    failure: Failure::Permanent,
-                    ..
-                } => {
-                    let tries = row.polled.attempts.saturating_add(1);
-                    if tries >= max_attempts {
-                        return None;
-                    }
-                    row.polled.attempts = tries;
-                    *delivery = Delivery::Pending;
-                    Some(row)
-                }
-            }
-        })
-        .collect()
-}
-
-/// Rows per window: the relay's in-flight window, at most [`MAX_WINDOW`].
-fn window_size(max_in_flight_events: usize) -> usize {
-    max_in_flight_events.clamp(1, MAX_WINDOW)
 }
 
 /// The marker table, qualified with the outbox's schema and quoted.
@@ -805,8 +535,6 @@ pub fn render(config: &Config, outcome: &Outcome) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outbox::OutboxRow;
-    use bytes::Bytes;
 
     const AUTO: Trigger = Trigger::Run(CutoverMode::Auto);
     const OFF: Trigger = Trigger::Run(CutoverMode::Off);
@@ -860,93 +588,6 @@ mod tests {
         .unwrap()
     }
 
-    fn row(attempts: i32, delivery: Delivery) -> BatchRow {
-        let config = config();
-        let mapper =
-            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())
-                .unwrap();
-        let outbox_row = OutboxRow {
-            id: Some(Bytes::from_static(b"1")),
-            aggregate_type: Some(Bytes::from_static(b"order")),
-            aggregate_id: Some(Bytes::from_static(b"o-1")),
-            event_type: Some(Bytes::from_static(b"Created")),
-            payload: Some(Bytes::from_static(b"{}")),
-            ..OutboxRow::default()
-        };
-        let polled = Polled {
-            id: "1".into(),
-            attempts,
-            last_error: None,
-        };
-        let mut row = to_batch_row(&mapper, polled, &outbox_row, Lsn::from(0x16_0000));
-        if let RowResult::Event { delivery: d, .. } = &mut row.result {
-            *d = delivery;
-        }
-        row
-    }
-
-    fn failed(failure: Failure) -> Delivery {
-        Delivery::Failed {
-            failure,
-            kind: "test",
-            message: "refused".into(),
-        }
-    }
-
-    #[test]
-    fn backlog_records_carry_the_consistent_point() {
-        let r = row(0, Delivery::Pending);
-        let RowResult::Event { event, .. } = &r.result else {
-            panic!("mapped")
-        };
-        assert_eq!(event.source_lsn, Some(Lsn::from(0x16_0000)));
-        let lsn = event
-            .headers
-            .iter()
-            .find(|(n, _)| n == crate::outbox::HEADER_SOURCE_LSN)
-            .map(|(_, v)| v.clone());
-        assert_eq!(lsn.as_deref(), Some(&b"0/160000"[..]));
-    }
-
-    #[test]
-    fn acked_and_exhausted_rows_are_done_others_are_sent_again() {
-        let rows = vec![
-            row(0, Delivery::Acked),
-            row(0, failed(Failure::Transient)),
-            row(1, failed(Failure::Permanent)),
-            row(4, failed(Failure::Permanent)),
-            row(2, Delivery::Pending),
-        ];
-        let again = still_to_send(rows, 5);
-        let attempts: Vec<i32> = again.iter().map(|r| r.polled.attempts).collect();
-        // Transient: same attempts; permanent 1 -> 2; permanent 4 -> 5 = poisoned.
-        assert_eq!(attempts, vec![0, 2, 2]);
-        assert!(again.iter().all(|r| matches!(
-            r.result,
-            RowResult::Event {
-                delivery: Delivery::Pending,
-                ..
-            }
-        )));
-    }
-
-    #[test]
-    fn unmappable_rows_are_never_sent_again() {
-        let config = config();
-        let mapper =
-            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())
-                .unwrap();
-        let polled = Polled {
-            id: "2".into(),
-            attempts: 0,
-            last_error: None,
-        };
-        // No aggregate_id: no key.
-        let r = to_batch_row(&mapper, polled, &OutboxRow::default(), Lsn::ZERO);
-        assert!(matches!(r.result, RowResult::Unmappable { .. }));
-        assert!(still_to_send(vec![r], 5).is_empty());
-    }
-
     #[test]
     fn a_busy_unfinished_slot_is_retried_other_errors_are_prerequisites() {
         let busy = unfinished_slot_active("s", 7);
@@ -994,13 +635,6 @@ mod tests {
             "{done}"
         );
         assert!(render(&c, &Outcome::AlreadyDone).contains("already completed"));
-    }
-
-    #[test]
-    fn window_is_the_in_flight_window_bounded() {
-        assert_eq!(window_size(0), 1);
-        assert_eq!(window_size(500), 500);
-        assert_eq!(window_size(1_000_000), MAX_WINDOW);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::time::Instant;
 use crate::cdc::progress::Origin;
 use crate::lsn::Lsn;
 use crate::outbox::{OutboxEvent, PoisonFields};
-use crate::poison::{PARKED_KIND, Parking, PoisonRow};
+use crate::poison::{Parking, PoisonRow};
 
 /// One in-flight event: what to produce, and what to write to `poison_outbox` if it
 /// never can be.
@@ -69,20 +69,7 @@ impl InFlight {
                 event,
                 parked: true,
                 ..
-            } => PoisonRow {
-                fields: event.poison_fields(),
-                error: format!(
-                    "parked: an earlier event of key {:?} on topic {:?} is poisoned \
-                     (relay.on_poison = \"park-key\"); replay delivers it after that one",
-                    String::from_utf8_lossy(&event.key),
-                    event.topic
-                ),
-                error_kind: PARKED_KIND.to_owned(),
-                attempts: 0,
-                lsn: event.source_lsn,
-                tx_position: Some(origin.ordinal),
-                parking: Parking::Parked,
-            },
+            } => crate::poison::parked_row(event, Some(origin.ordinal)),
             InFlight::Event {
                 event, last_error, ..
             } => {

@@ -112,6 +112,9 @@ pub(crate) const SLOT_LOSSES: &str = "outbox_relay_slot_losses_total";
 pub(crate) const RESYNCED_ROWS: &str = "outbox_relay_resynced_rows_total";
 /// Counter: producers replaced because they stopped reporting (or failed fatally).
 pub(crate) const PRODUCER_RESTARTS: &str = "outbox_relay_producer_restarts_total";
+/// Kafka transactions ended (`kafka.delivery = "exactly-once"`), by `outcome`:
+/// `committed` or `aborted`.
+pub(crate) const KAFKA_TRANSACTIONS: &str = "outbox_relay_kafka_transactions_total";
 /// Gauge: sessions in a row that ended at the same confirmed position (0 when the
 /// last session made progress).
 pub(crate) const REPEATED_FAILURES: &str = "outbox_relay_repeated_session_failures";
@@ -202,6 +205,10 @@ fn describe() {
     describe_counter!(
         RESYNCED_ROWS,
         "Outbox rows published or poisoned by resyncs after a lost slot"
+    );
+    describe_counter!(
+        KAFKA_TRANSACTIONS,
+        "Kafka transactions ended in exactly-once mode, by outcome (committed, aborted)"
     );
     describe_counter!(
         PRODUCER_RESTARTS,

@@ -9,9 +9,14 @@
 //! Where each session starts is [`start`]'s decision, from the slot, the relay's own
 //! saved position (`position_saver` writes it before the server hears of it) and what
 //! the process remembers; a lost slot is healed by `resync`. The core also keeps a
-//! reconnect from producing again what the lost session had delivered.
+//! reconnect from producing again what the lost session had delivered. With
+//! `kafka.delivery = "exactly-once"`, `exactly_once` runs the Kafka transactions the
+//! core asks for and resumes it from the last committed progress record.
 
+mod backlog;
+mod confirmation;
 pub mod cutover;
+mod exactly_once;
 pub(crate) mod heartbeat;
 mod in_flight;
 mod instruments;
@@ -19,6 +24,7 @@ pub mod metrics;
 mod poison_policy;
 mod position_saver;
 pub mod progress;
+pub mod progress_record;
 mod resync;
 pub mod session;
 pub mod start;

@@ -23,9 +23,11 @@ use std::collections::{HashMap, HashSet};
 
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::metrics as m;
-use crate::config::PoisonKeyMode;
+use crate::config::{Config, PoisonKeyMode};
+use crate::error::Result;
 use crate::outbox::OutboxEvent;
 use crate::poison::{ParkedKey, Parking};
+use crate::postgres::prerequisite::Prerequisite;
 
 /// What to do with an event the core wants poisoned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,7 +119,7 @@ impl PoisonPolicy {
 
 /// The parked-key identity of an event: its topic and its record key as text (as
 /// the poison table stores it).
-fn key_of(event: &OutboxEvent) -> ParkedKey {
+pub(crate) fn key_of(event: &OutboxEvent) -> ParkedKey {
     ParkedKey {
         topic: event.topic.clone(),
         key: key_text(&event.key).into_owned(),
@@ -127,4 +129,21 @@ fn key_of(event: &OutboxEvent) -> ParkedKey {
 /// A record key as the poison table's text (lossy for bytes that are not UTF-8).
 fn key_text(key: &[u8]) -> Cow<'_, str> {
     String::from_utf8_lossy(key)
+}
+
+/// The keys parked now (loaded when the relay starts, and after a backlog, which
+/// may park keys). Without the
+/// parked-key table (migration `0009`) there are none, unless `park-key` needs it.
+pub(crate) async fn parked_keys(
+    client: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<HashSet<crate::poison::ParkedKey>> {
+    let table = crate::poison::parked_key_table(&config.outbox);
+    if crate::postgres::table_exists(client, &table).await? {
+        return Ok(crate::poison::load_parked_keys(client, &table).await?);
+    }
+    if config.relay.on_poison == PoisonKeyMode::ParkKey {
+        return Err(Prerequisite::ParkedKeyTableMissing { table }.into());
+    }
+    Ok(HashSet::new())
 }

@@ -68,11 +68,13 @@ impl Drop for PositionSaver {
 }
 
 impl PositionSaver {
-    /// Starts saving positions of `history`; `initial` is already saved.
+    /// Starts saving positions of `history` on the server that started at
+    /// `server_started`; `initial` is already saved.
     pub(crate) fn spawn(
         conninfo: ConnInfo,
         table: PositionTable,
         history: ServerHistory,
+        server_started: Option<i64>,
         initial: Lsn,
         min_gap: Duration,
     ) -> PositionSaver {
@@ -87,6 +89,7 @@ impl PositionSaver {
                 conninfo,
                 table,
                 history,
+                server_started,
                 min_gap,
                 failures: failures_tx,
             }
@@ -158,6 +161,9 @@ struct Task {
     conninfo: ConnInfo,
     table: PositionTable,
     history: ServerHistory,
+    /// The session's server (`pg_postmaster_start_time()`); a restarted one may be
+    /// a restored copy, whose row must not get this session's positions.
+    server_started: Option<i64>,
     min_gap: Duration,
     failures: mpsc::Sender<SaverEvent>,
 }
@@ -269,6 +275,30 @@ impl Task {
         }
     }
 
+    /// A new connection must reach the server this session streamed from: a server
+    /// that restarted meanwhile may be a data directory restored in place, where a
+    /// position of the lost WAL would make the next session skip new commits. That
+    /// is a refusal (the session ends and the start plan decides on the new server).
+    async fn same_server(&self, client: &tokio_postgres::Client) -> Result<(), SaveError> {
+        let Some(expected) = self.server_started else {
+            return Ok(());
+        };
+        let started = crate::postgres::postmaster_started(client)
+            .await
+            .map_err(|e| SaveError::from(crate::outbox::checkpoint::CheckpointError::from(e)))?;
+        if started == Some(expected) {
+            return Ok(());
+        }
+        Err(SaveError {
+            message: "the server restarted since this session started (it may be a restored \
+                      copy): nothing of this session is saved there"
+                .to_owned(),
+            phase: SavePhase::Connecting,
+            sqlstate: None,
+            refused: true,
+        })
+    }
+
     /// One save, reconnecting first if needed. A missing row (deleted by an
     /// operator) is re-created; a row of another history or with a resync pending
     /// is not overwritten.
@@ -289,6 +319,7 @@ impl Task {
                 .map_err(|e| {
                     SaveError::from(crate::outbox::checkpoint::CheckpointError::from(e))
                 })?;
+            self.same_server(&connected).await?;
             *client = Some(connected);
         }
         let Some(c) = client.as_ref() else {
@@ -305,7 +336,7 @@ impl Task {
         match self.table.load(c).await? {
             None => {
                 tracing::warn!(table = %self.table.name(), "the relay position row was deleted; recording it again");
-                Ok(self.table.adopt(c, self.history, target).await?)
+                Ok(self.table.adopt(c, self.history, target, false).await?)
             }
             Some(p) => Err(SaveError {
                 message: format!(

@@ -26,13 +26,15 @@
 
 use tokio_postgres::Client;
 
-use crate::cdc::cutover::{Backlog, BacklogQuery, CutoverSummary};
+use crate::cdc::backlog::{Backlog, BacklogQuery};
+use crate::cdc::cutover::CutoverSummary;
 use crate::cdc::start::SlotLoss;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::ReplicationConnection;
 use crate::postgres::slot;
 
@@ -53,7 +55,9 @@ pub(crate) async fn resync(
     // saves fail), and an outbox without the columns a resync needs, a connection or
     // the broker failing must leave the position row as it was.
     ensure_idle(metadata, slot_name).await?;
-    let mut backlog = Backlog::open(config, metadata, None).await?;
+    let mut backlog = Backlog::open(config, metadata, None)
+        .await
+        .map_err(|e| impossible(e, loss))?;
     let mut reader = poller::session(conninfo).await?;
     positions
         .mark_lost(backlog.metadata(), &loss.to_string())
@@ -67,7 +71,7 @@ pub(crate) async fn resync(
         delivered_xmin,
         "resync: slot created again with an exported snapshot; publishing the rows committed since the recorded position"
     );
-    let summary = backlog
+    let published = backlog
         .publish(
             &mut reader,
             &snapshot,
@@ -77,6 +81,7 @@ pub(crate) async fn resync(
             },
         )
         .await?;
+    let summary = CutoverSummary::of(consistent_point, published);
     positions
         .resynced(
             backlog.metadata(),
@@ -96,6 +101,22 @@ pub(crate) async fn resync(
         "resync complete: streaming starts at the new slot's consistent point"
     );
     Ok(summary)
+}
+
+/// The outbox lacks the columns a resync marks rows with: said in the resync's
+/// terms, with the operator's two ways out (`check` warns of it beforehand).
+fn impossible(e: Error, loss: &SlotLoss) -> Error {
+    match e {
+        Error::Prerequisite(Prerequisite::PollerColumnsMissing { table, columns }) => {
+            Prerequisite::ResyncImpossible {
+                detail: loss.to_string(),
+                table,
+                columns,
+            }
+            .into()
+        }
+        other => other,
+    }
 }
 
 /// A slot another process streams from is not lost: that is retried (the start plan

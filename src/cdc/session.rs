@@ -39,7 +39,7 @@
 //! again, the row to poison) is in `in_flight.rs`, its metric handles in
 //! `instruments.rs`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -47,16 +47,20 @@ use rdkafka::error::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
 
+use crate::cdc::confirmation::{Confirmation, Verdict};
+use crate::cdc::exactly_once::{ExactlyOnce, PROGRESS_RECORD_ID};
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
-use crate::cdc::position_saver::{PositionSaver, SaverEvent};
-use crate::cdc::progress::{Action, Core, CoreConfig, ProtocolError, StatusUpdate};
+use crate::cdc::position_saver::SaverEvent;
+use crate::cdc::progress::{
+    Action, Core, CoreConfig, ProtocolError, StatusUpdate, TransactionLimits,
+};
 use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartPlan};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
-use crate::config::{Config, PoisonKeyMode, RelayConfig, SlotLossMode};
+use crate::config::{Config, RelayConfig, SlotLossMode};
 use crate::delivery::ErrorClass;
 use crate::delivery::{EventId, Failure};
 use crate::error::{Error, Result};
@@ -103,8 +107,8 @@ const WATCHDOG_TICK: Duration = Duration::from_secs(1);
 /// The watchdog's broker check (a metadata request).
 const WATCHDOG_BROKER_CHECK: Duration = Duration::from_secs(5);
 
-/// Saves failing this long turn the relay not-ready (`/readyz`).
-const SAVE_FAILURE_ALERT: Duration = Duration::from_secs(5);
+/// How soon a finished Kafka transaction call looks again for its last reports.
+const SETTLE_RECHECK: Duration = Duration::from_millis(2);
 
 /// How long a graceful shutdown waits for the final position to be saved.
 const FINAL_SAVE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -158,6 +162,10 @@ enum Lost {
         code: RDKafkaErrorCode,
         message: String,
     },
+    /// A Kafka transaction call failed fatally (not fenced): the producer is
+    /// replaced, and its successor's `init_transactions` aborts what it left open.
+    #[error("{0}: replacing the producer")]
+    Transaction(crate::kafka::TransactionError),
     /// The relay position row is not this session's to write any more (another
     /// relay is resyncing the slot, or it belongs to another history): the session
     /// ends and the start plan decides again.
@@ -175,7 +183,7 @@ impl Lost {
     fn needs_new_producer(&self) -> bool {
         matches!(
             self,
-            Lost::ProducerStalled { .. } | Lost::ProducerFatal { .. }
+            Lost::ProducerStalled { .. } | Lost::ProducerFatal { .. } | Lost::Transaction(_)
         )
     }
 }
@@ -255,7 +263,8 @@ pub async fn run_checked(
     let Some(metadata) = connect_when_reachable(&conninfo, &mut shutdown).await? else {
         return Ok(RunSummary::default());
     };
-    let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+    let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+    let exactly_once = ExactlyOnce::new(&config, &mut producer_config)?;
     let (publisher, reports) = relay_publisher(&producer_config, &config.relay)?;
     let checks_started = Instant::now();
     checks.check(&metadata, &publisher, &config).await?;
@@ -273,7 +282,7 @@ pub async fn run_checked(
     }
     let policy = PoisonPolicy::new(
         config.relay.on_poison,
-        parked_keys(&metadata, &config).await?,
+        crate::cdc::poison_policy::parked_keys(&metadata, &config).await?,
     );
     tracing::info!(
         server_version = %prerequisites.server_version,
@@ -295,6 +304,10 @@ pub async fn run_checked(
         max_in_flight_bytes: config.relay.max_in_flight_bytes,
         max_attempts: config.relay.max_attempts,
         status_interval: prerequisites.status_interval(),
+        transactions: exactly_once.as_ref().map(|_| TransactionLimits {
+            max_events: config.kafka.transaction_max_events,
+            interval: Duration::from_millis(config.kafka.transaction_interval_ms),
+        }),
         ..CoreConfig::default()
     };
     drop(metadata);
@@ -322,10 +335,9 @@ pub async fn run_checked(
         publisher,
         producer_config,
         reports,
-        positions,
+        confirmation: Confirmation::new(positions),
         history: None,
-        saver: None,
-        save_failing_since: None,
+        server_started: None,
         last_report_at: now,
         producer_fatal: None,
         producer_alerted: false,
@@ -344,6 +356,7 @@ pub async fn run_checked(
         messages_option: prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
         health,
         instruments: Instruments::new(),
+        exactly_once,
     };
     relay.run(shutdown).await
 }
@@ -443,22 +456,6 @@ const BATCH_OVERHEAD: usize = 61 + 1 + 10 + 5 + 5 + 5 + 5 + 5;
 /// Bytes each header adds at most (its name and value lengths as varints).
 const HEADER_OVERHEAD: usize = 10;
 
-/// The keys parked when the relay starts (`crate::cdc::poison_policy`). Without the
-/// parked-key table (migration `0009`) there are none, unless `park-key` needs it.
-async fn parked_keys(
-    client: &tokio_postgres::Client,
-    config: &Config,
-) -> Result<HashSet<crate::poison::ParkedKey>> {
-    let table = crate::poison::parked_key_table(&config.outbox);
-    if crate::postgres::table_exists(client, &table).await? {
-        return Ok(crate::poison::load_parked_keys(client, &table).await?);
-    }
-    if config.relay.on_poison == PoisonKeyMode::ParkKey {
-        return Err(Prerequisite::ParkedKeyTableMissing { table }.into());
-    }
-    Ok(HashSet::new())
-}
-
 /// Aborts a background task when dropped (the heartbeat stops with the relay).
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -481,13 +478,13 @@ struct Relay {
     /// To make a new producer when the current one is wedged.
     producer_config: ClientConfig,
     reports: mpsc::Receiver<DeliveryReport>,
-    positions: PositionTable,
+    /// The saved position and this session's saver.
+    confirmation: Confirmation,
     /// The server history of the last session (`None` before the first).
     history: Option<ServerHistory>,
-    /// Saves positions before the server hears of them (one per session).
-    saver: Option<PositionSaver>,
-    /// Saves have failed since then, without one succeeding.
-    save_failing_since: Option<Instant>,
+    /// When the server of the last session started (a restart forgets the
+    /// remembered position, `cdc::start`).
+    server_started: Option<i64>,
     /// Last delivery report (or moment the producer had nothing in flight).
     last_report_at: Instant,
     /// A fatal delivery report: the session ends and the producer is replaced.
@@ -522,6 +519,8 @@ struct Relay {
     messages_option: bool,
     health: Health,
     instruments: Instruments,
+    /// `kafka.delivery = "exactly-once"`: the Kafka transactions (`cdc::exactly_once`).
+    exactly_once: Option<ExactlyOnce>,
 }
 
 impl Relay {
@@ -535,6 +534,17 @@ impl Relay {
                 stream = self.start_session(first) => stream,
             };
             first = false;
+            if self
+                .exactly_once
+                .as_ref()
+                .is_some_and(ExactlyOnce::needs_new_producer)
+            {
+                // A transactional call failed at the start, or a session ended with
+                // its transaction in an unknown state: the next producer's
+                // `init_transactions` fences this one and settles what it left.
+                tracing::warn!("replacing the transactional producer");
+                self.replace_producer()?;
+            }
             let stream = match stream {
                 Ok(stream) => stream,
                 Err(e) if e.class() == ErrorClass::Transient => {
@@ -560,7 +570,12 @@ impl Relay {
             if self.drain_after_loss(&mut shutdown).await? {
                 return Ok(self.summary.clone());
             }
-            if reason.needs_new_producer() {
+            let transaction_unsettled = self
+                .exactly_once
+                .as_ref()
+                .is_some_and(ExactlyOnce::needs_new_producer)
+                || self.core.transaction_events() > 0;
+            if reason.needs_new_producer() || transaction_unsettled {
                 tracing::error!(%reason, "replacing the Kafka producer; unconfirmed events are produced again in order");
                 self.replace_producer()?;
             }
@@ -603,9 +618,25 @@ impl Relay {
     /// and not re-sent, then records what the unconfirmed ones had resolved. Returns
     /// `true` if shutdown came first.
     async fn drain_after_loss(&mut self, shutdown: &mut Shutdown) -> Result<bool> {
-        let deadline = tokio::time::Instant::now() + LOSS_DRAIN_TIMEOUT;
-        while self.core.resolvable_events() > 0 && self.producer_fatal.is_none() {
+        let deadline = tokio::time::Instant::now()
+            + if self.exactly_once.is_some() {
+                // A commit or an abort may take its own timeout.
+                LOSS_DRAIN_TIMEOUT.max(kafka::TRANSACTION_CALL_TIMEOUT)
+            } else {
+                LOSS_DRAIN_TIMEOUT
+            };
+        while (self.core.resolvable_events() > 0 || self.transaction_unfinished())
+            && self.producer_fatal.is_none()
+        {
+            // Exactly-once: what is written commits now, before the core restarts.
+            self.core.commit_now();
             self.execute_offline_actions();
+            if let Some(lost) = self.transaction_failure()? {
+                tracing::warn!(%lost, "the Kafka transaction could not end; the next producer aborts it");
+                self.producer_fatal
+                    .get_or_insert((RDKafkaErrorCode::Fail, lost.to_string()));
+                break;
+            }
             let step = tokio::select! {
                 biased;
                 () = &mut *shutdown => return Ok(true),
@@ -623,13 +654,19 @@ impl Relay {
     /// shutdown): a delivery report, a poison outcome, or the core's next timer, at
     /// the latest `deadline`.
     async fn await_in_flight(&mut self, deadline: tokio::time::Instant) -> Drain {
-        let next = self
+        self.settle_transaction();
+        let (calling, settling) = transaction_waits(self.exactly_once.as_ref());
+        let mut next = self
             .core
             .next_deadline()
             .map_or(deadline, tokio::time::Instant::from_std)
             .min(deadline);
+        if settling {
+            next = next.min(tokio::time::Instant::now() + SETTLE_RECHECK);
+        }
         tokio::select! {
             biased;
+            () = transaction_finished(&mut self.exactly_once), if calling => Drain::Progress,
             report = self.reports.recv() => match report {
                 Some(report) => {
                     self.on_report(report);
@@ -670,8 +707,58 @@ impl Relay {
                 // No stream to send it on: the next session starts from what is
                 // saved or remembered.
                 Action::SendStatus(_) => {}
+                Action::CommitTransaction => self.commit_transaction(),
+                Action::AbortTransaction => self.abort_transaction(),
             }
         }
+    }
+
+    /// Exactly-once: writes the progress record and starts the commit.
+    fn commit_transaction(&mut self) {
+        if let (Some(eo), Some(history)) = (self.exactly_once.as_mut(), self.history) {
+            eo.commit(&self.publisher, &self.core, history);
+        }
+    }
+
+    /// Exactly-once: starts the abort.
+    fn abort_transaction(&mut self) {
+        if let Some(eo) = self.exactly_once.as_mut() {
+            eo.abort(&self.publisher);
+        }
+    }
+
+    /// Exactly-once: hands a finished commit's or abort's outcome to the core once
+    /// the transaction's last reports are in.
+    fn settle_transaction(&mut self) {
+        if let Some(eo) = self.exactly_once.as_mut()
+            && eo.settling()
+        {
+            let drained = self.publisher.in_flight() == 0 && self.reports.is_empty();
+            eo.settle(&self.publisher, &mut self.core, drained);
+        }
+    }
+
+    /// Exactly-once: a transactional failure ends the session (the producer is
+    /// replaced) or, fenced or unsupported, the process.
+    fn transaction_failure(&mut self) -> Result<Option<Lost>> {
+        match self
+            .exactly_once
+            .as_mut()
+            .and_then(ExactlyOnce::take_failure)
+        {
+            Some(e) if e.needs_operator() => Err(e.into()),
+            Some(e) => Ok(Some(Lost::Transaction(e))),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether a Kafka transaction still has to end (a call or its outcome pending,
+    /// events written or produced in it).
+    fn transaction_unfinished(&self) -> bool {
+        self.exactly_once
+            .as_ref()
+            .is_some_and(|eo| eo.calling() || eo.settling())
+            || self.core.transaction_events() > 0
     }
 
     /// Replaces a wedged or fatally failed producer. The old one is dropped on a
@@ -684,6 +771,9 @@ impl Relay {
         self.reports = reports;
         self.producer_fatal = None;
         self.last_report_at = Instant::now();
+        if let Some(eo) = self.exactly_once.as_mut() {
+            eo.producer_replaced();
+        }
         tokio::task::spawn_blocking(move || drop((old, old_alone)));
         ::metrics::counter!(m::PRODUCER_RESTARTS).increment(1);
         Ok(())
@@ -694,7 +784,7 @@ impl Relay {
     async fn start_session(&mut self, first: bool) -> Result<ReplicationStream> {
         // The previous session's saver stops before anything is decided: a late save
         // of its would move the position row under this session's plan.
-        self.saver = None;
+        self.confirmation.end_session();
         // A fresh metadata connection per session: the previous one may have died
         // with the server.
         let mut metadata = crate::postgres::connect_info(&self.conninfo).await?;
@@ -710,6 +800,7 @@ impl Relay {
             history,
             wal_end: identity.xlogpos,
             forks: timeline_forks(&mut conn, identity.timeline).await,
+            started: crate::postgres::postmaster_started(&metadata).await?,
         };
         let slot_name = self.config.postgres.slot_name();
         let mut busy_timeout = Duration::from_secs(self.config.relay.slot_busy_timeout_secs);
@@ -721,6 +812,8 @@ impl Relay {
         let remembered = self.history.map(|history| Remembered {
             history,
             confirmed: self.core.confirmed(),
+            saved: self.core.saved_position(),
+            server_started: self.server_started,
         });
         // Decide on the facts after waiting for the slot: another relay may have
         // streamed from it meanwhile, and an active slot is never judged.
@@ -755,14 +848,28 @@ impl Relay {
             StartPlan::Resume {
                 from,
                 history_changed,
+                keep_checkpoint,
+                server_restarted,
             } => {
+                if server_restarted {
+                    // Nothing of the old server's WAL is kept (a restore restarts it).
+                    fresh_core = true;
+                }
                 if history_changed {
                     tracing::warn!(slot = %slot_name, %history, from = %from, server_wal_end = %server.wal_end,
                         previous = ?self.history, remembered = ?remembered.map(|r| r.confirmed),
                         "recording the position on this server history (failover, or WAL restored in place)");
-                    self.positions.adopt(&metadata, history, from).await?;
+                    self.confirmation
+                        .positions()
+                        .adopt(&metadata, history, from, keep_checkpoint)
+                        .await?;
                     fresh_core = true;
-                } else if !self.positions.save(&metadata, history, from).await? {
+                } else if !self
+                    .confirmation
+                    .positions()
+                    .save(&metadata, history, from)
+                    .await?
+                {
                     // The start may come from this process's memory: saved before
                     // any status can confirm it. A row that refuses it (marked lost
                     // by a relay resyncing, or of another history meanwhile): decide
@@ -777,14 +884,22 @@ impl Relay {
                     .await?
             }
         };
+        if fresh_core {
+            // A cutover's or a resync's backlog may have parked keys meanwhile.
+            self.policy = PoisonPolicy::new(
+                self.config.relay.on_poison,
+                crate::cdc::poison_policy::parked_keys(&metadata, &self.config).await?,
+            );
+        }
         self.reset_core(history, start, fresh_core);
-        self.saver = Some(PositionSaver::spawn(
-            self.conninfo.clone(),
-            self.positions.clone(),
+        self.server_started = server.started;
+        self.confirmation.start_session(
+            &self.conninfo,
             history,
+            server.started,
             start,
             Duration::from_millis(self.config.relay.position_save_interval_ms),
-        ));
+        );
         let publication = self.config.postgres.publication_name();
         let publications =
             crate::postgres::replication::publication_names_option(&[publication.as_str()]);
@@ -808,6 +923,18 @@ impl Relay {
                     replication_error(e)
                 }
             })?;
+        if let Some(eo) = self.exactly_once.as_mut() {
+            // Only now, holding the slot: fences the producer of a relay that held
+            // it before, and resumes a core without this process's memory.
+            eo.start_session(
+                &self.publisher,
+                &mut self.core,
+                history,
+                &server.forks,
+                start,
+            )
+            .await?;
+        }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
     }
@@ -830,7 +957,7 @@ impl Relay {
                 invalidated: info.wal_status.as_deref() == Some("lost"),
                 active_pid: info.active_pid,
             });
-        let recorded = self.positions.load(metadata).await?;
+        let recorded = self.confirmation.positions().load(metadata).await?;
         // The WAL end last, and now: a session that waited for its slot must not
         // judge a position saved meanwhile by the WAL end it saw before the wait.
         let server = ServerView {
@@ -875,7 +1002,10 @@ impl Relay {
             }
             SlotState::Existing { confirmed_flush } => confirmed_flush,
         };
-        self.positions.adopt(&*metadata, history, start).await?;
+        self.confirmation
+            .positions()
+            .adopt(&*metadata, history, start, false)
+            .await?;
         Ok(start)
     }
 
@@ -965,12 +1095,17 @@ impl Relay {
         let mut watchdog = tokio::time::interval(WATCHDOG_TICK);
         watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            self.settle_transaction();
             if let Err(e) = self.execute_actions(&mut stream).await {
                 return Ok(SessionEnd::Lost(e.into()));
             }
             if let Some((code, message)) = self.producer_fatal.take() {
                 return Ok(SessionEnd::Lost(Lost::ProducerFatal { code, message }));
             }
+            if let Some(lost) = self.transaction_failure()? {
+                return Ok(SessionEnd::Lost(lost));
+            }
+            let (calling, settling) = transaction_waits(self.exactly_once.as_ref());
             self.instruments.observe(&self.core, &self.health);
             self.clear_streak_alert();
             if let Some(deadline) = self.core.next_deadline() {
@@ -1002,7 +1137,7 @@ impl Relay {
                     };
                     self.on_poison_outcome(outcome);
                 }
-                event = saver_event(&mut self.saver) => {
+                event = self.confirmation.next_event() => {
                     if let Some(lost) = self.on_saver_event(event) {
                         return Ok(SessionEnd::Lost(lost));
                     }
@@ -1010,6 +1145,10 @@ impl Relay {
                 () = &mut timer, if has_deadline => {
                     self.core.tick(Instant::now());
                 }
+                () = transaction_finished(&mut self.exactly_once), if calling => {}
+                // The transaction's last report may arrive just before librdkafka
+                // counts it out of flight: look again shortly.
+                () = tokio::time::sleep(SETTLE_RECHECK), if settling => {}
                 _ = watchdog.tick() => {
                     if let Some(lost) = self.watch_producer().await {
                         return Ok(SessionEnd::Lost(lost));
@@ -1207,6 +1346,13 @@ impl Relay {
     fn on_report(&mut self, report: DeliveryReport) {
         let now = Instant::now();
         self.last_report_at = now;
+        if report.id == PROGRESS_RECORD_ID {
+            // Its failure fails the commit, which is then aborted.
+            if let Err((code, message)) = &report.result {
+                tracing::warn!(?code, %message, "the progress record was not written");
+            }
+            return;
+        }
         let fatal = report.is_fatal();
         match report.result {
             Ok((partition, offset)) => {
@@ -1381,54 +1527,28 @@ impl Relay {
                     self.instruments.status_sent(status.flush, Instant::now());
                     self.summary.confirmed = status.flush;
                 }
+                Action::CommitTransaction => self.commit_transaction(),
+                Action::AbortTransaction => self.abort_transaction(),
             }
         }
         Ok(())
     }
 
     /// Hands a save the core asked for to the saver.
-    fn request_save(&mut self, lsn: Lsn, urgent: bool) {
-        if let Some(saver) = &self.saver {
-            saver.request(lsn, urgent);
-        }
+    fn request_save(&self, lsn: Lsn, urgent: bool) {
+        self.confirmation.request(lsn, urgent);
     }
 
-    /// What the saver did: the core decides what it means for the statuses. Saves
-    /// failing for [`SAVE_FAILURE_ALERT`] turn the relay not-ready (nothing is
-    /// confirmed meanwhile, and reading stops once a window waits); a refused row
-    /// ends the session.
+    /// What the saver did (the core decides what it means for the statuses); a
+    /// refused row or a server shutting down ends the session.
     fn on_saver_event(&mut self, event: SaverEvent) -> Option<Lost> {
-        let now = Instant::now();
-        match event {
-            SaverEvent::Saved(lsn) => {
-                self.core.saved(lsn, now);
-                if self.save_failing_since.take().is_some() {
-                    self.health.set_alert("position", None);
-                }
-                None
-            }
-            SaverEvent::Failed {
-                phase,
-                sqlstate,
-                message,
-            } => {
-                self.core.save_failed(phase, sqlstate.as_deref());
-                if self.core.server_stopping() {
-                    return Some(Lost::ServerStopping { reason: message });
-                }
-                let since = *self.save_failing_since.get_or_insert(now);
-                if now.duration_since(since) >= SAVE_FAILURE_ALERT {
-                    self.health.set_alert(
-                        "position",
-                        Some(format!(
-                            "the relay position cannot be saved for {}s ({message}); nothing is confirmed meanwhile",
-                            now.duration_since(since).as_secs()
-                        )),
-                    );
-                }
-                None
-            }
-            SaverEvent::Refused { reason } => Some(Lost::PositionRefused { reason }),
+        match self
+            .confirmation
+            .on_event(event, &mut self.core, &self.health)
+        {
+            Verdict::Continue => None,
+            Verdict::ServerStopping(reason) => Some(Lost::ServerStopping { reason }),
+            Verdict::Refused(reason) => Some(Lost::PositionRefused { reason }),
         }
     }
 
@@ -1457,6 +1577,14 @@ impl Relay {
                 Failure::Permanent,
             );
             self.core.refuse(id, Instant::now());
+            return;
+        }
+        if let Some(eo) = self.exactly_once.as_mut()
+            && !eo.before_produce(&self.publisher)
+        {
+            // The producer cannot begin a transaction: the session ends and the
+            // event goes out with the next producer.
+            self.core.delivery_failed(id, Failure::Transient, now);
             return;
         }
         let publisher = if self.make_alone_publisher(id) {
@@ -1497,6 +1625,10 @@ impl Relay {
     /// Whether `id` is to be retried alone; makes the producer that sends records
     /// alone on first use (when it cannot be made, the shared producer is used).
     fn make_alone_publisher(&mut self, id: EventId) -> bool {
+        if self.exactly_once.is_some() {
+            // Another producer cannot write into this one's transaction.
+            return false;
+        }
         if !matches!(
             self.pending.get(&id),
             Some(InFlight::Event { alone: true, .. })
@@ -1599,8 +1731,16 @@ impl Relay {
             in_flight = self.core.in_flight_events(),
             "shutting down: waiting for in-flight events"
         );
-        while self.core.resolvable_events() > 0 {
+        while self.core.resolvable_events() > 0 || self.transaction_unfinished() {
+            // Exactly-once: what is written commits now.
+            self.core.commit_now();
             if self.execute_actions(&mut stream).await.is_err() {
+                break;
+            }
+            if self.transaction_failure()?.is_some() {
+                tracing::warn!(
+                    "the Kafka transaction could not commit; the next start aborts it and sends its events again"
+                );
                 break;
             }
             match self.await_in_flight(deadline).await {
@@ -1615,10 +1755,9 @@ impl Relay {
                 }
             }
         }
-        if let Some(saver) = &mut self.saver {
-            let saved = saver.flush(self.core.confirmed(), FINAL_SAVE_TIMEOUT).await;
-            self.core.saved(saved, Instant::now());
-        }
+        self.confirmation
+            .final_save(&mut self.core, FINAL_SAVE_TIMEOUT)
+            .await;
         let status = self.core.shutdown_status();
         if send_status(&mut stream, status).await.is_ok() {
             self.summary.confirmed = status.flush;
@@ -1628,6 +1767,20 @@ impl Relay {
         }
         tracing::info!(confirmed = %self.summary.confirmed, delivered = self.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
+    }
+}
+
+/// Whether a Kafka transaction call is under way, and whether its outcome waits for
+/// the last reports (both `false` in at-least-once mode).
+fn transaction_waits(exactly_once: Option<&ExactlyOnce>) -> (bool, bool) {
+    exactly_once.map_or((false, false), |eo| (eo.calling(), eo.settling()))
+}
+
+/// Waits for the Kafka transaction call under way (pending forever without one).
+async fn transaction_finished(exactly_once: &mut Option<ExactlyOnce>) {
+    match exactly_once {
+        Some(eo) => eo.finished().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -1654,14 +1807,6 @@ async fn timeline_forks(conn: &mut ReplicationConnection, timeline: u32) -> Vec<
             tracing::warn!(error = %e, timeline, "cannot read the timeline history; a slot after a promotion is checked against the recorded position only");
             Vec::new()
         }
-    }
-}
-
-/// The saver's next event, or never without a saver.
-async fn saver_event(saver: &mut Option<PositionSaver>) -> SaverEvent {
-    match saver {
-        Some(saver) => saver.next_event().await,
-        None => std::future::pending().await,
     }
 }
 

@@ -50,10 +50,24 @@
 //!   restored with the WAL. Not the server's WAL end either: commits made after the
 //!   restore and before the relay reconnects lie below it, and the restored WAL is a
 //!   prefix of what the relay read only up to the (unknown) restore point. A recorded
-//!   position past the WAL end belongs to another history. (A restored server that
-//!   has already written past the remembered position before the relay reconnects
-//!   cannot be told apart this way; the relay reconnects within seconds, a restore
-//!   takes longer.)
+//!   position past the WAL end belongs to another history.
+//! * **A saved position that went back names a restore too.** A restored server may
+//!   have written past the remembered position before the relay reconnects (the
+//!   relay was down a while, writers were not), so the WAL end alone cannot tell.
+//!   The position row can: nothing on one history moves it back (saves take the
+//!   greater value, a resync moves it forward), so a row below what this process
+//!   itself saved there was restored with the data. Then, too, nothing the process
+//!   remembers is kept. (A server that lost commits without a restore, with
+//!   `synchronous_commit = off`, looks the same: the start is then earlier than
+//!   needed, duplicates and no gap.)
+//! * **What the process remembers holds for the server it streamed from only.** It
+//!   may have confirmed past its last save (saves trail by a save interval); if the
+//!   data directory was restored to a point inside that stretch, the row matches the
+//!   last save and the WAL end may already be past it. Every restore restarts the
+//!   server, so a server that started since (`pg_postmaster_start_time()`) gets the
+//!   saved position, never the remembered one: after a plain restart that re-sends
+//!   at most what was confirmed and not saved (the `kill -9` bound); a reconnect to
+//!   a server that kept running (a cut connection) keeps the remembered position.
 
 use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
@@ -123,6 +137,12 @@ pub(crate) enum StartPlan {
         /// names WAL the server no longer has (a restore in place): record this one,
         /// and keep nothing of what the process remembers of positions.
         history_changed: bool,
+        /// On a changed history: the recorded `delivered_xmin` still holds (taken
+        /// before the fork of this promoted timeline), keep it.
+        keep_checkpoint: bool,
+        /// The server restarted since this process last streamed: what it remembers
+        /// of the old server's WAL (confirmed, resolved events) is not kept.
+        server_restarted: bool,
     },
     /// Another process streams from the slot: wait for it, then decide again.
     Busy { pid: i32 },
@@ -139,6 +159,10 @@ pub(crate) enum StartPlan {
 pub(crate) struct Remembered {
     pub(crate) history: ServerHistory,
     pub(crate) confirmed: Lsn,
+    /// The highest position it saved in the position row (committed).
+    pub(crate) saved: Lsn,
+    /// When the server it streamed from started (`pg_postmaster_start_time()`).
+    pub(crate) server_started: Option<i64>,
 }
 
 /// What the server says of itself when the session starts (`IDENTIFY_SYSTEM`,
@@ -151,6 +175,8 @@ pub(crate) struct ServerView {
     /// Where each ancestor of its timeline ended (empty on timeline 1, or when the
     /// recorded position is on the current timeline and nobody asked).
     pub(crate) forks: Vec<TimelineSwitch>,
+    /// When it started (`pg_postmaster_start_time()`, µs), if known.
+    pub(crate) started: Option<i64>,
 }
 
 impl ServerView {
@@ -173,6 +199,21 @@ impl ServerView {
         let fork = self.fork_of(theirs.timeline).unwrap_or(Lsn(u64::MAX));
         Some((recorded.confirmed.min(fork), fork))
     }
+
+    /// Whether `recorded`'s checkpoint, taken on an ancestor timeline, lies at or
+    /// before the point where this server's history forked off it: the transactions
+    /// below it are then the same on both, and so is what it says was delivered.
+    fn checkpoint_before_fork(&self, recorded: &Position) -> bool {
+        let ours = self.history;
+        let theirs = recorded.history;
+        if theirs.system_identifier != ours.system_identifier || theirs.timeline >= ours.timeline {
+            return false;
+        }
+        match (recorded.delivered_lsn, self.fork_of(theirs.timeline)) {
+            (Some(taken), Some(fork)) => taken <= fork,
+            _ => false,
+        }
+    }
 }
 
 /// The rules of the module docs. `slot` must have been read before `position`.
@@ -187,21 +228,31 @@ pub(crate) fn plan(
     if let Some(pid) = slot.and_then(|s| s.active_pid) {
         return StartPlan::Busy { pid };
     }
-    let remembered = remembered
-        .filter(|r| r.history == history)
-        .map(|r| r.confirmed);
-    // This process confirmed WAL the server no longer has: restored in place.
-    let rewound = remembered.is_some_and(|r| r > server.wal_end);
-    let remembered = remembered.filter(|_| !rewound);
+    let remembered = remembered.filter(|r| r.history == history);
     let Some(position) = position else {
         // The slot, if any, is adopted by the first-start path (which also finishes
         // an interrupted cutover); an invalidated one is reported there (exit 3).
         return StartPlan::Fresh;
     };
+    // This process confirmed WAL the server no longer has, or saved a position the
+    // row no longer holds: restored in place.
+    let rewound = remembered.is_some_and(|r| {
+        r.confirmed > server.wal_end
+            || (position.history == history && r.saved > position.confirmed)
+    });
+    // A restarted server may be a restored one that wrote past all of that already.
+    let restarted = remembered.is_some_and(|r| {
+        r.server_started.is_some() && server.started.is_some() && r.server_started != server.started
+    });
+    let remembered = remembered
+        .filter(|_| !rewound && !restarted)
+        .map(|r| r.confirmed);
     // A recorded position past the server's WAL end is of another history too.
     let same_history = position.history == history && position.confirmed <= server.wal_end;
-    // xids past a fork are not comparable either.
-    let delivered_xmin = position.delivered_xmin.filter(|_| same_history);
+    // xids past a fork are not comparable either, unless the checkpoint was taken
+    // before it.
+    let checkpoint_holds = same_history || server.checkpoint_before_fork(position);
+    let delivered_xmin = position.delivered_xmin.filter(|_| checkpoint_holds);
     let lost = |loss| StartPlan::Lost {
         loss,
         delivered_xmin,
@@ -237,6 +288,8 @@ pub(crate) fn plan(
         return StartPlan::Resume {
             from: slot.confirmed,
             history_changed: true,
+            keep_checkpoint: checkpoint_holds,
+            server_restarted: restarted,
         };
     }
     let recorded = position.confirmed.max(remembered.unwrap_or(Lsn::ZERO));
@@ -250,6 +303,8 @@ pub(crate) fn plan(
     StartPlan::Resume {
         from: recorded,
         history_changed: rewound,
+        keep_checkpoint: true,
+        server_restarted: restarted,
     }
 }
 
@@ -276,6 +331,7 @@ mod tests {
             history,
             wal_end: lsn(1_000_000),
             forks: Vec::new(),
+            started: None,
         }
     }
 
@@ -284,6 +340,7 @@ mod tests {
             history,
             confirmed: lsn(confirmed),
             delivered_xmin: Some(500),
+            delivered_lsn: None,
             slot_lost: None,
             resyncs: 0,
         }
@@ -314,7 +371,9 @@ mod tests {
             plan("s", &on(H), Some(&p), slot(300), None),
             StartPlan::Resume {
                 from: lsn(900),
-                history_changed: false
+                history_changed: false,
+                keep_checkpoint: true,
+                server_restarted: false
             }
         );
     }
@@ -326,20 +385,26 @@ mod tests {
             Some(Remembered {
                 history,
                 confirmed: lsn(950),
+                saved: lsn(900),
+                server_started: None,
             })
         };
         assert_eq!(
             plan("s", &on(H), Some(&p), slot(300), mem(H)),
             StartPlan::Resume {
                 from: lsn(950),
-                history_changed: false
+                history_changed: false,
+                keep_checkpoint: true,
+                server_restarted: false
             }
         );
         assert_eq!(
             plan("s", &on(PROMOTED), Some(&p), slot(300), mem(H)),
             StartPlan::Resume {
                 from: lsn(300),
-                history_changed: true
+                history_changed: true,
+                keep_checkpoint: false,
+                server_restarted: false
             },
             "after a promotion only the new server's slot is trusted"
         );
@@ -435,19 +500,72 @@ mod tests {
             history: H,
             wal_end: lsn(1_000),
             forks: Vec::new(),
+            started: None,
         };
         let mem = Some(Remembered {
             history: H,
             confirmed: lsn(1_500),
+            saved: lsn(1_400),
+            server_started: None,
         });
         assert_eq!(
             plan("s", &restored, Some(&p), slot(300), mem),
             StartPlan::Resume {
                 from: lsn(900),
-                history_changed: true
+                history_changed: true,
+                keep_checkpoint: true,
+                server_restarted: false
             },
             "the recorded position, restored with the WAL; not the WAL end: commits made \
              since the restore lie below it"
+        );
+        // The restored server wrote past 1500 before the relay came back: the WAL end
+        // cannot tell, the position row below what the process saved there can.
+        let written_past = ServerView {
+            wal_end: lsn(2_000),
+            ..restored
+        };
+        assert_eq!(
+            plan("s", &written_past, Some(&p), slot(300), mem),
+            StartPlan::Resume {
+                from: lsn(900),
+                history_changed: true,
+                keep_checkpoint: true,
+                server_restarted: false
+            },
+            "commits between 1000 and 1500 were made after the restore"
+        );
+    }
+
+    #[test]
+    fn a_row_behind_a_remembered_save_is_a_restore_a_row_behind_a_remembered_confirm_is_not() {
+        let p = position(H, 900);
+        let mem = |confirmed, saved| {
+            Some(Remembered {
+                history: H,
+                confirmed: lsn(confirmed),
+                saved: lsn(saved),
+                server_started: None,
+            })
+        };
+        // Saves lag confirmations: what was confirmed and not saved yet is kept.
+        assert_eq!(
+            plan("s", &on(H), Some(&p), slot(300), mem(950, 900)),
+            StartPlan::Resume {
+                from: lsn(950),
+                history_changed: false,
+                keep_checkpoint: true,
+                server_restarted: false
+            }
+        );
+        assert_eq!(
+            plan("s", &on(H), Some(&p), slot(300), mem(950, 920)),
+            StartPlan::Resume {
+                from: lsn(900),
+                history_changed: true,
+                keep_checkpoint: true,
+                server_restarted: false
+            }
         );
     }
 
@@ -458,12 +576,15 @@ mod tests {
             history: H,
             wal_end: lsn(1_000),
             forks: Vec::new(),
+            started: None,
         };
         assert_eq!(
             plan("s", &restored, Some(&p), slot(300), None),
             StartPlan::Resume {
                 from: lsn(300),
-                history_changed: true
+                history_changed: true,
+                keep_checkpoint: false,
+                server_restarted: false
             }
         );
     }
@@ -486,7 +607,9 @@ mod tests {
             plan("s", &promoted(), Some(&p), slot(800), None),
             StartPlan::Resume {
                 from: lsn(800),
-                history_changed: true
+                history_changed: true,
+                keep_checkpoint: false,
+                server_restarted: false
             }
         );
     }
@@ -528,6 +651,57 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_taken_before_the_fork_holds_on_the_promoted_timeline() {
+        let before = Position {
+            delivered_lsn: Some(lsn(940)),
+            ..position(H, 900)
+        };
+        assert_eq!(
+            plan("s", &promoted(), Some(&before), slot(800), None),
+            StartPlan::Resume {
+                from: lsn(800),
+                history_changed: true,
+                keep_checkpoint: true,
+                server_restarted: false
+            }
+        );
+        assert!(matches!(
+            plan("s", &promoted(), Some(&before), slot(1_200), None),
+            StartPlan::Lost {
+                loss: SlotLoss::NotSynced { .. },
+                delivered_xmin: Some(500)
+            }
+        ));
+        // Taken past the fork: its xids may name other transactions there.
+        let after = Position {
+            delivered_lsn: Some(lsn(960)),
+            ..position(H, 900)
+        };
+        assert!(matches!(
+            plan("s", &promoted(), Some(&after), None, None),
+            StartPlan::Lost {
+                loss: SlotLoss::Missing { .. },
+                delivered_xmin: None
+            }
+        ));
+        // Another cluster: never.
+        let other = ServerView {
+            history: ServerHistory {
+                system_identifier: 8,
+                timeline: 2,
+            },
+            ..promoted()
+        };
+        assert!(matches!(
+            plan("s", &other, Some(&before), None, None),
+            StartPlan::Lost {
+                delivered_xmin: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
     fn another_clusters_slot_cannot_be_compared_and_is_trusted() {
         let p = position(H, 900);
         let other = ServerView {
@@ -541,7 +715,9 @@ mod tests {
             plan("s", &other, Some(&p), slot(5_000), None),
             StartPlan::Resume {
                 from: lsn(5_000),
-                history_changed: true
+                history_changed: true,
+                keep_checkpoint: false,
+                server_restarted: false
             }
         );
     }

@@ -277,6 +277,37 @@ pub struct KafkaConfig {
     /// When present, the record value is an envelope around the payload.
     #[serde(default)]
     pub envelope: Option<EnvelopeConfig>,
+    /// `at-least-once` (the default: every event is acked, a crash may re-send a
+    /// window) or `exactly-once` (Kafka transactions: a `read_committed` consumer sees
+    /// each event once; see `docs/architecture.md#exactly-once`).
+    #[serde(default)]
+    pub delivery: DeliveryMode,
+    /// Exactly-once: a Kafka transaction commits once this many events are written
+    /// in it, or `transaction_interval_ms` after the first, whichever comes first.
+    #[serde(default = "default_transaction_max_events")]
+    pub transaction_max_events: usize,
+    /// Exactly-once: the longest an event waits in an open Kafka transaction
+    /// (`read_committed` consumers see it only after the commit).
+    #[serde(default = "default_transaction_interval_ms")]
+    pub transaction_interval_ms: u64,
+    /// Exactly-once: the compacted topic holding each relay's progress record (key:
+    /// the slot name), written in every Kafka transaction; `migrate` creates it.
+    #[serde(default = "default_progress_topic")]
+    pub progress_topic: String,
+}
+
+/// `kafka.delivery`: what a consumer of the topics sees after a crash.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeliveryMode {
+    /// Every event is acked by the broker before its position is confirmed; a crash
+    /// re-sends at most a window of events (consumers de-duplicate by the
+    /// idempotency key).
+    #[default]
+    AtLeastOnce,
+    /// Events and the relay's progress record are written in Kafka transactions; a
+    /// `read_committed` consumer sees each event once, across crashes and restarts.
+    ExactlyOnce,
 }
 
 /// Relay tuning.
@@ -467,6 +498,15 @@ fn default_topic_template() -> String {
 }
 fn default_partitioner() -> String {
     "murmur2_random".into()
+}
+fn default_transaction_max_events() -> usize {
+    5_000
+}
+fn default_transaction_interval_ms() -> u64 {
+    100
+}
+fn default_progress_topic() -> String {
+    "outbox_relay_progress".into()
 }
 
 impl Default for OutboxConfig {
@@ -682,6 +722,7 @@ impl Config {
         if self.kafka.brokers.trim().is_empty() {
             return invalid("kafka.brokers is empty".into());
         }
+        self.validate_delivery()?;
         if self.relay.max_in_flight_events == 0 || self.relay.max_in_flight_bytes == 0 {
             return invalid(
                 "relay.max_in_flight_events and max_in_flight_bytes must be > 0".into(),
@@ -723,6 +764,41 @@ impl Config {
         self.outbox.columns.validate()?;
         Ok(())
     }
+}
+
+impl Config {
+    /// `kafka.delivery` and its transaction settings.
+    fn validate_delivery(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        let kafka = &self.kafka;
+        if kafka.transaction_max_events == 0 {
+            return invalid("kafka.transaction_max_events must be at least 1".into());
+        }
+        if !(1..=60_000).contains(&kafka.transaction_interval_ms) {
+            return invalid(format!(
+                "kafka.transaction_interval_ms = {}: use 1..=60000 (the longest an event waits \
+                 for its Kafka transaction to commit)",
+                kafka.transaction_interval_ms
+            ));
+        }
+        if kafka.delivery == DeliveryMode::ExactlyOnce && !is_topic_name(&kafka.progress_topic) {
+            return invalid(format!(
+                "kafka.progress_topic = {:?}: a topic name is 1-249 letters, digits, '.', '_' or '-'",
+                kafka.progress_topic
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Kafka's topic name rule (`[a-zA-Z0-9._-]{1,249}`, not `.` or `..`).
+fn is_topic_name(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// Fills the `[outbox.columns]` keys that no source set from `outbox.preset`.
@@ -980,6 +1056,10 @@ impl fmt::Debug for KafkaConfig {
             .field("partitioner", &self.partitioner)
             .field("producer", &producer)
             .field("envelope", &self.envelope)
+            .field("delivery", &self.delivery)
+            .field("transaction_max_events", &self.transaction_max_events)
+            .field("transaction_interval_ms", &self.transaction_interval_ms)
+            .field("progress_topic", &self.progress_topic)
             .finish()
     }
 }

@@ -256,7 +256,7 @@ pub fn linger(cfg: &ClientConfig) -> Duration {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]

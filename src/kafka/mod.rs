@@ -13,7 +13,7 @@
 //! | `classify.rs` | broker error code → transient / poison / fatal, and its stable name | read by the publisher, the core's caller, the poison table and metrics |
 //! | `publisher.rs` | [`Publisher`], [`DeliveryReport`], [`SendRejected`] | the librdkafka callback plumbing |
 //! | `idle_flush.rs` | ends `linger.ms` early when the relay's stream goes idle | a blocking librdkafka call on a thread of its own |
-//! | `admin.rs` | `create_topic` | for the tools only: the relay never creates topics |
+//! | `admin.rs` | `create_topic`, `create_progress_topic` | for the tools, and `migrate`'s progress topic: the relay never creates event topics |
 //! | `error.rs` | [`BrokerError`]: set-up failures with their exit codes | this layer sits below [`crate::error`] |
 //!
 //! # Driving it
@@ -40,21 +40,29 @@
 //! }
 //! ```
 
-// Topic creation: only the demo and the bench create topics.
-#[cfg(feature = "tools")]
+// Topic creation: the demo and the bench create their topics, `migrate` the
+// exactly-once progress topic.
 mod admin;
 mod classify;
 mod config;
+mod consumer;
 mod error;
 mod idle_flush;
 mod publisher;
 mod topic_limits;
+mod transactions;
 
+pub use admin::create_progress_topic;
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
 pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
 pub use config::{compresses, linger, producer_config, report_capacity};
+pub use consumer::{Isolation, reader_config};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
 pub(crate) use topic_limits::{TopicLimits, read_limits};
+pub use transactions::{
+    TRANSACTION_CALL_TIMEOUT, TRANSACTION_TIMEOUT, TransactionCall, TransactionError, joined,
+    transactional_config, transactional_id,
+};

@@ -99,7 +99,7 @@ pub struct SendRejected {
 
 /// State shared between the relay and librdkafka's delivery thread.
 #[derive(Debug)]
-struct RelayContext {
+pub(super) struct RelayContext {
     reports: mpsc::Sender<DeliveryReport>,
     /// Set when the publisher is dropped: from then on the delivery callback never waits.
     closing: AtomicBool,
@@ -425,6 +425,11 @@ impl Publisher {
             compresses: super::compresses(cfg),
             idle_flush: None,
         })
+    }
+
+    /// The librdkafka producer (for the transactional calls of `transactions.rs`).
+    pub(super) fn producer(&self) -> &Arc<BaseProducer<RelayContext>> {
+        &self.producer
     }
 
     /// Applies `relay.on_config_error`: with `poison`, a configuration failure

@@ -51,6 +51,10 @@ use crate::lsn::Lsn;
 /// Name of the position table (in the outbox's schema).
 const TABLE_NAME: &str = "outbox_relay_position";
 
+/// Candidate checkpoints a position keeps (migration 0010): enough for a lag of 16
+/// save intervals at full freshness; past that the newest is replaced.
+const MAX_CANDIDATES: usize = 16;
+
 /// Which WAL history an LSN belongs to (`IDENTIFY_SYSTEM`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerHistory {
@@ -80,6 +84,9 @@ pub struct Position {
     pub confirmed: Lsn,
     /// Every outbox row with an xid below this (64-bit) was delivered or poisoned.
     pub delivered_xmin: Option<i64>,
+    /// Where that checkpoint was taken in the WAL (`None` before migration 0010's
+    /// first promotion): it still holds on a timeline that forked off at or after it.
+    pub delivered_lsn: Option<Lsn>,
     /// Set while a lost slot is being healed: why it was lost.
     pub slot_lost: Option<String>,
     /// Lost slots healed so far.
@@ -125,13 +132,22 @@ impl PositionTable {
         &self.table
     }
 
-    /// Whether the table exists (migration 0007 ran).
+    /// Whether the table exists as this version writes it (migrations 0007 and
+    /// 0010 ran).
     ///
     /// # Errors
     ///
     /// The query failed.
     pub async fn exists(&self, client: &impl GenericClient) -> Result<bool> {
-        Ok(crate::postgres::table_exists(client, &self.table).await?)
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM pg_attribute
+                 WHERE attrelid = to_regclass($1) AND attname = 'candidate_lsns'
+                   AND attnum > 0 AND NOT attisdropped",
+                &[&self.table],
+            )
+            .await?;
+        Ok(row.try_get::<_, i64>(0)? == 1)
     }
 
     /// The slot's row, `None` before the relay first streamed from it.
@@ -145,7 +161,7 @@ impl PositionTable {
                 &format!(
                     "SELECT system_identifier, timeline, confirmed_lsn::text,
                             delivered_xmin::text::bigint, slot_lost_reason,
-                            slot_lost_at IS NOT NULL, resyncs
+                            slot_lost_at IS NOT NULL, resyncs, delivered_lsn::text
                      FROM {} WHERE slot_name = $1",
                     self.table
                 ),
@@ -171,14 +187,21 @@ impl PositionTable {
             },
             confirmed: parse_lsn(&confirmed)?,
             delivered_xmin: row.try_get(3)?,
+            delivered_lsn: row
+                .try_get::<_, Option<String>>(7)?
+                .as_deref()
+                .map(parse_lsn)
+                .transpose()?,
             slot_lost: lost.then(|| lost_reason.unwrap_or_default()),
             resyncs: row.try_get(6)?,
         }))
     }
 
     /// Records `confirmed` as the position on `history`, creating the row. On the
-    /// same history `delivered_xmin` is kept; on another one it is cleared (xids past
-    /// a fork are not comparable either).
+    /// same history the checkpoints are kept; on another one the candidates are
+    /// cleared, and `delivered_xmin` too unless `keep_checkpoint` (the start plan
+    /// found it before the fork of a promoted timeline): xids past a fork are not
+    /// comparable.
     ///
     /// # Errors
     ///
@@ -188,6 +211,7 @@ impl PositionTable {
         client: &impl GenericClient,
         history: ServerHistory,
         confirmed: Lsn,
+        keep_checkpoint: bool,
     ) -> Result<()> {
         let same = format!(
             "{t}.system_identifier = EXCLUDED.system_identifier AND {t}.timeline = EXCLUDED.timeline",
@@ -199,9 +223,10 @@ impl PositionTable {
                     "INSERT INTO {t} (slot_name, system_identifier, timeline, confirmed_lsn)
                      VALUES ($1, $2, $3, $4::text::pg_lsn)
                      ON CONFLICT (slot_name) DO UPDATE SET
-                         delivered_xmin = CASE WHEN {same} THEN {t}.delivered_xmin END,
-                         candidate_lsn = CASE WHEN {same} THEN {t}.candidate_lsn END,
-                         candidate_xmin = CASE WHEN {same} THEN {t}.candidate_xmin END,
+                         delivered_xmin = CASE WHEN {same} OR $5 THEN {t}.delivered_xmin END,
+                         delivered_lsn = CASE WHEN {same} OR $5 THEN {t}.delivered_lsn END,
+                         candidate_lsns = CASE WHEN {same} THEN {t}.candidate_lsns ELSE '{{}}' END,
+                         candidate_xmins = CASE WHEN {same} THEN {t}.candidate_xmins ELSE '{{}}' END,
                          system_identifier = EXCLUDED.system_identifier,
                          timeline = EXCLUDED.timeline,
                          confirmed_lsn = EXCLUDED.confirmed_lsn,
@@ -213,6 +238,7 @@ impl PositionTable {
                     &history.system_identifier.to_string(),
                     &timeline_param(history.timeline),
                     &confirmed.to_string(),
+                    &keep_checkpoint,
                 ],
             )
             .await?;
@@ -234,23 +260,32 @@ impl PositionTable {
         confirmed: Lsn,
     ) -> Result<bool> {
         // Every right-hand side reads the row as it was before the update. One
-        // statement: the snapshot is taken before the insert LSN is read.
-        let passed = "(candidate_lsn IS NULL OR candidate_lsn <= $2::text::pg_lsn)";
+        // statement: the snapshot is taken before the insert LSN is read, and the
+        // new candidate `n` is computed once. Candidates are kept in LSN order with
+        // distinct LSNs, so the two arrays stay parallel.
+        let candidates = "unnest(p.candidate_lsns, p.candidate_xmins) AS c(l, x)";
+        let newest_passed =
+            format!("FROM {candidates} WHERE c.l <= $2::text::pg_lsn ORDER BY c.l DESC LIMIT 1");
+        let kept = format!(
+            "(SELECT c.l, c.x FROM {candidates} WHERE c.l > $2::text::pg_lsn
+              ORDER BY c.l LIMIT {keep})
+             UNION ALL SELECT n.l, n.x WHERE n.l > ALL(p.candidate_lsns)",
+            keep = MAX_CANDIDATES - 1
+        );
         let n = client
             .execute(
                 &format!(
-                    "UPDATE {t} SET
-                         confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn),
-                         delivered_xmin = CASE WHEN candidate_lsn <= $2::text::pg_lsn
-                                               THEN candidate_xmin ELSE delivered_xmin END,
-                         candidate_lsn = CASE WHEN {passed}
-                                              THEN pg_current_wal_insert_lsn() ELSE candidate_lsn END,
-                         candidate_xmin = CASE WHEN {passed}
-                                               THEN pg_snapshot_xmin(pg_current_snapshot())
-                                               ELSE candidate_xmin END,
+                    "UPDATE {t} AS p SET
+                         confirmed_lsn = GREATEST(p.confirmed_lsn, $2::text::pg_lsn),
+                         delivered_lsn = COALESCE((SELECT c.l {newest_passed}), p.delivered_lsn),
+                         delivered_xmin = COALESCE((SELECT c.x {newest_passed}), p.delivered_xmin),
+                         candidate_lsns = ARRAY(SELECT k.l FROM ({kept}) AS k(l, x) ORDER BY k.l),
+                         candidate_xmins = ARRAY(SELECT k.x FROM ({kept}) AS k(l, x) ORDER BY k.l),
                          updated_at = clock_timestamp()
-                     WHERE slot_name = $1 AND system_identifier = $3 AND timeline = $4
-                       AND slot_lost_at IS NULL",
+                     FROM (SELECT pg_current_wal_insert_lsn() AS l,
+                                  pg_snapshot_xmin(pg_current_snapshot()) AS x) AS n
+                     WHERE p.slot_name = $1 AND p.system_identifier = $3 AND p.timeline = $4
+                       AND p.slot_lost_at IS NULL",
                     t = self.table
                 ),
                 &[
@@ -265,7 +300,8 @@ impl PositionTable {
     }
 
     /// Records that the slot was lost and a resync is due (kept until [`resynced`]).
-    /// Nothing else changes: the resync needs the old `delivered_xmin`.
+    /// Nothing else changes: the resync needs the old `delivered_xmin`; the first
+    /// reason is kept while resyncs that do not finish follow each other.
     ///
     /// [`resynced`]: PositionTable::resynced
     ///
@@ -277,7 +313,8 @@ impl PositionTable {
             .execute(
                 &format!(
                     "UPDATE {} SET slot_lost_at = COALESCE(slot_lost_at, clock_timestamp()),
-                                   slot_lost_reason = $2, updated_at = clock_timestamp()
+                                   slot_lost_reason = COALESCE(slot_lost_reason, $2),
+                                   updated_at = clock_timestamp()
                      WHERE slot_name = $1",
                     self.table
                 ),
@@ -306,7 +343,8 @@ impl PositionTable {
                 &format!(
                     "UPDATE {} SET system_identifier = $2, timeline = $3,
                          confirmed_lsn = $4::text::pg_lsn,
-                         delivered_xmin = $5::text::xid8, candidate_lsn = NULL, candidate_xmin = NULL,
+                         delivered_xmin = $5::text::xid8, delivered_lsn = $4::text::pg_lsn,
+                         candidate_lsns = '{{}}', candidate_xmins = '{{}}',
                          slot_lost_at = NULL, slot_lost_reason = NULL, resyncs = resyncs + 1,
                          updated_at = clock_timestamp()
                      WHERE slot_name = $1",

@@ -22,8 +22,8 @@ mod table;
 mod writer;
 
 pub(crate) use parking::{
-    KEY_ORDER, PARKED_KIND, Parked, ParkedKey, load_parked_keys, parked_key_table, release_key,
-    unreplayed_key_rows,
+    KEY_ORDER, Parked, ParkedKey, WriterStatements, insert_parking_in, load_parked_keys,
+    needs_parking, parked_key_table, parked_row, release_key, unreplayed_key_rows,
 };
 pub(crate) use table::{Parking, PoisonRow, insert_rows, insert_statement};
 pub(crate) use writer::{PoisonOutcome, PoisonRequest, PoisonWriter, run_writer};

@@ -49,9 +49,30 @@ use tokio_postgres::{Client, GenericClient};
 
 use super::table::{PoisonBatch, PoisonRow};
 use crate::config::{OutboxConfig, qualified_name, quote_ident};
+use crate::outbox::OutboxEvent;
 
 /// `error_kind` of a parked event's row.
 pub(crate) const PARKED_KIND: &str = "parked";
+
+/// The poison row of `event`, held back because its key is parked; `tx_position`
+/// is its place in its transaction (`replay` delivers a key's rows in that order).
+#[must_use]
+pub(crate) fn parked_row(event: &OutboxEvent, tx_position: Option<u32>) -> PoisonRow {
+    PoisonRow {
+        fields: event.poison_fields(),
+        error: format!(
+            "parked: an earlier event of key {:?} on topic {:?} is poisoned \
+             (relay.on_poison = \"park-key\"); replay delivers it after that one",
+            String::from_utf8_lossy(&event.key),
+            event.topic
+        ),
+        error_kind: PARKED_KIND.to_owned(),
+        attempts: 0,
+        lsn: event.source_lsn,
+        tx_position,
+        parking: super::table::Parking::Parked,
+    }
+}
 
 /// A parked key: a record key within its topic (keys are stored as text, as the
 /// poison table's `aggregate_id`).
@@ -169,6 +190,28 @@ pub(crate) async fn insert_parking(
     rows: &[&PoisonRow],
     copy_limit: usize,
 ) -> Result<Vec<Parked>, tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    let answers = insert_parking_in(&tx, statements, insert, rows, copy_limit).await?;
+    tx.commit().await?;
+    Ok(answers)
+}
+
+/// [`insert_parking`] inside a transaction the caller commits (a backlog writes its
+/// marks in the same one).
+///
+/// # Errors
+///
+/// The first failing statement's error.
+pub(crate) async fn insert_parking_in<T>(
+    tx: &(impl GenericClient + Sync),
+    statements: &WriterStatements,
+    insert: &T,
+    rows: &[&PoisonRow],
+    copy_limit: usize,
+) -> Result<Vec<Parked>, tokio_postgres::Error>
+where
+    T: ?Sized + tokio_postgres::ToStatement + Sync + Send,
+{
     use super::table::Parking;
     let keys_of = |which: Parking| -> BTreeSet<ParkedKey> {
         rows.iter()
@@ -176,7 +219,6 @@ pub(crate) async fn insert_parking(
             .filter_map(|r| ParkedKey::of(r))
             .collect()
     };
-    let tx = client.transaction().await?;
     let parks = keys_of(Parking::HoldsKey);
     if !parks.is_empty() {
         let (topics, keys) = columns(&parks);
@@ -206,8 +248,7 @@ pub(crate) async fn insert_parking(
         .filter(|(_, a)| **a == Parked::Recorded)
         .map(|(r, _)| *r);
     let batch = PoisonBatch::new(kept, copy_limit);
-    super::table::insert_batch(&tx, insert, &batch).await?;
-    tx.commit().await?;
+    super::table::insert_batch(tx, insert, &batch).await?;
     Ok(answers)
 }
 

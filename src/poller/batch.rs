@@ -314,7 +314,7 @@ impl PublishedBatch<'_> {
             max_attempts,
             rows,
         } = self;
-        let outcome = write_marks(&tx, prepared, max_attempts, &rows).await?;
+        let outcome = write_marks(&tx, prepared, max_attempts, &rows, None).await?;
         tx.commit().await.map_err(pg_error)?;
         Ok(outcome)
     }

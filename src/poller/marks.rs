@@ -37,7 +37,9 @@ use tracing::warn;
 
 use crate::delivery::Failure;
 use crate::error::Result;
-use crate::poison::{PoisonRow, insert_rows};
+use crate::poison::{
+    Parking, PoisonRow, WriterStatements, insert_parking_in, insert_rows, needs_parking,
+};
 
 use super::pg_error::pg_error;
 use super::row::{BatchRow, Delivery, RowResult};
@@ -60,11 +62,16 @@ pub struct BatchOutcome {
 
 /// Step 4 without the commit: marks acked rows sent, records failures and poisons
 /// exhausted rows inside `tx` (the poller's batch, or a cutover's marks).
+///
+/// `holds_keys` (a backlog under `relay.on_poison = "park-key"`): every poisoned row
+/// that has a record key parks it, in this transaction (`crate::poison` explains
+/// parking). The poller passes `None`: it keeps no per-key state.
 pub(crate) async fn write_marks(
     tx: &Transaction<'_>,
     prepared: &Prepared,
     max_attempts: i32,
     rows: &[BatchRow],
+    holds_keys: Option<&WriterStatements>,
 ) -> Result<BatchOutcome> {
     let plan = plan_marks(rows, max_attempts);
     if !plan.sent.is_empty() {
@@ -112,20 +119,39 @@ pub(crate) async fn write_marks(
                 error_kind: error_kind.to_owned(),
                 attempts,
                 lsn: None,
+                parking: match (&row.result, holds_keys) {
+                    (RowResult::Event { .. }, Some(_)) => Parking::HoldsKey,
+                    _ => Parking::None,
+                },
                 ..PoisonRow::default()
             },
         ));
     }
     // One statement for all of the batch's poison rows.
     let batch: Vec<&PoisonRow> = poisoned.iter().map(|(_, poison)| poison).collect();
-    insert_rows(
-        tx,
-        &prepared.insert_poison,
-        &batch,
-        prepared.poison_copy_limit,
-    )
-    .await
-    .map_err(pg_error)?;
+    match holds_keys {
+        Some(statements) if needs_parking(&batch) => {
+            insert_parking_in(
+                tx,
+                statements,
+                &prepared.insert_poison,
+                &batch,
+                prepared.poison_copy_limit,
+            )
+            .await
+            .map_err(pg_error)?;
+        }
+        _ => {
+            insert_rows(
+                tx,
+                &prepared.insert_poison,
+                &batch,
+                prepared.poison_copy_limit,
+            )
+            .await
+            .map_err(pg_error)?;
+        }
+    }
     for (row, poison) in &poisoned {
         warn!(
             outbox_id = %row.polled.id,

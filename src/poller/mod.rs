@@ -86,7 +86,7 @@ pub(crate) use layout::{Layout, inspect_tables};
 pub use marks::BatchOutcome;
 pub(crate) use marks::write_marks;
 pub(crate) use pg_error::pg_error;
-pub(crate) use publish::publish;
+pub(crate) use publish::publish_holding;
 pub(crate) use row::{BatchRow, Delivery, Polled, RowResult, read_row};
 pub(crate) use sql::{Prepared, Sql, session};
 pub use worker::{PollSummary, run};

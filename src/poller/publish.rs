@@ -30,8 +30,30 @@ pub(crate) async fn publish(
     base: u64,
     rows: &mut [BatchRow],
 ) -> Result<()> {
+    publish_holding(publisher, reports, base, rows, |_| None::<()>)
+        .await
+        .map(|_| ())
+}
+
+/// [`publish`], except that a row whose key (`key_of(index)`) had a send refused
+/// earlier in the batch is not sent: it must not overtake the refused one (a
+/// backlog keeps per-key order). Returns, per row, whether it was sent.
+pub(crate) async fn publish_holding<K: Eq + std::hash::Hash>(
+    publisher: &Publisher,
+    reports: &mut mpsc::Receiver<DeliveryReport>,
+    base: u64,
+    rows: &mut [BatchRow],
+    key_of: impl Fn(usize) -> Option<K>,
+) -> Result<Vec<bool>> {
     let mut pending = 0usize;
+    let mut refused: std::collections::HashSet<K> = std::collections::HashSet::new();
+    let mut sent_rows = vec![false; rows.len()];
     for index in 0..rows.len() {
+        let key = key_of(index);
+        if key.as_ref().is_some_and(|k| refused.contains(k)) {
+            continue;
+        }
+        sent_rows[index] = true;
         let id = EventId::from_raw(base.wrapping_add(index as u64));
         let mut sent = send_row(publisher, id, &rows[index]);
         while let Some(Err(rejected)) = &sent
@@ -52,6 +74,7 @@ pub(crate) async fn publish(
                     kind: kafka::error_kind(rejected.code),
                     message: rejected.message,
                 };
+                refused.extend(key);
             }
             _ => {}
         }
@@ -62,7 +85,7 @@ pub(crate) async fn publish(
             pending -= 1;
         }
     }
-    Ok(())
+    Ok(sent_rows)
 }
 
 /// Hands one row's record to the producer; `None` for a row that has no record.

@@ -103,13 +103,14 @@ impl Sql {
         // key, so the scan walks the index in order and stops after the batch.
         let order = format!("ORDER BY o.{created_at}, o.{id} LIMIT $2 FOR UPDATE SKIP LOCKED");
         let select = format!("SELECT {list}, o.attempts::int4, o.last_error::text FROM {table} o");
+        let commit_order = commit_order("o", &id, &created_at);
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
             backlog: format!(
                 "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text)){in_shard}
-                 ORDER BY o.{created_at}, o.{id}",
+                 {commit_order}",
                 col(IDEMPOTENCY_KEY)
             ),
             undelivered: format!(
@@ -117,7 +118,7 @@ impl Sql {
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
                    AND NOT ({}){in_shard}
-                 ORDER BY o.{created_at}, o.{id}",
+                 {commit_order}",
                 col(IDEMPOTENCY_KEY),
                 crate::outbox::checkpoint::precedes_sql("o", 1)
             ),
@@ -145,6 +146,31 @@ impl Sql {
     }
 }
 
+/// The `ORDER BY` of a backlog (a cutover's, a resync's): the order the stream would
+/// have read the rows in, as near as a table can tell.
+///
+/// A row does not carry its commit LSN. With `track_commit_timestamp = on` the
+/// commit time of the transaction that wrote the row orders transactions as they
+/// committed (rows committed before the setting was turned on have none and come
+/// first). Without it, and between rows of one commit time, `created_at`, then the
+/// id: a writer that locks its entity before it records the event (the usual
+/// pattern, which serialises the writers of one entity) inserts after the previous
+/// writer committed, so with `created_at` filled at the insert (`clock_timestamp()`,
+/// the migration's default) one entity's rows come in commit order. The limits: a
+/// `created_at` filled with `now()` (the transaction's *start*) or by the
+/// application, writers of one entity that do not lock it, and a commit time that is
+/// the row's *last* write's (a row a poller recorded a failure on, or an operator
+/// updated). `created_at` does not move when a row is marked, so a backlog read again
+/// (a resync started over) reads in the same order, and it is the rank `audit`
+/// compares rows of one `source_lsn` by.
+fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
+    format!(
+        "ORDER BY CASE WHEN current_setting('track_commit_timestamp')::bool \
+             THEN pg_xact_commit_timestamp({alias}.xmin) END NULLS FIRST, \
+         {alias}.{created_at}, {alias}.{id}"
+    )
+}
+
 /// [`Sql`] prepared on one connection.
 #[derive(Debug)]
 pub(crate) struct Prepared {
@@ -152,8 +178,8 @@ pub(crate) struct Prepared {
     pub(super) sweep: Statement,
     pub(super) mark_sent: Statement,
     pub(super) record_failures: Statement,
-    pub(super) insert_poison: Statement,
-    pub(super) poison_copy_limit: usize,
+    pub(crate) insert_poison: Statement,
+    pub(crate) poison_copy_limit: usize,
 }
 
 impl Prepared {

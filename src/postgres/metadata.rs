@@ -137,6 +137,25 @@ pub async fn table_exists(
         .try_get(0)
 }
 
+/// When the server started (`pg_postmaster_start_time()`, µs since the epoch): a
+/// data directory restored in place restarts the server, so a session that
+/// remembers positions of the server it streamed from checks this first.
+///
+/// # Errors
+///
+/// The query's error.
+pub async fn postmaster_started(
+    client: &impl tokio_postgres::GenericClient,
+) -> Result<Option<i64>, tokio_postgres::Error> {
+    client
+        .query_one(
+            "SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint",
+            &[],
+        )
+        .await?
+        .try_get(0)
+}
+
 /// Bounds every statement of a long-lived writer connection (the position saver,
 /// the poison writer): a statement blocked on a lock held by a stuck transaction,
 /// or on a server that stopped answering without closing the socket, fails with

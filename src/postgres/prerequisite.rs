@@ -117,10 +117,11 @@ pub enum Prerequisite {
          start again"
     )]
     SlotInvalidated { slot: String },
-    /// The relay's position table does not exist (its migration has not run).
+    /// The relay's position table does not exist, or predates migration 0010.
     #[error(
-        "table {table} does not exist: run `outbox-relay migrate` (the relay records there how \
-         far it has delivered, so that a PostgreSQL restart or a lost slot re-sends nothing)"
+        "table {table} does not exist or lacks the columns of migration 0010: run \
+         `outbox-relay migrate` (the relay records there how far it has delivered, so that \
+         a PostgreSQL restart or a lost slot loses nothing and re-sends little)"
     )]
     PositionTableMissing { table: String },
     /// `relay.on_poison = "park-key"` and the parked-key table is missing.
@@ -138,6 +139,22 @@ pub enum Prerequisite {
          those rows)"
     )]
     SlotLost { detail: String },
+    /// The slot is lost, `relay.on_slot_loss` is `resync`, and the outbox lacks the
+    /// columns a resync marks rows with (an adopted layout): nothing was done.
+    #[error(
+        "{detail}, and it cannot be resynced: outbox table {table} has no column {columns} \
+         (a resync marks the rows it republishes, as a poller does). Nothing was done. Either \
+         add them (ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sent_at timestamptz, ADD COLUMN \
+         IF NOT EXISTS attempts integer NOT NULL DEFAULT 0, ADD COLUMN IF NOT EXISTS last_error \
+         text: no rewrite) and start again, which publishes the rows committed since the \
+         recorded position; or delete the slot's row in outbox_relay_position and start again, \
+         which creates a new slot and skips those rows (find them with `outbox-relay audit`)"
+    )]
+    ResyncImpossible {
+        detail: String,
+        table: String,
+        columns: String,
+    },
     /// No PostgreSQL server could be started on this machine (the demo's throwaway
     /// cluster).
     #[error(

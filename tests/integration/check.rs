@@ -243,7 +243,11 @@ async fn check_on_a_good_deploy_is_all_ok_and_run_starts() {
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     let (doc, list) = checks(&stdout);
     assert_eq!(doc["ready"], true);
-    assert_eq!(list.len(), 15, "{list:#?}");
+    assert_eq!(list.len(), 16, "{list:#?}");
+    assert!(
+        find(&list, "kafka.delivery").2.starts_with("at-least-once"),
+        "{list:#?}"
+    );
     for (name, status, detail, _) in &list {
         assert_eq!(status, "ok", "{name}: {detail}");
     }

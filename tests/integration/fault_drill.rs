@@ -4,7 +4,12 @@
 //! environment is not disturbed), with concurrent writers, and injects a few of each
 //! fault: `kill -9` + restart, broker outage, PostgreSQL fast restart, PostgreSQL
 //! crash (immediate restart), walsender cut, replication slot drop (the relay must
-//! log the loss and resync), second relay on the same slot. Then `audit` must find
+//! log the loss and resync), second relay on the same slot, standbys started under
+//! load, walsender cuts inside a large transaction with an event that cannot be
+//! delivered (poisoned once), a data directory restored in place from a snapshot
+//! (the commits after the restore must not be skipped), a standby promoted after
+//! the primary died (the slot is missing there: resynced, keeping the checkpoint).
+//! Then `audit` must find
 //! nothing lost and nothing out of order, and every fault's duplicates must stay
 //! within its bound (the in-flight bound; PostgreSQL restarts and crashes included,
 //! since the relay resumes from its own saved position).
@@ -20,9 +25,10 @@ use std::time::{Duration, Instant};
 use crate::harness;
 
 /// About 75 s alone on 2 cores (debug binary) before the PostgreSQL crash and the
-/// slot drop were added (a few seconds each); the cap leaves room for the other
-/// tests running at the same time.
-const DRILL_DEADLINE: Duration = Duration::from_secs(240);
+/// slot drop were added (a few seconds each), and before the big transaction, the
+/// restore and the promotion (about 30 s together); the cap leaves room for the
+/// other tests running at the same time.
+const DRILL_DEADLINE: Duration = Duration::from_secs(360);
 
 fn seed() -> u64 {
     if let Ok(s) = std::env::var("OUTBOX_RELAY_DRILL_SEED") {
@@ -81,6 +87,14 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "1",
         "--standby-burst",
         "8",
+        "--big-tx-cuts",
+        "1",
+        "--big-tx",
+        "4000",
+        "--restores",
+        "1",
+        "--promotions",
+        "1",
         "--events",
         "2000",
         "--outage",
@@ -149,10 +163,14 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         0,
         "entities out of order; {context}"
     );
-    assert_eq!(num("poisoned"), 0, "no fault here should poison; {context}");
+    assert_eq!(
+        num("poisoned"),
+        1,
+        "only the big transaction's undeliverable event is poisoned; {context}"
+    );
     assert_eq!(
         num("expected"),
-        2000,
+        2000 + 4001,
         "every written event audited; {context}"
     );
     for fault in [
@@ -164,6 +182,9 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "slot_drop",
         "second_relay",
         "standby_start",
+        "big_tx_cut",
+        "restore",
+        "promotion",
     ] {
         let n = report["faults"][fault].as_u64().unwrap_or(0);
         assert!(n > 0, "fault {fault} was never injected; {context}");

@@ -9,8 +9,9 @@
 #![allow(dead_code)] // not every test binary module uses every helper
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -297,6 +298,18 @@ impl TestDb {
         }
     }
 
+    /// Whether this test's slot exists.
+    pub async fn slot_exists(&self) -> bool {
+        self.client
+            .query_one(
+                "SELECT count(*) > 0 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .expect("read the slots")
+            .get(0)
+    }
+
     /// Drops the slot if a test created one, so it does not pin WAL.
     pub async fn drop_slot(&self) {
         let _ = self
@@ -480,8 +493,11 @@ fn consume_blocking(
     timeout: Duration,
 ) -> Vec<Record> {
     let consumer = consumer_with(brokers, settings);
-    let deadline = Instant::now() + timeout.max(Duration::from_secs(10));
-    // A broker that just restarted may drop the first connection: ask again.
+    // A broker that just restarted may drop the first connection, and Tansu on
+    // SQLite under the whole suite's load has been seen to time out metadata
+    // requests for over 30 s after it answered its first one: ask again, for at
+    // least a minute, whatever the caller's read timeout.
+    let deadline = Instant::now() + timeout.max(Duration::from_secs(60));
     let metadata = loop {
         match consumer.fetch_metadata(Some(topic), Duration::from_secs(10)) {
             Ok(metadata) => break metadata,
@@ -665,7 +681,19 @@ impl Drop for RelayProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+        if std::thread::panicking() {
+            eprintln!(
+                "relay log (last 100 lines):\n{}",
+                last_lines(&self.log(), 100)
+            );
+        }
     }
+}
+
+/// The last `n` lines of a log, for a failed test's report.
+fn last_lines(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Reads the topic until `n` records arrived, failing with the relay's log when
@@ -684,6 +712,40 @@ pub async fn consume_exactly(
         relay.log()
     );
     records
+}
+
+/// An outbox payload with `seq` and a blob above a producer's `message.max.bytes =
+/// 100000` (the tests that need an event the relay cannot deliver set that limit).
+pub fn oversize_payload(seq: i64) -> String {
+    format!(r#"{{"seq": {seq}, "blob": "{}"}}"#, "x".repeat(200_000))
+}
+
+/// The payload `seq`s of `entity`'s records in offset order, first delivery of
+/// each (a deduplicating consumer's view of one key).
+pub fn key_sequence(records: &[Record], entity: &str) -> Vec<i64> {
+    let mut mine: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(entity.as_bytes()))
+        .collect();
+    mine.sort_by_key(|r| (r.partition, r.offset));
+    let mut seen = std::collections::HashSet::new();
+    mine.into_iter()
+        .filter(|r| seen.insert(r.header("idempotency_key").map(str::to_owned)))
+        .map(|r| {
+            let v: serde_json::Value =
+                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
+            v["seq"].as_i64().unwrap()
+        })
+        .collect()
+}
+
+/// Distinct events (idempotency keys) and duplicates among `records`.
+pub fn tally(records: &[Record]) -> (usize, usize) {
+    let unique: HashSet<&str> = records
+        .iter()
+        .filter_map(|r| r.header("idempotency_key"))
+        .collect();
+    (unique.len(), records.len() - unique.len())
 }
 
 /// Per-key order as a deduplicating consumer sees it: in each partition's offset
@@ -1026,7 +1088,8 @@ impl PrivateBroker {
     }
 
     /// Stops the broker with SIGTERM (a clean stop, which on SQLite storage has been
-    /// seen to lose the idempotent producers' state) and waits for it to exit.
+    /// seen to lose the idempotent producers' state, after which a producer that
+    /// bumps its epoch makes Tansu's storage panic) and waits for it to exit.
     pub fn stop_gracefully(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = Command::new("kill")
@@ -1056,6 +1119,14 @@ impl PrivateBroker {
 impl Drop for PrivateBroker {
     fn drop(&mut self) {
         self.stop();
+        if std::thread::panicking() {
+            // The broker's side of a failed test: its log goes with its directory.
+            let log = std::fs::read_to_string(self.dir.join("broker.log")).unwrap_or_default();
+            eprintln!(
+                "private broker log (last 200 lines):\n{}",
+                last_lines(&log, 200)
+            );
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -1161,5 +1232,65 @@ impl InProcessRelay {
     pub async fn stop(self) -> outbox_relay::cdc::RunSummary {
         let _ = self.stop.send(());
         self.task.await.expect("relay task").expect("relay result")
+    }
+}
+
+/// `outbox-relay dev-broker` (the in-memory broker with transactions) as a child
+/// process on a free port.
+pub struct DevBroker {
+    child: Child,
+    pub address: String,
+    log_path: std::path::PathBuf,
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl DevBroker {
+    pub fn start() -> DevBroker {
+        let log_path = std::env::temp_dir().join(format!("{}.log", unique("dev_broker")));
+        let log = std::fs::File::create(&log_path).expect("create the broker log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .args(["dev-broker", "--listen", "127.0.0.1:0", "--partitions", "1"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("spawn outbox-relay dev-broker");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("read the first line");
+        let address = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "expected `listening on <host:port>`, got {line:?}; log:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                )
+            })
+            .to_owned();
+        DevBroker {
+            child,
+            address,
+            log_path,
+            _stdout: stdout,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.address)
+            .set("broker.address.family", "v4");
+        c
+    }
+}
+
+impl Drop for DevBroker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

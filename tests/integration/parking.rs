@@ -9,12 +9,10 @@ use std::time::Duration;
 
 use outbox_relay::ops::replay::{self, KeyOutcome, ReplayArgs};
 
-use crate::harness::{self, RelayProcess, TestDb, consume, consume_exactly};
-
-/// A record above the test's producer limit (`message.max.bytes = 100000`).
-fn oversize(seq: i64) -> String {
-    format!(r#"{{"seq": {seq}, "blob": "{}"}}"#, "x".repeat(200_000))
-}
+use crate::harness::{
+    self, RelayProcess, TestDb, consume, consume_exactly, key_sequence as sequence,
+    oversize_payload as oversize,
+};
 
 async fn insert(db: &TestDb, entity: &str, payload: &str) -> String {
     db.client
@@ -52,24 +50,6 @@ fn all() -> ReplayArgs {
         all: true,
         ..ReplayArgs::default()
     }
-}
-
-/// The `seq`s of `entity`'s records in offset order (first delivery of each).
-fn sequence(records: &[harness::Record], entity: &str) -> Vec<i64> {
-    let mut mine: Vec<&harness::Record> = records
-        .iter()
-        .filter(|r| r.key.as_deref() == Some(entity.as_bytes()))
-        .collect();
-    mine.sort_by_key(|r| (r.partition, r.offset));
-    let mut seen = std::collections::HashSet::new();
-    mine.into_iter()
-        .filter(|r| seen.insert(r.header("idempotency_key").map(str::to_owned)))
-        .map(|r| {
-            let v: serde_json::Value =
-                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-            v["seq"].as_i64().unwrap()
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

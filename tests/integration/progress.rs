@@ -3,14 +3,13 @@
 //! and the resend guard. Each test runs the real binary against a real PostgreSQL
 //! (a private cluster where the test restarts or reconfigures it) and the broker.
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 
 use crate::harness::{
-    self, PrivateBroker, PrivateCluster, Record, RelayProcess, TestDb, assert_per_key_order, audit,
-    consume, consume_from, consume_unique,
+    self, PrivateBroker, PrivateCluster, RelayProcess, TestDb, assert_per_key_order, audit,
+    consume, consume_from, consume_unique, tally,
 };
 
 /// Commits rows `seqs` as single-row transactions (a backlog of many transactions).
@@ -29,15 +28,6 @@ async fn backlog(client: &Client, seqs: std::ops::Range<i64>) {
         ))
         .await
         .expect("write the backlog");
-}
-
-/// Distinct events and duplicates among `records`.
-fn tally(records: &[Record]) -> (usize, usize) {
-    let unique: HashSet<&str> = records
-        .iter()
-        .filter_map(|r| r.header("idempotency_key"))
-        .collect();
-    (unique.len(), records.len() - unique.len())
 }
 
 /// Waits until at least `n` distinct events are on the topic.
@@ -273,45 +263,46 @@ async fn on_slot_loss_fail_stops_with_exit_3() {
     let log = relay.log();
     assert!(log.contains("is missing"), "{log}");
     assert!(log.contains("on_slot_loss"), "{log}");
-    let slots: i64 = db
-        .client
-        .query_one(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
-            &[&db.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(slots, 0, "the slot was not re-created");
+    assert!(!db.slot_exists().await, "the slot was not re-created");
 }
 
 /// A session that fails again and again in the middle of one large transaction
 /// (the walsender is cut five times while its 20,000 events stream, slowed down by
-/// a small window and a long producer linger so that the cuts land inside it): each
-/// reconnect skips what the lost sessions delivered instead of producing it again,
-/// backs off, and the streak is reported.
+/// a small window and a long producer linger so that the cuts land inside it), with
+/// an event that cannot be delivered among them (above the producer's
+/// `message.max.bytes`: poisoned): each reconnect skips what the lost sessions
+/// delivered or poisoned instead of producing it again, backs off, and the streak is
+/// reported; the failing event is recorded once and nothing after it is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_mid_transaction_failure_does_not_resend_the_transaction() {
     const WINDOW: usize = 100;
     const ROWS: usize = 20_000;
     let mut db = TestDb::create("progress_repeat").await;
     // At most one window per linger: about 500 events a second.
-    db.append_config("[kafka.producer]\n\"linger.ms\" = \"200\"\n");
+    db.append_config(
+        "[kafka.producer]\n\"linger.ms\" = \"200\"\n\"message.max.bytes\" = \"100000\"\n",
+    );
     let window = WINDOW.to_string();
     let relay = RelayProcess::start(
         &db.config_path,
         &[("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str())],
     );
     db.wait_streaming(&relay).await;
+    // One transaction: rows 1..3000, the failing event, rows 3001..ROWS.
     db.client
-        .execute(
-            &format!(
-                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                 SELECT 'order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g)
-                 FROM generate_series(1, {ROWS}) g"
-            ),
-            &[],
-        )
+        .batch_execute(&format!(
+            "BEGIN;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g)
+             FROM generate_series(1, 3000) g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'too-large', 'Created',
+                     jsonb_build_object('blob', repeat('x', 200000)));
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g)
+             FROM generate_series(3001, {ROWS}) g;
+             COMMIT"
+        ))
         .await
         .unwrap();
     for cut in 1..=5 {
@@ -331,6 +322,15 @@ async fn a_repeated_mid_transaction_failure_does_not_resend_the_transaction() {
     }
     let duplicates = all_delivered(&db, ROWS, &relay).await;
     eprintln!("5 cuts inside one {ROWS}-event transaction: {duplicates} duplicates");
+    let poisoned: Vec<String> = db
+        .client
+        .query("SELECT aggregate_id FROM poison_outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(poisoned, vec!["too-large".to_owned()], "recorded once");
     // Before: every cut re-produced everything delivered so far (> 15,000 in all).
     assert!(
         duplicates <= 5 * WINDOW,
@@ -348,11 +348,19 @@ async fn a_repeated_mid_transaction_failure_does_not_resend_the_transaction() {
     db.drop_slot().await;
 }
 
-/// A broker stopped cleanly and started again on its SQLite storage, while the relay
-/// has events in flight (a restart that has been seen to leave an idempotent producer
-/// without any delivery report for minutes): every event arrives, in per-key order,
-/// without a restart of the relay; a producer that stays silent while the broker
-/// answers is replaced by the watchdog (`relay.producer_stall_secs`, 5 s here).
+/// A broker stopped and started again on its SQLite storage, while the relay has
+/// events in flight: every event arrives, in per-key order, without a restart of the
+/// relay; a producer that stays silent while the broker answers is replaced by the
+/// watchdog (`relay.producer_stall_secs`, 5 s here).
+///
+/// The broker is killed, not stopped with SIGTERM. After a SIGTERM, Tansu 0.6 on
+/// SQLite has been seen to forget the idempotent producer's sequence state. librdkafka
+/// then bumps the producer epoch locally (KIP-360), and Tansu's storage task panics on
+/// an epoch it did not issue ("more or less than one row" in `lite.rs`). That broker
+/// accepts connections and answers nothing, not even metadata, until it is restarted.
+/// With SIGTERM this test failed in two CI runs and in two of three runs beside two
+/// busy loops on a 2-core machine, whatever the relay did; killed, it passed six of
+/// six there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restart_does_not_wedge_the_producer() {
     const EVENTS: i64 = 4_000;
@@ -381,7 +389,7 @@ async fn a_broker_restart_does_not_wedge_the_producer() {
             relay.log()
         );
     }
-    broker.stop_gracefully();
+    broker.stop();
     backlog(&db.client, EVENTS / 2..EVENTS).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     broker.resume().await;

@@ -40,6 +40,20 @@ pub struct CoreConfig {
     pub retry_backoff_initial: Duration,
     /// Upper bound of the retry delay. Clamped to at most 24 h.
     pub retry_backoff_max: Duration,
+    /// `Some` when events go out in Kafka transactions (`kafka.delivery =
+    /// "exactly-once"`): an event then counts as resolved only once the transaction
+    /// it was written in committed (`transactions.rs`).
+    pub transactions: Option<TransactionLimits>,
+}
+
+/// When the core closes a Kafka transaction: at `max_events` events written in it, or
+/// `interval` after the first of them was written, whichever comes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransactionLimits {
+    /// Events written before the transaction is committed. Zero is treated as 1.
+    pub max_events: usize,
+    /// Longest time an event waits in an open transaction. Clamped to 1 ms ..= 24 h.
+    pub interval: Duration,
 }
 
 impl Default for CoreConfig {
@@ -52,6 +66,7 @@ impl Default for CoreConfig {
             progress_status_interval: Duration::from_millis(10),
             retry_backoff_initial: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
+            transactions: None,
         }
     }
 }
@@ -64,6 +79,10 @@ impl CoreConfig {
         self.status_interval = self.status_interval.clamp(MIN_STATUS_INTERVAL, MAX_TIMER);
         self.retry_backoff_initial = self.retry_backoff_initial.min(MAX_TIMER);
         self.retry_backoff_max = self.retry_backoff_max.min(MAX_TIMER);
+        if let Some(limits) = self.transactions.as_mut() {
+            limits.max_events = limits.max_events.max(1);
+            limits.interval = limits.interval.clamp(MIN_STATUS_INTERVAL, MAX_TIMER);
+        }
         self
     }
 }

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use super::config::CoreConfig;
-use super::resend::{Origin, ResendGuard};
+use super::resend::{Origin, ProgressMark, ResendGuard};
 use super::saving::Saving;
 use crate::delivery::EventId;
 use crate::lsn::Lsn;
@@ -50,6 +50,14 @@ pub enum Action {
     InsertPoison { id: EventId, attempts: u32 },
     /// Send this standby status update now, whether or not the reader is paused.
     SendStatus(StatusUpdate),
+    /// Commit the open Kafka transaction, with the progress record
+    /// [`Core::transaction_mark`] written in it; report with
+    /// [`Core::transaction_committed`], or abort it and report
+    /// [`Core::transaction_aborted`] (`transactions.rs`).
+    CommitTransaction,
+    /// Abort the open Kafka transaction (a record in it failed); report with
+    /// [`Core::transaction_aborted`].
+    AbortTransaction,
     /// Save `lsn` in the relay's position table (coalescing with earlier requests;
     /// `urgent`: without waiting for the saver's gap); report with [`Core::saved`] or
     /// [`Core::save_failed`]. Statuses never confirm past what is saved (`saving.rs`).
@@ -88,6 +96,9 @@ pub(super) enum EventState {
     /// Not produced yet: an earlier event of the same key is being retried (see
     /// "Per-key order" in `events.rs`). Released in admission order.
     Held,
+    /// Delivered into the open Kafka transaction (transactional mode): resolved when
+    /// it commits, produced again if it is aborted (`transactions.rs`).
+    Written,
     /// Would have been poisoned, but `relay.on_poison = "halt"`: never resolved by
     /// this core, so the watermark stops before its transaction.
     Halted,
@@ -118,6 +129,38 @@ pub(super) struct Event {
 pub(super) enum Pending {
     Produce { id: EventId, attempt: u32 },
     InsertPoison { id: EventId },
+}
+
+/// Where the open Kafka transaction is in its life.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Produces go into it (librdkafka's transaction is begun by the shell lazily).
+    #[default]
+    Open,
+    /// [`Action::CommitTransaction`] was handed out; waiting for its outcome.
+    Committing,
+    /// [`Action::AbortTransaction`] was handed out; waiting for its outcome.
+    Aborting,
+    /// After an abort, nothing is produced before `until` (no hot abort loop).
+    Paused { until: Instant },
+}
+
+/// The core's view of the open Kafka transaction (`transactions.rs`).
+#[derive(Debug, Default, Clone)]
+pub(super) struct KafkaTransaction {
+    /// Events produced in it (state `Producing` or `Written`), by id (admission order).
+    pub(super) members: BTreeSet<EventId>,
+    /// Members in state `Written`.
+    pub(super) written: usize,
+    /// When the first member was written (the commit interval runs from there).
+    pub(super) first_write: Option<Instant>,
+    pub(super) phase: Phase,
+    /// A member failed: the transaction must be aborted.
+    pub(super) abort_due: bool,
+    /// Full, or its interval passed: the transaction is to be committed.
+    pub(super) commit_due: bool,
+    /// The mark of the commit handed out, until its outcome.
+    pub(super) mark: Option<ProgressMark>,
 }
 
 /// The sans-IO relay core. See the module documentation of `crate::cdc::progress`.
@@ -156,6 +199,8 @@ pub struct Core {
     pub(super) resend: ResendGuard,
     /// The saved position and the save requests (`saving.rs`).
     pub(super) saving: Saving,
+    /// The open Kafka transaction, in transactional mode (`transactions.rs`).
+    pub(super) kafka: KafkaTransaction,
 }
 
 impl Core {
@@ -186,6 +231,7 @@ impl Core {
             halted: 0,
             resend: ResendGuard::default(),
             saving: Saving::new(confirmed, now),
+            kafka: KafkaTransaction::default(),
         }
     }
 
@@ -254,28 +300,59 @@ impl Core {
             self.status_due = false;
             return Some(Action::SendStatus(self.build_status()));
         }
+        if let Some(action) = self.transaction_action() {
+            return Some(action);
+        }
+        if !self.may_produce() {
+            return self.next_poison_action();
+        }
         while let Some(pending) = self.actions.pop_front() {
             match pending {
                 Pending::Produce { id, attempt } => {
                     if let Some(event) = self.events.get(&id)
                         && event.state == (EventState::Producing { attempt })
                     {
+                        if self.transactional() {
+                            self.kafka.members.insert(id);
+                        }
                         return Some(Action::Produce { id, attempt });
                     }
                 }
                 Pending::InsertPoison { id } => {
-                    if let Some(event) = self.events.get(&id)
-                        && event.state == EventState::Poisoning
-                    {
-                        return Some(Action::InsertPoison {
-                            id,
-                            attempts: event.attempts,
-                        });
+                    if let Some(action) = self.poison_action(id) {
+                        return Some(action);
                     }
                 }
             }
         }
         None
+    }
+
+    /// A poison insert from the queue, skipping (and keeping) the produces: for while
+    /// a Kafka transaction is being committed or aborted.
+    fn next_poison_action(&mut self) -> Option<Action> {
+        while let Some(at) = self
+            .actions
+            .iter()
+            .position(|p| matches!(p, Pending::InsertPoison { .. }))
+        {
+            let Some(Pending::InsertPoison { id }) = self.actions.remove(at) else {
+                continue;
+            };
+            if let Some(action) = self.poison_action(id) {
+                return Some(action);
+            }
+        }
+        None
+    }
+
+    /// The poison insert of `id`, unless a later report made the request stale.
+    fn poison_action(&self, id: EventId) -> Option<Action> {
+        let event = self.events.get(&id)?;
+        (event.state == EventState::Poisoning).then_some(Action::InsertPoison {
+            id,
+            attempts: event.attempts,
+        })
     }
 
     /// The earliest instant at which [`Core::tick`] has work. `None` only if a status is
@@ -288,10 +365,15 @@ impl Core {
             self.status_deadline()
         };
         let retry = self.retries.first().map(|&(at, _)| at);
-        [status, retry, self.save_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            status,
+            retry,
+            self.save_deadline(),
+            self.transaction_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Whether the shell may read the next replication message: false while the in-flight

@@ -148,13 +148,25 @@ impl Core {
     }
 
     /// The broker acked the record of `id`. Ignored unless a produce of `id` is outstanding.
+    ///
+    /// In transactional mode the event is written, not resolved: it resolves when its
+    /// Kafka transaction commits (`transactions.rs`).
     pub fn delivered(&mut self, id: EventId, now: Instant) {
-        if let Some(event) = self.events.get(&id)
+        if self.transactional() {
+            self.written_in_transaction(id, now);
+        } else if let Some(event) = self.events.get(&id)
             && matches!(event.state, EventState::Producing { .. })
         {
             self.resolve(id);
         }
         self.poll_status(now);
+    }
+
+    /// Whether a produce of `id` is requested or outstanding.
+    fn producing(&self, id: EventId) -> bool {
+        self.events
+            .get(&id)
+            .is_some_and(|e| matches!(e.state, EventState::Producing { .. }))
     }
 
     /// The broker gave up on the record of `id`. Ignored unless a produce of `id` is
@@ -168,6 +180,9 @@ impl Core {
     pub fn delivery_failed(&mut self, id: EventId, failure: Failure, now: Instant) {
         let max_attempts = self.cfg.max_attempts;
         let delay_base = (self.cfg.retry_backoff_initial, self.cfg.retry_backoff_max);
+        if self.producing(id) {
+            self.left_transaction(id, true);
+        }
         if let Some(event) = self.events.get_mut(&id)
             && matches!(event.state, EventState::Producing { .. })
         {
@@ -210,6 +225,9 @@ impl Core {
     /// accepts, which no retry can change): it is poisoned at once. Ignored unless a
     /// produce of `id` is requested or outstanding.
     pub fn refuse(&mut self, id: EventId, now: Instant) {
+        if self.producing(id) {
+            self.left_transaction(id, false);
+        }
         if let Some(event) = self.events.get_mut(&id)
             && matches!(event.state, EventState::Producing { .. })
         {
@@ -235,6 +253,10 @@ impl Core {
             && event.attempts == 1
             && !event.failed
         {
+            self.kafka.members.remove(&id);
+            let Some(event) = self.events.get_mut(&id) else {
+                return;
+            };
             event.state = EventState::Poisoning;
             self.actions.push_back(Pending::InsertPoison { id });
         }
@@ -332,6 +354,7 @@ impl Core {
 
     /// Runs the timers due at `now`: retry backoffs and the status interval.
     pub fn tick(&mut self, now: Instant) {
+        self.transaction_tick(now);
         while let Some(&(at, id)) = self.retries.first() {
             if at > now {
                 break;
@@ -365,7 +388,7 @@ impl Core {
     }
 
     /// Removes a resolved event and settles its transaction.
-    fn resolve(&mut self, id: EventId) {
+    pub(super) fn resolve(&mut self, id: EventId) {
         let Some(event) = self.events.remove(&id) else {
             return;
         };
@@ -385,7 +408,7 @@ impl Core {
     }
 
     /// Whether an event of key `k` admitted before `id` failed and is unresolved.
-    fn earlier_failure(&self, k: u64, id: EventId) -> bool {
+    pub(super) fn earlier_failure(&self, k: u64, id: EventId) -> bool {
         self.events
             .range(..id)
             .any(|(_, e)| e.failed && e.key == Some(k))

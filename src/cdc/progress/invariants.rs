@@ -67,6 +67,32 @@ impl Core {
             assert!(self.blocked_keys.contains_key(k), "held under a free key");
             assert!(ids.iter().is_sorted(), "held out of admission order");
         }
+        // Kafka transactions: members are produced or written, every written event is
+        // a member, and the written count matches.
+        let written = self
+            .events
+            .iter()
+            .filter(|(_, e)| e.state == EventState::Written)
+            .inspect(|(id, _)| assert!(self.kafka.members.contains(id), "{id} written outside"))
+            .count();
+        assert_eq!(written, self.kafka.written, "written events");
+        for id in &self.kafka.members {
+            let e = self
+                .events
+                .get(id)
+                .expect("member resolved without its commit");
+            assert!(
+                matches!(e.state, EventState::Producing { .. } | EventState::Written),
+                "{id} is a member in state {:?}",
+                e.state
+            );
+        }
+        if !self.transactional() {
+            assert!(
+                self.kafka.members.is_empty(),
+                "members without transactions"
+            );
+        }
         let open_seq = self.open.map(|o| o.seq);
         let last_seq = self.txs.keys().next_back().copied();
         if open_seq.is_some() {

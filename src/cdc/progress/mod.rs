@@ -19,6 +19,9 @@
 //! * `resend.rs`: what a lost session already resolved, so a resend does not produce
 //!   it again;
 //! * `saving.rs`: the relay's saved position, and why no status confirms past it;
+//! * `transactions.rs`: Kafka transactions (`kafka.delivery = "exactly-once"`): an
+//!   event resolves when its transaction commits, with the progress record that
+//!   lets the next process skip what is durable;
 //! * `config.rs`: [`CoreConfig`] and its normalisation; `error.rs`: [`ProtocolError`].
 //!
 //! The seeded simulator (`simulator.rs`) drives the core against a model walsender,
@@ -49,6 +52,7 @@ mod resend;
 mod saving;
 mod status;
 mod tracker;
+mod transactions;
 
 #[cfg(test)]
 mod invariants;
@@ -57,8 +61,8 @@ mod simulator;
 #[cfg(test)]
 mod tests;
 
-pub use self::config::CoreConfig;
+pub use self::config::{CoreConfig, TransactionLimits};
 pub use self::core::{Action, Core, StatusUpdate};
 pub use self::error::ProtocolError;
-pub use self::resend::Origin;
+pub use self::resend::{Origin, PartialTx, ProgressMark};
 pub use self::saving::SavePhase;

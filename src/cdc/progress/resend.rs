@@ -59,9 +59,36 @@ struct Known {
     unresolved: HashSet<u32>,
 }
 
+/// What a committed Kafka transaction made durable, in the names of [`Origin`]: the
+/// progress record of `kafka.delivery = "exactly-once"` (`transactions.rs`). Every
+/// event of a transaction whose commit LSN is below `confirmed` is resolved; of the
+/// transactions at or after it, `partial` lists those with events resolved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProgressMark {
+    /// The watermark once the transaction commits: an end LSN of a PostgreSQL
+    /// transaction (or the start position), never a commit LSN of one after it.
+    pub confirmed: Lsn,
+    /// Transactions at or after `confirmed` with events resolved, by commit LSN.
+    pub partial: Vec<PartialTx>,
+}
+
+/// One transaction of a [`ProgressMark`]: events `0..admitted` are resolved except
+/// the `unresolved` ordinals; events from `admitted` on were not reached.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PartialTx {
+    /// `Begin.final_lsn`.
+    pub commit: Lsn,
+    pub admitted: u32,
+    /// Sorted.
+    pub unresolved: Vec<u32>,
+}
+
 /// See the module docs.
 #[derive(Debug, Default, Clone)]
 pub(super) struct ResendGuard {
+    /// Every event of a transaction that committed below it is resolved: the
+    /// `confirmed` of the progress mark this process resumed from (zero otherwise).
+    floor: Lsn,
     /// The open transaction: commit LSN and events admitted so far.
     open: Option<(Lsn, u32)>,
     /// Committed transactions with events, not yet confirmed, in commit order.
@@ -112,11 +139,73 @@ impl ResendGuard {
         }
     }
 
-    /// Whether a lost session already resolved this event.
+    /// Whether a lost session (or a committed Kafka transaction of an earlier
+    /// process) already resolved this event.
     pub(super) fn already_resolved(&self, origin: Origin) -> bool {
-        self.known
-            .get(&origin.commit)
-            .is_some_and(|k| origin.ordinal < k.admitted && !k.unresolved.contains(&origin.ordinal))
+        origin.commit < self.floor
+            || self.known.get(&origin.commit).is_some_and(|k| {
+                origin.ordinal < k.admitted && !k.unresolved.contains(&origin.ordinal)
+            })
+    }
+
+    /// What would be durable if the session ended now with `confirmed` as the
+    /// watermark and only `unresolved` events in flight: the same reckoning as
+    /// [`ResendGuard::session_lost`], on a copy.
+    pub(super) fn mark(
+        &self,
+        confirmed: Lsn,
+        unresolved: impl IntoIterator<Item = Origin>,
+    ) -> ProgressMark {
+        let mut guard = self.clone();
+        let confirmed = confirmed.max(self.floor);
+        guard.confirmed(confirmed);
+        guard.session_lost(unresolved);
+        let mut partial: Vec<PartialTx> = guard
+            .known
+            .into_iter()
+            .filter(|(commit, k)| *commit >= confirmed && k.admitted > 0)
+            .map(|(commit, k)| {
+                let mut unresolved: Vec<u32> = k.unresolved.into_iter().collect();
+                unresolved.sort_unstable();
+                PartialTx {
+                    commit,
+                    admitted: k.admitted,
+                    unresolved,
+                }
+            })
+            .collect();
+        partial.sort_unstable_by_key(|p| p.commit);
+        ProgressMark { confirmed, partial }
+    }
+
+    /// Adds what `mark` (a committed progress record) says is durable to what this
+    /// guard knows: an event is resolved when either says so. Both are facts, so
+    /// merging never forgets a resolution (events poisoned after the record was
+    /// written stay resolved).
+    pub(super) fn merge(&mut self, mark: &ProgressMark) {
+        self.floor = self.floor.max(mark.confirmed);
+        for p in mark.partial.iter().filter(|p| p.commit >= self.floor) {
+            let theirs = Known {
+                admitted: p.admitted,
+                unresolved: p.unresolved.iter().copied().collect(),
+            };
+            let merged = match self.known.remove(&p.commit) {
+                None => theirs,
+                Some(ours) => {
+                    let open = |k: &Known, o: u32| o >= k.admitted || k.unresolved.contains(&o);
+                    let admitted = ours.admitted.max(theirs.admitted);
+                    Known {
+                        admitted,
+                        unresolved: (0..admitted)
+                            .filter(|&o| open(&ours, o) && open(&theirs, o))
+                            .collect(),
+                    }
+                }
+            };
+            self.known.insert(p.commit, merged);
+        }
+        let floor = self.floor;
+        self.known.retain(|&commit, _| commit >= floor);
     }
 
     /// The session ended with `unresolved` events still in flight: remember what

@@ -17,6 +17,7 @@ fn cfg() -> CoreConfig {
         progress_status_interval: Duration::from_secs(1),
         retry_backoff_initial: Duration::from_millis(100),
         retry_backoff_max: Duration::from_secs(1),
+        transactions: None,
     }
 }
 
@@ -807,6 +808,7 @@ fn degenerate_config_is_normalised_without_deadlock() {
         progress_status_interval: Duration::ZERO,
         retry_backoff_initial: Duration::MAX,
         retry_backoff_max: Duration::MAX,
+        transactions: None,
     };
     let mut core = Core::new(zero, Lsn(50), now);
     assert!(core.can_read());
@@ -900,6 +902,7 @@ mod arbitrary {
                 progress_status_interval: Duration::from_millis(50),
                 retry_backoff_initial: Duration::from_millis(10),
                 retry_backoff_max: Duration::from_millis(80),
+                transactions: None,
             };
             let mut core = Core::new(c, Lsn(100), now);
             let mut open_final: Option<u64> = None;

@@ -7,6 +7,7 @@
 //! offset of `--since`, see [`super::topic`]) describe the same instants. Bad flags
 //! are usage errors (exit code 2), reported before anything is read.
 
+use crate::kafka::Isolation;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -51,6 +52,11 @@ pub struct AuditArgs {
     /// No progress output on stderr.
     #[arg(long)]
     pub no_progress: bool,
+    /// What the audit reads of transactional records: `read_uncommitted` (every
+    /// record written) or `read_committed` (what a consumer of
+    /// `kafka.delivery = "exactly-once"` sees: aborted transactions left out).
+    #[arg(long, value_enum, default_value_t = Isolation::ReadUncommitted)]
+    pub isolation: Isolation,
 }
 
 impl Default for AuditArgs {
@@ -62,6 +68,7 @@ impl Default for AuditArgs {
             to_id: None,
             topics: Vec::new(),
             json: false,
+            isolation: Isolation::ReadUncommitted,
             timeout_secs: DEFAULT_TIMEOUT_SECS,
             no_progress: false,
         }

@@ -58,7 +58,7 @@ use load::Loaded;
 pub async fn run(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error> {
     let started = Instant::now();
     let range = Range::resolve(args, Utc::now())?;
-    let consumer_cfg = topic::consumer_config(config)?;
+    let consumer_cfg = topic::consumer_config(config, args.isolation)?;
     let progress = !args.no_progress;
 
     let mut client = crate::postgres::connect(&config.postgres.url).await?;

@@ -4,9 +4,9 @@
 //! # Reading only
 //!
 //! The consumer is assigned partitions (no group membership) and commits nothing,
-//! so an audit leaves no trace on the cluster. It copies from `kafka.producer` only
-//! the settings that say how to reach and authenticate to the brokers
-//! (`security.protocol`, `sasl.*`, `ssl.*`, …); producer tuning does not apply.
+//! so an audit leaves no trace on the cluster (`crate::kafka::reader_config`). It
+//! reads `read_uncommitted` unless `--isolation read_committed` asks to count what
+//! the consumers of `kafka.delivery = "exactly-once"` see.
 //!
 //! # Where reading starts and ends
 //!
@@ -36,6 +36,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use super::ledger::Ledger;
 use crate::config::{Config, ConfigError};
 use crate::error::Error;
+use crate::kafka::{Isolation, reader_config};
 use crate::lsn::Lsn;
 use crate::ops::meter::{self, Meter};
 use crate::outbox::{HEADER_IDEMPOTENCY_KEY, HEADER_SOURCE_LSN};
@@ -47,28 +48,6 @@ const PAST_END_GRACE: Duration = Duration::from_secs(5);
 const BROKER_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// `client.id` of the audit consumer.
 const CONSUMER_CLIENT_ID: &str = "outbox-relay-audit";
-/// `kafka.producer` settings copied to the consumer: how to reach and authenticate
-/// to the brokers (names equal to, or starting with, one of these).
-const CONSUMER_PASSTHROUGH: [&str; 9] = [
-    "security.protocol",
-    "sasl.",
-    "ssl.",
-    "ssl_",
-    "enable.ssl.",
-    "enable.sasl.",
-    "client.dns.lookup",
-    "broker.address.family",
-    "socket.",
-];
-
-/// Whether a `kafka.producer` setting is about reaching or authenticating to the
-/// brokers, and so applies to the audit consumer too.
-fn is_passthrough(key: &str) -> bool {
-    CONSUMER_PASSTHROUGH
-        .iter()
-        .any(|p| key == *p || (p.ends_with(['.', '_']) && key.starts_with(p)))
-}
-
 /// Client context of the audit consumer: end-of-partition is how the audit knows it
 /// read everything, not an error worth a log line (rdkafka's default context logs
 /// every client error at ERROR level).
@@ -89,25 +68,13 @@ impl rdkafka::ClientContext for AuditContext {
 
 impl rdkafka::consumer::ConsumerContext for AuditContext {}
 
-/// The audit consumer: assigned partitions only, no group membership, no commits.
-pub(super) fn consumer_config(config: &Config) -> Result<ClientConfig, ConfigError> {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", &config.kafka.brokers)
-        .set("client.id", CONSUMER_CLIENT_ID)
-        // Required by librdkafka for a consumer; never joined (assign, not subscribe).
-        .set("group.id", CONSUMER_CLIENT_ID)
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "true")
-        .set("auto.offset.reset", "earliest");
-    for (key, value) in &config.kafka.producer {
-        if is_passthrough(key) {
-            cfg.set(key, value);
-        }
-    }
-    cfg.create_native_config()
-        .map_err(|e| ConfigError::Invalid(format!("kafka.producer (audit consumer): {e}")))?;
-    Ok(cfg)
+/// The audit consumer (`crate::kafka::reader_config`), reading at `isolation`.
+pub(super) fn consumer_config(
+    config: &Config,
+    isolation: Isolation,
+) -> Result<ClientConfig, ConfigError> {
+    reader_config(&config.kafka, CONSUMER_CLIENT_ID, isolation)
+        .map_err(|e| ConfigError::Invalid(format!("kafka.producer (audit consumer): {e}")))
 }
 
 /// How reading one topic went.
@@ -384,23 +351,6 @@ mod tests {
     }
 
     #[test]
-    fn only_connection_settings_reach_the_consumer() {
-        for yes in [
-            "security.protocol",
-            "sasl.mechanism",
-            "sasl.username",
-            "ssl.ca.location",
-            "enable.ssl.certificate.verification",
-            "socket.timeout.ms",
-        ] {
-            assert!(is_passthrough(yes), "{yes}");
-        }
-        for no in ["linger.ms", "acks", "security", "compression.type", "sasl"] {
-            assert!(!is_passthrough(no), "{no}");
-        }
-    }
-
-    #[test]
     fn consumer_config_passes_security_settings() {
         let toml = r#"
             [postgres]
@@ -413,7 +363,8 @@ mod tests {
             "linger.ms" = "7"
         "#;
         let config = Config::from_sources("test", toml, Vec::new()).unwrap();
-        let cfg = consumer_config(&config).unwrap();
+        let cfg = consumer_config(&config, Isolation::ReadCommitted).unwrap();
+        assert_eq!(cfg.get("isolation.level"), Some("read_committed"));
         assert_eq!(cfg.get("security.protocol"), Some("SASL_PLAINTEXT"));
         assert_eq!(cfg.get("sasl.mechanism"), Some("PLAIN"));
         assert_eq!(cfg.get("linger.ms"), None);

@@ -21,13 +21,20 @@
 //!
 //! Existence is read from a metadata request for all topics: naming a topic would
 //! let a broker with `auto.create.topics.enable` create it.
+//!
+//! # Delivery
+//!
+//! `kafka.delivery` says what the topics' consumers see after a crash. Exactly-once
+//! needs the progress topic (`migrate` creates it) and a broker that commits Kafka
+//! transactions, which only a transaction shows: `run` makes one at start and
+//! refuses a broker that cannot (exit 3); `check` says so.
 
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
 use super::Check;
-use crate::config::{Config, quote_ident, quote_qualified};
+use crate::config::{Config, DeliveryMode, quote_ident, quote_qualified};
 use crate::kafka::{BrokerError, BrokerUnavailable, Publisher};
 
 /// How many recent outbox rows `check` renders topics from.
@@ -252,4 +259,39 @@ async fn recent_topics(
     let more = topics.len() > MAX_TOPICS;
     topics.truncate(MAX_TOPICS);
     Ok((topics, more))
+}
+
+/// `kafka.delivery`: the mode and what it promises; in exactly-once mode, that the
+/// progress topic exists.
+pub(super) async fn delivery(publisher: &Publisher, config: &Config) -> Check {
+    const NAME: &str = "kafka.delivery";
+    if config.kafka.delivery == DeliveryMode::AtLeastOnce {
+        return Check::ok(
+            NAME,
+            "at-least-once: a crash may send a window of events again; consumers \
+             de-duplicate by the idempotency_key header",
+        );
+    }
+    let topic = &config.kafka.progress_topic;
+    match publisher.topic_partitions(TIMEOUT).await {
+        Ok(topics) if topics.contains_key(topic) => Check::ok(
+            NAME,
+            format!(
+                "exactly-once: read_committed consumers see each event once; progress in \
+                 {topic:?} (transactions are tried by `run` at start; the backlog of a \
+                 cutover or a resync after a lost slot is at-least-once)"
+            ),
+        ),
+        Ok(_) => Check::problem(
+            NAME,
+            format!("exactly-once, but the progress topic {topic:?} does not exist"),
+            "run `outbox-relay migrate` (it creates it, compacted), or create it with \
+             cleanup.policy=compact",
+        ),
+        Err(e) => Check::problem(
+            NAME,
+            format!("exactly-once, but the progress topic could not be looked up: {e}"),
+            "see kafka.broker",
+        ),
+    }
 }

@@ -267,6 +267,7 @@ pub async fn run(config: Result<Config, ConfigError>) -> Report {
     if let (Some(publisher), true) = (&publisher, broker_ok) {
         let sample = kafka::Sample::Recent(client.as_ref());
         checks.push(kafka::topics(publisher, &config, sample).await);
+        checks.push(kafka::delivery(publisher, &config).await);
     }
     Report::new(checks)
 }
@@ -386,6 +387,7 @@ impl RunChecks {
         checks.push(broker);
         if broker_ok {
             checks.push(kafka::topics(publisher, config, kafka::Sample::TemplateOnly).await);
+            checks.push(kafka::delivery(publisher, config).await);
         }
         Report::new(checks)
     }

@@ -44,11 +44,22 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
         .into_iter()
         .filter(|c| !columns.iter().any(|have| have == c))
         .collect();
-    verdict(config, &outbox, &missing)
+    // Without it, a resync reads the backlog by created_at (see cdc::backlog).
+    let commit_timestamps = match client
+        .query_one(
+            "SELECT current_setting('track_commit_timestamp')::bool",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+        Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
+    };
+    verdict(config, &outbox, &missing, commit_timestamps)
 }
 
 /// The check's result for the columns `missing` of `outbox`.
-fn verdict(config: &Config, outbox: &str, missing: &[&str]) -> Check {
+fn verdict(config: &Config, outbox: &str, missing: &[&str], commit_timestamps: bool) -> Check {
     match (config.relay.on_slot_loss, missing.is_empty()) {
         (SlotLossMode::Fail, _) => Check::ok(
             NAME,
@@ -56,9 +67,17 @@ fn verdict(config: &Config, outbox: &str, missing: &[&str]) -> Check {
         ),
         (SlotLossMode::Resync, true) => Check::ok(
             NAME,
-            "a lost slot is resynced from the saved position (only rows still in the outbox can be \
-             republished: an application that deletes them after insert loses what happened while \
-             the slot was gone)",
+            format!(
+                "a lost slot is resynced from the saved position (only rows still in the outbox can be \
+                 republished: an application that deletes them after insert loses what happened while \
+                 the slot was gone); {}",
+                if commit_timestamps {
+                    "its rows are read in commit order (track_commit_timestamp = on)"
+                } else {
+                    "its rows are read by created_at, which is commit order only for writers that \
+                     lock their entity (track_commit_timestamp = on, a restart, makes it exact)"
+                }
+            ),
         ),
         (SlotLossMode::Resync, false) => Check::warn(
             NAME,
@@ -85,14 +104,22 @@ mod tests {
     #[test]
     fn a_layout_without_the_marks_cannot_be_resynced_and_says_how_to_fix_it() {
         let config = cfg("");
-        let check = verdict(&config, "\"public\".\"outbox\"", &["sent_at", "attempts"]);
+        let check = verdict(
+            &config,
+            "\"public\".\"outbox\"",
+            &["sent_at", "attempts"],
+            false,
+        );
         let text = format!("{check:?}");
         assert!(text.contains("Warn"), "{text}");
         assert!(text.contains("has no sent_at, attempts"), "{text}");
         assert!(text.contains("ALTER TABLE"), "{text}");
         assert!(text.contains("on_slot_loss = \\\"fail\\\""), "{text}");
         let fail = cfg("[relay]\non_slot_loss = \"fail\"\n");
-        assert!(format!("{:?}", verdict(&fail, "t", &["sent_at"])).contains("Ok"));
-        assert!(format!("{:?}", verdict(&config, "t", &[])).contains("Ok"));
+        assert!(format!("{:?}", verdict(&fail, "t", &["sent_at"], false)).contains("Ok"));
+        let off = format!("{:?}", verdict(&config, "t", &[], false));
+        assert!(off.contains("Ok") && off.contains("by created_at"), "{off}");
+        let on = format!("{:?}", verdict(&config, "t", &[], true));
+        assert!(on.contains("in commit order"), "{on}");
     }
 }

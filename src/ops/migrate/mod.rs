@@ -15,8 +15,9 @@
 //! for content jsonb refuses, see [`crate::poison`]) and keeps every existing row: an
 //! applied migration is never edited, a later one changes what it created.
 //! `0009` adds parked events and keys (`relay.on_poison = "park-key"`, see
-//! `crate::poison`, `parking.rs`). With `postgres.shards > 1`, the shards'
-//! publications are made last (`crate::postgres::shard_publication`).
+//! `crate::poison`, `parking.rs`). `0010` keeps several candidate checkpoints in the
+//! relay position (see [`crate::outbox::position`]). With `postgres.shards > 1`, the
+//! shards' publications are made last (`crate::postgres::shard_publication`).
 //!
 //! Besides the tables, the migrations install the writer helper
 //! `outbox_enqueue(…)` (`0004`, see [`crate::outbox::enqueue`]) and the checkpoint table
@@ -114,6 +115,12 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 9,
         name: "parked_keys",
         sql: include_str!("../../../migrations/0009_parked_keys.sql"),
+        partitioned_sql: None,
+    },
+    Migration {
+        version: 10,
+        name: "position_checkpoints",
+        sql: include_str!("../../../migrations/0010_position_checkpoints.sql"),
         partitioned_sql: None,
     },
 ];

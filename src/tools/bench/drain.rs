@@ -515,6 +515,9 @@ impl NullSink {
                 Action::InsertPoison { id, .. } => self.core.poison_committed(id, Instant::now()),
                 Action::Save { lsn, .. } => self.core.saved(lsn, Instant::now()),
                 Action::SendStatus(status) => send_status(stream, status).await?,
+                // Kafka transactions commit on the spot too (no broker here).
+                Action::CommitTransaction => self.core.transaction_committed(Instant::now()),
+                Action::AbortTransaction => self.core.transaction_aborted(Instant::now()),
             }
         }
         Ok(())

@@ -106,6 +106,10 @@ impl Fixture {
             .await?;
         // With `--shards`, the shards' publications, as `migrate` makes them.
         crate::postgres::shard_publication::ensure(&self.client, &self.config).await?;
+        if self.config.kafka.delivery == crate::config::DeliveryMode::ExactlyOnce {
+            // As `migrate` does for `run`.
+            crate::kafka::create_progress_topic(&self.config.kafka).await?;
+        }
         create_topic(&self.config.kafka.brokers, &self.topic, TOPIC_PARTITIONS).await
     }
 
@@ -438,6 +442,28 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
         .map(|(k, v)| (k.clone(), Value::String(v.clone())))
         .collect();
     kafka.insert("producer".into(), Value::Table(producer));
+    // The delivery mode and its transactions (`bench --set kafka.delivery=…`
+    // compares the modes).
+    for (key, value) in [
+        (
+            "delivery",
+            Value::try_from(base.kafka.delivery).map_err(BenchError::RunConfig)?,
+        ),
+        (
+            "transaction_max_events",
+            Value::Integer(i64::try_from(base.kafka.transaction_max_events).unwrap_or(i64::MAX)),
+        ),
+        (
+            "transaction_interval_ms",
+            Value::Integer(i64::try_from(base.kafka.transaction_interval_ms).unwrap_or(i64::MAX)),
+        ),
+        (
+            "progress_topic",
+            Value::String(base.kafka.progress_topic.clone()),
+        ),
+    ] {
+        kafka.insert(key.into(), value);
+    }
     // Every relay setting of the user's config (window, attempts, idle flushing, …),
     // so that a bench config compares them.
     let relay = Value::try_from(&base.relay).map_err(BenchError::RunConfig)?;

@@ -1,0 +1,495 @@
+//! The session's side of `kafka.delivery = "exactly-once"`: the transactional
+//! producer's calls in the order the core asks for them, and the progress record.
+//!
+//! The decisions (when to commit, what a commit makes durable, what an abort sends
+//! again, where a new process resumes) are the core's (`cdc::progress::transactions`),
+//! where the simulator checks them. This file only carries them out:
+//!
+//! * **At the start of a session**, once `START_REPLICATION` holds the slot (so a
+//!   standby waiting for the slot never fences the active relay), the producer's
+//!   `init_transactions` fences any older producer of the slot's `transactional.id`
+//!   and aborts what it left open; then the last committed progress record is read
+//!   (`read_committed`) and the core resumes from it. A record of another server
+//!   history is cut at the fork: positions after it name transactions the new
+//!   timeline does not have; a record of another database is not used at all (a
+//!   warning says that events may be published again).
+//! * **Produces** go into a transaction begun lazily before the first of them.
+//! * **A commit** writes the progress record (key: the slot) in the transaction, then
+//!   runs `commit_transaction` on a blocking thread while the loop goes on; **an
+//!   abort** runs `abort_transaction` the same way.
+//! * **An outcome** is handed to the core only once every delivery report of the
+//!   transaction was (librdkafka's in-flight count is zero and the report channel is
+//!   empty): the core's contract. A retriable failure repeats the call; a commit that
+//!   must be aborted is aborted; a fenced producer ends the process (exit 3: another
+//!   relay holds the stream); any other fatal failure ends the session, and the
+//!   replaced producer's `init_transactions` aborts what this one left open.
+
+use std::time::Instant;
+
+use rdkafka::ClientConfig;
+
+use crate::cdc::progress::{Core, ProgressMark};
+use crate::cdc::progress_record::{self, ProgressRecord};
+use crate::config::{Config, DeliveryMode};
+use crate::delivery::EventId;
+use crate::error::Result;
+use crate::kafka::{self, Isolation, Publisher, RecordRef, TransactionCall, TransactionError};
+use crate::lsn::Lsn;
+use crate::outbox::position::ServerHistory;
+use crate::postgres::replication::TimelineSwitch;
+
+/// The delivery id of the progress record (never an event's: ids count up from 1).
+pub(crate) const PROGRESS_RECORD_ID: EventId = EventId::from_raw(u64::MAX);
+
+/// `client.id` of the progress record's reader.
+const READER_CLIENT_ID: &str = "outbox-relay-progress";
+
+/// Largest progress record written: `partial` entries past it are left out (which
+/// only makes a restart send their events again), so that a large window cannot
+/// make the record larger than the topic accepts.
+const MAX_RECORD_BYTES: usize = 256 * 1024;
+
+/// Times a retriable `init_transactions` is made again before the session ends.
+const INIT_ATTEMPTS: u32 = 3;
+
+/// What the transactional call under way is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Commit,
+    Abort,
+}
+
+/// See the module documentation.
+pub(crate) struct ExactlyOnce {
+    /// `transactional.id` (from the slot's name).
+    id: String,
+    slot: String,
+    topic: String,
+    reader: ClientConfig,
+    /// `init_transactions` succeeded on the current producer.
+    initialized: bool,
+    /// A transaction is begun on the current producer.
+    begun: bool,
+    /// The start-up transaction that shows the broker can commit succeeded.
+    probed: bool,
+    /// A transactional failure at the start of a session: the producer must be
+    /// replaced before the next one (its transaction state is unknown or stuck).
+    replace_producer: bool,
+    /// The commit or abort under way.
+    call: Option<(Ending, TransactionCall)>,
+    /// A finished call whose outcome waits for the transaction's last reports.
+    outcome: Option<(Ending, std::result::Result<(), TransactionError>)>,
+    /// A failure the session must act on ([`ExactlyOnce::take_failure`]).
+    failure: Option<TransactionError>,
+}
+
+impl ExactlyOnce {
+    /// `Some` in exactly-once mode; makes `producer_config` transactional.
+    ///
+    /// # Errors
+    ///
+    /// The reader's configuration refused by librdkafka (exit code 2).
+    pub(crate) fn new(
+        config: &Config,
+        producer_config: &mut ClientConfig,
+    ) -> Result<Option<ExactlyOnce>> {
+        if config.kafka.delivery != DeliveryMode::ExactlyOnce {
+            return Ok(None);
+        }
+        let slot = config.postgres.slot_name();
+        let id = kafka::transactional_id(&slot);
+        kafka::transactional_config(producer_config, &id);
+        let reader =
+            kafka::reader_config(&config.kafka, READER_CLIENT_ID, Isolation::ReadCommitted)
+                .map_err(|e| {
+                    crate::config::ConfigError::Invalid(format!(
+                        "kafka.producer (progress record reader): {e}"
+                    ))
+                })?;
+        Ok(Some(ExactlyOnce {
+            id,
+            slot,
+            topic: config.kafka.progress_topic.clone(),
+            reader,
+            initialized: false,
+            begun: false,
+            probed: false,
+            replace_producer: false,
+            call: None,
+            outcome: None,
+            failure: None,
+        }))
+    }
+
+    /// The producer was replaced: the new one needs its `init_transactions`, and
+    /// nothing of the old one's transaction is pending any more.
+    pub(crate) fn producer_replaced(&mut self) {
+        self.initialized = false;
+        self.replace_producer = false;
+        self.begun = false;
+        self.call = None;
+        self.outcome = None;
+        self.failure = None;
+    }
+
+    /// Whether the producer must be replaced before the next session: a start
+    /// failed in a transactional call, or a session ended with a transaction begun
+    /// or its outcome unknown (the next producer's `init_transactions` fences this
+    /// one and settles what it left: committed or aborted, the progress record read
+    /// at the next start says which).
+    pub(crate) fn needs_new_producer(&self) -> bool {
+        self.replace_producer || self.begun || self.call.is_some() || self.outcome.is_some()
+    }
+
+    /// A failure the session must act on: fenced or unsupported ends the process
+    /// ([`TransactionError::needs_operator`]), any other replaces the producer.
+    pub(crate) fn take_failure(&mut self) -> Option<TransactionError> {
+        self.failure.take()
+    }
+
+    /// At the start of a session (the slot held): fences older producers (a new
+    /// producer's `init_transactions`), reads the last committed progress record, and
+    /// adds what it names as durable to the core's memory. Read at every session, not
+    /// only the first: another relay may have streamed from the slot meanwhile, and a
+    /// replaced producer's last transaction may have committed.
+    ///
+    /// The record is not used past `start` when the database went back: a record
+    /// written when the relay's saved position was `saved` cannot hold for a server
+    /// whose session starts below it (a data directory restored in place keeps its
+    /// system identifier and timeline, and hands out the same LSNs again).
+    ///
+    /// # Errors
+    ///
+    /// Fenced or unsupported (exit 3), a missing progress topic (exit 3); other
+    /// failures end the start (transient), and a transactional one replaces the
+    /// producer first.
+    pub(crate) async fn start_session(
+        &mut self,
+        publisher: &Publisher,
+        core: &mut Core,
+        history: ServerHistory,
+        forks: &[TimelineSwitch],
+        start: Lsn,
+    ) -> Result<()> {
+        let outcome = self.prepare(publisher, core, history, forks, start).await;
+        if let Err(crate::error::Error::Transaction(e)) = &outcome
+            && !e.needs_operator()
+        {
+            self.replace_producer = true;
+        }
+        outcome
+    }
+
+    async fn prepare(
+        &mut self,
+        publisher: &Publisher,
+        core: &mut Core,
+        history: ServerHistory,
+        forks: &[TimelineSwitch],
+        start: Lsn,
+    ) -> Result<()> {
+        if !self.initialized {
+            self.init(publisher).await?;
+        }
+        if !self.probed {
+            self.probe(publisher).await?;
+            self.probed = true;
+        }
+        let reader = self.reader.clone();
+        let (topic, slot) = (self.topic.clone(), self.slot.clone());
+        let latest = tokio::task::spawn_blocking(move || {
+            progress_record::read_latest(&reader, &topic, &slot)
+        })
+        .await
+        .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??;
+        let Some(record) = latest else {
+            tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
+            return Ok(());
+        };
+        if start < record.saved {
+            tracing::warn!(%start, recorded_saved = %record.saved, confirmed = %record.mark.confirmed,
+                "the database is behind the progress record (restored in place?): the record is not used; events it covered may be published again");
+            return Ok(());
+        }
+        match mark_on(&record, history, forks) {
+            Some(mark) => {
+                tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
+                    "resuming from the last committed progress record");
+                core.resume_from(&mark);
+            }
+            None => tracing::warn!(recorded = %record.history, %history,
+                "the progress record belongs to another database: not used; events it covered may be published again"),
+        }
+        Ok(())
+    }
+
+    /// One transaction with one record under the key `<slot>.probe` (which readers
+    /// of the slot's record skip, and compaction keeps once): a broker that cannot
+    /// commit a transaction is found at start, with a clear message, instead of at
+    /// the first commit; and before the progress record is read, so that a broker
+    /// that leaves the transaction open cannot hold that read.
+    async fn probe(&mut self, publisher: &Publisher) -> Result<()> {
+        let key = format!("{}.probe", self.slot);
+        publisher.begin_transaction(&self.id)?;
+        let sent = self.send_progress(publisher, &key, b"{}");
+        let committed = match sent {
+            Ok(()) => kafka::joined(publisher.start_commit(&self.id).await),
+            Err(rejected) => Err(TransactionError::Abortable {
+                code: rejected.code,
+                message: rejected.message,
+            }),
+        };
+        match committed {
+            Ok(()) => Ok(()),
+            Err(e @ TransactionError::Unsupported { .. }) => Err(e.into()),
+            Err(e) => {
+                // Aborting the probe loses nothing. If the abort fails too, the
+                // producer is replaced.
+                if kafka::joined(publisher.start_abort(&self.id).await).is_err() {
+                    self.replace_producer = true;
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn init(&mut self, publisher: &Publisher) -> Result<()> {
+        let mut attempt = 1;
+        loop {
+            match publisher.init_transactions(&self.id).await {
+                Ok(()) => break,
+                Err(TransactionError::Retriable { .. }) if attempt < INIT_ATTEMPTS => attempt += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        tracing::info!(transactional_id = %self.id, "transactions initialised; older producers of this id are fenced");
+        self.initialized = true;
+        self.begun = false;
+        Ok(())
+    }
+
+    /// Before a produce: begins the transaction if none is. `false` when librdkafka
+    /// refused (the producer is unusable: [`ExactlyOnce::take_failure`] says why).
+    pub(crate) fn before_produce(&mut self, publisher: &Publisher) -> bool {
+        if self.begun {
+            return true;
+        }
+        match publisher.begin_transaction(&self.id) {
+            Ok(()) => {
+                self.begun = true;
+                true
+            }
+            Err(e) => {
+                self.failure.get_or_insert(e);
+                false
+            }
+        }
+    }
+
+    /// [`Action::CommitTransaction`](crate::cdc::progress::Action): writes the
+    /// progress record in the transaction and starts the commit.
+    pub(crate) fn commit(&mut self, publisher: &Publisher, core: &Core, history: ServerHistory) {
+        let record = ProgressRecord {
+            slot: self.slot.clone(),
+            history,
+            saved: core.saved_position(),
+            mark: core.transaction_mark().cloned().unwrap_or_default(),
+        };
+        let value = record.encode_within(MAX_RECORD_BYTES);
+        let sent = self.send_progress(publisher, &self.slot, &value);
+        match sent {
+            Ok(()) => self.start(publisher, Ending::Commit),
+            Err(rejected) => {
+                // Committing the events without their record would make a restart
+                // send them again: the transaction is aborted instead.
+                tracing::warn!(error = %rejected, topic = %self.topic, "the progress record was refused; aborting the transaction");
+                self.start(publisher, Ending::Abort);
+            }
+        }
+    }
+
+    /// Queues one record of the progress topic, reported as [`PROGRESS_RECORD_ID`].
+    fn send_progress(
+        &self,
+        publisher: &Publisher,
+        key: &str,
+        value: &[u8],
+    ) -> std::result::Result<(), kafka::SendRejected> {
+        publisher.send(
+            PROGRESS_RECORD_ID,
+            RecordRef {
+                topic: &self.topic,
+                key: key.as_bytes(),
+                payload: value,
+                headers: &[],
+                timestamp_ms: None,
+            },
+        )
+    }
+
+    /// [`Action::AbortTransaction`](crate::cdc::progress::Action).
+    pub(crate) fn abort(&mut self, publisher: &Publisher) {
+        self.start(publisher, Ending::Abort);
+    }
+
+    fn start(&mut self, publisher: &Publisher, ending: Ending) {
+        let call = match ending {
+            Ending::Commit => publisher.start_commit(&self.id),
+            Ending::Abort => publisher.start_abort(&self.id),
+        };
+        self.begun = false;
+        self.call = Some((ending, call));
+    }
+
+    /// Whether a commit or an abort is under way (await [`ExactlyOnce::finished`]).
+    pub(crate) fn calling(&self) -> bool {
+        self.call.is_some()
+    }
+
+    /// Waits for the call under way; pending forever when there is none.
+    pub(crate) async fn finished(&mut self) {
+        let Some((ending, call)) = self.call.as_mut() else {
+            return std::future::pending().await;
+        };
+        let outcome = kafka::joined(call.await);
+        let ending = *ending;
+        self.call = None;
+        self.outcome = Some((ending, outcome));
+    }
+
+    /// Whether an outcome waits to be handed to the core.
+    pub(crate) fn settling(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    /// Hands a finished call's outcome to the core once every report of the
+    /// transaction is in (`drained`: librdkafka has nothing in flight and the report
+    /// channel is empty); retries, aborts or gives up as the outcome says.
+    pub(crate) fn settle(&mut self, publisher: &Publisher, core: &mut Core, drained: bool) {
+        // A success waits for the last reports (the core's contract); a failure is
+        // acted on at once (a retry or an abort need not wait for them).
+        if !drained && matches!(self.outcome, Some((_, Ok(())))) {
+            return;
+        }
+        let Some((ending, outcome)) = self.outcome.take() else {
+            return;
+        };
+        let now = Instant::now();
+        match (ending, outcome) {
+            (Ending::Commit, Ok(())) => {
+                ::metrics::counter!(crate::cdc::metrics::KAFKA_TRANSACTIONS, "outcome" => "committed")
+                    .increment(1);
+                core.transaction_committed(now);
+            }
+            (Ending::Abort, Ok(())) => {
+                ::metrics::counter!(crate::cdc::metrics::KAFKA_TRANSACTIONS, "outcome" => "aborted")
+                    .increment(1);
+                core.transaction_aborted(now);
+            }
+            (ending, Err(TransactionError::Retriable { code, message })) => {
+                tracing::warn!(?ending, ?code, %message, "Kafka transaction call failed; trying again");
+                self.start(publisher, ending);
+            }
+            (Ending::Commit, Err(TransactionError::Abortable { code, message })) => {
+                tracing::warn!(?code, %message, "Kafka transaction cannot commit; aborting it (its events are produced again)");
+                self.start(publisher, Ending::Abort);
+            }
+            (_, Err(e)) => {
+                self.failure.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// The part of `record`'s mark that holds on the server history `history`: all of
+/// it on the same history; up to the fork when `history` branched off the record's
+/// timeline later; nothing of another database.
+fn mark_on(
+    record: &ProgressRecord,
+    history: ServerHistory,
+    forks: &[TimelineSwitch],
+) -> Option<ProgressMark> {
+    if record.history.system_identifier != history.system_identifier {
+        return None;
+    }
+    if record.history.timeline == history.timeline {
+        return Some(record.mark.clone());
+    }
+    // Where the record's timeline ended in this server's history; a record of a
+    // later timeline than this server's (or one it never had) keeps nothing.
+    let fork = forks
+        .iter()
+        .find(|f| f.timeline == record.history.timeline)
+        .map_or(Lsn::ZERO, |f| f.switchpoint);
+    Some(ProgressMark {
+        confirmed: record.mark.confirmed.min(fork),
+        partial: record
+            .mark
+            .partial
+            .iter()
+            .filter(|p| p.commit < fork)
+            .cloned()
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cdc::progress::PartialTx;
+
+    fn record(timeline: u32) -> ProgressRecord {
+        ProgressRecord {
+            slot: "s".into(),
+            history: ServerHistory {
+                system_identifier: 7,
+                timeline,
+            },
+            saved: Lsn(100),
+            mark: ProgressMark {
+                confirmed: Lsn(500),
+                partial: vec![
+                    PartialTx {
+                        commit: Lsn(300),
+                        admitted: 2,
+                        unresolved: vec![],
+                    },
+                    PartialTx {
+                        commit: Lsn(600),
+                        admitted: 1,
+                        unresolved: vec![],
+                    },
+                ],
+            },
+        }
+    }
+
+    #[test]
+    fn a_record_of_an_earlier_timeline_holds_up_to_the_fork() {
+        let now = ServerHistory {
+            system_identifier: 7,
+            timeline: 2,
+        };
+        let forks = [TimelineSwitch {
+            timeline: 1,
+            switchpoint: Lsn(400),
+        }];
+        let mark = mark_on(&record(1), now, &forks).unwrap();
+        assert_eq!(mark.confirmed, Lsn(400));
+        assert_eq!(
+            mark.partial.len(),
+            1,
+            "only the transaction before the fork"
+        );
+        assert_eq!(mark_on(&record(2), now, &forks).unwrap(), record(2).mark);
+        // A timeline this server never had: nothing holds.
+        let unknown = mark_on(&record(5), now, &forks).unwrap();
+        assert_eq!(unknown.confirmed, Lsn::ZERO);
+        assert!(unknown.partial.is_empty());
+        let other_db = ServerHistory {
+            system_identifier: 8,
+            timeline: 2,
+        };
+        assert_eq!(mark_on(&record(2), other_db, &forks), None);
+    }
+}

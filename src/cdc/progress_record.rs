@@ -1,0 +1,457 @@
+//! The progress record of `kafka.delivery = "exactly-once"`: what a committed Kafka
+//! transaction made durable, written in that transaction, read back at start.
+//!
+//! # Where it lives
+//!
+//! In `kafka.progress_topic` (compacted; `migrate` creates it with one partition),
+//! keyed by the slot's name, so that each relay (each shard) keeps its own latest
+//! record and compaction keeps only that one. The value is JSON (contract in
+//! `docs/architecture.md#the-progress-record`):
+//!
+//! ```json
+//! {"version":1,"slot":"outbox_relay","system_identifier":"7715066301594421149",
+//!  "timeline":1,"saved":"0/AFDD0000","confirmed":"0/AFDDBCA8",
+//!  "partial":[{"commit":"0/AFDDBD00","admitted":3,"unresolved":[1]}]}
+//! ```
+//!
+//! The system identifier is a string: it does not fit the integers JSON readers
+//! agree on. `saved` is the relay's saved position when the record was written: a
+//! session that starts below it is on a database that went back (a data directory
+//! restored in place keeps its identifier and timeline), and the record is not used. `confirmed` and `partial` are the [`ProgressMark`]: every event of a
+//! PostgreSQL transaction committed (`Begin.final_lsn`) below `confirmed` is durable,
+//! and of each `partial` transaction the events `0..admitted` except the `unresolved`
+//! ordinals.
+//!
+//! # Reading the latest
+//!
+//! Only after `init_transactions` (which aborted whatever a predecessor left open)
+//! and `read_committed`: a record of an aborted transaction names events that were
+//! never committed. The partition is read backwards in growing windows from its end,
+//! so a start costs one fetch while the topic is not compacted yet.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+
+use crate::cdc::progress::{PartialTx, ProgressMark};
+use crate::lsn::Lsn;
+use crate::outbox::position::ServerHistory;
+
+/// Version of the record's JSON.
+const VERSION: u32 = 1;
+
+/// Windows read back from a partition's end before reading it whole.
+const WINDOWS: [i64; 3] = [1_000, 10_000, 100_000];
+
+/// Timeout of one metadata or watermark request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a read may find nothing new before it gives up on a partition's end:
+/// longer than a transaction may stay open (`kafka::TRANSACTION_TIMEOUT`), after
+/// which the broker aborts it and the last stable offset moves.
+const IDLE_LIMIT: Duration = Duration::from_secs(75);
+
+/// One relay's progress: the slot it streams, the server history its positions
+/// name, and the mark.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgressRecord {
+    pub slot: String,
+    pub history: ServerHistory,
+    /// The relay's saved position when the record was written: a database whose
+    /// session starts below it went back (restored in place), and the record does
+    /// not hold for it.
+    pub saved: Lsn,
+    pub mark: ProgressMark,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Json {
+    version: u32,
+    slot: String,
+    system_identifier: String,
+    timeline: u32,
+    #[serde(default = "zero_lsn")]
+    saved: String,
+    confirmed: String,
+    #[serde(default)]
+    partial: Vec<JsonPartial>,
+}
+
+fn zero_lsn() -> String {
+    Lsn::ZERO.to_string()
+}
+
+#[derive(Serialize, Deserialize)]
+struct JsonPartial {
+    commit: String,
+    admitted: u32,
+    #[serde(default)]
+    unresolved: Vec<u32>,
+}
+
+/// A record that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgressRecordError {
+    #[error("the progress record is not valid JSON of version {VERSION}: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("the progress record's {field} is not valid: {value:?}")]
+    Field { field: &'static str, value: String },
+    #[error("the progress record is version {0}; this relay reads version {VERSION}")]
+    Version(u32),
+    #[error("the progress record reader's thread failed: {0}")]
+    Task(String),
+    #[error("the progress topic {topic:?} does not exist")]
+    TopicMissing { topic: String },
+    #[error("reading the progress topic {topic:?} failed: {source}")]
+    Kafka { topic: String, source: KafkaError },
+    #[error(
+        "the progress topic {topic:?} could not be read to its end within {secs}s \
+         (partition {partition} stopped at offset {at} of {end})"
+    )]
+    Incomplete {
+        topic: String,
+        partition: i32,
+        at: i64,
+        end: i64,
+        secs: u64,
+    },
+}
+
+impl From<ProgressRecordError> for crate::error::Error {
+    /// A missing topic needs an operator (exit code 3); anything else is retried.
+    fn from(e: ProgressRecordError) -> Self {
+        match e {
+            ProgressRecordError::TopicMissing { topic } => {
+                crate::error::Error::ProgressTopicMissing { topic }
+            }
+            other => crate::error::Error::ProgressRecord(other.to_string()),
+        }
+    }
+}
+
+impl ProgressRecord {
+    /// The record's JSON value.
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let json = Json {
+            version: VERSION,
+            slot: self.slot.clone(),
+            system_identifier: self.history.system_identifier.to_string(),
+            timeline: self.history.timeline,
+            saved: self.saved.to_string(),
+            confirmed: self.mark.confirmed.to_string(),
+            partial: self
+                .mark
+                .partial
+                .iter()
+                .map(|p| JsonPartial {
+                    commit: p.commit.to_string(),
+                    admitted: p.admitted,
+                    unresolved: p.unresolved.clone(),
+                })
+                .collect(),
+        };
+        // Serializing these plain fields cannot fail.
+        serde_json::to_vec(&json).unwrap_or_default()
+    }
+
+    /// [`ProgressRecord::encode`], leaving out the latest `partial` entries while the
+    /// value is longer than `max` bytes: fewer entries only make a restart send
+    /// their events again, never skip one.
+    #[must_use]
+    pub fn encode_within(&self, max: usize) -> Vec<u8> {
+        let mut value = self.encode();
+        if value.len() <= max {
+            return value;
+        }
+        let mut record = self.clone();
+        while value.len() > max && !record.mark.partial.is_empty() {
+            let keep = record.mark.partial.len() / 2;
+            record.mark.partial.truncate(keep);
+            value = record.encode();
+        }
+        value
+    }
+
+    /// Parses a record's value.
+    ///
+    /// # Errors
+    ///
+    /// [`ProgressRecordError`] for invalid JSON, an unknown version, or a field that
+    /// is not an LSN or a number.
+    pub fn decode(value: &[u8]) -> Result<ProgressRecord, ProgressRecordError> {
+        let json: Json = serde_json::from_slice(value)?;
+        if json.version != VERSION {
+            return Err(ProgressRecordError::Version(json.version));
+        }
+        let lsn = |field: &'static str, value: &str| {
+            value
+                .parse::<Lsn>()
+                .map_err(|_| ProgressRecordError::Field {
+                    field,
+                    value: value.to_owned(),
+                })
+        };
+        let system_identifier =
+            json.system_identifier
+                .parse()
+                .map_err(|_| ProgressRecordError::Field {
+                    field: "system_identifier",
+                    value: json.system_identifier.clone(),
+                })?;
+        let mut partial = Vec::with_capacity(json.partial.len());
+        for p in &json.partial {
+            let mut unresolved = p.unresolved.clone();
+            unresolved.sort_unstable();
+            partial.push(PartialTx {
+                commit: lsn("partial.commit", &p.commit)?,
+                admitted: p.admitted,
+                unresolved,
+            });
+        }
+        Ok(ProgressRecord {
+            slot: json.slot,
+            history: ServerHistory {
+                system_identifier,
+                timeline: json.timeline,
+            },
+            saved: lsn("saved", &json.saved)?,
+            mark: ProgressMark {
+                confirmed: lsn("confirmed", &json.confirmed)?,
+                partial,
+            },
+        })
+    }
+}
+
+/// The reader's client context: the end of a partition is how the read knows it is
+/// done, not an error worth a log line (rdkafka's default context logs every client
+/// error at ERROR).
+struct ReaderContext;
+
+impl rdkafka::ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(error, KafkaError::PartitionEOF(_))
+            || error.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::PartitionEOF)
+        {
+            tracing::debug!(%error, reason, "progress record reader reached a partition end");
+        } else {
+            tracing::warn!(%error, reason, "progress record reader error");
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for ReaderContext {}
+
+/// The latest committed record of `slot` in `topic`, `None` if there is none.
+/// Blocking: call it on a blocking thread.
+///
+/// # Errors
+///
+/// [`ProgressRecordError`] when the topic cannot be read to its end or the latest
+/// record of `slot` is not valid.
+pub fn read_latest(
+    cfg: &ClientConfig,
+    topic: &str,
+    slot: &str,
+) -> Result<Option<ProgressRecord>, ProgressRecordError> {
+    let kafka = |source| ProgressRecordError::Kafka {
+        topic: topic.to_owned(),
+        source,
+    };
+    let consumer: BaseConsumer<ReaderContext> =
+        cfg.create_with_context(ReaderContext).map_err(kafka)?;
+    // The end to read to is the high watermark, which a read_committed consumer's
+    // ListOffsets does not give (it answers the last stable offset): another relay's
+    // open transaction on this partition would hide our latest record behind it.
+    let mut ends = cfg.clone();
+    ends.set("isolation.level", "read_uncommitted");
+    let ends: BaseConsumer<ReaderContext> =
+        ends.create_with_context(ReaderContext).map_err(kafka)?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
+        .map_err(kafka)?;
+    let Some(partitions) = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect::<Vec<_>>())
+        .filter(|partitions| !partitions.is_empty())
+    else {
+        return Err(ProgressRecordError::TopicMissing {
+            topic: topic.to_owned(),
+        });
+    };
+    let mut latest = None;
+    for partition in partitions {
+        if let Some(value) = latest_in_partition(&consumer, &ends, topic, partition, slot)? {
+            latest = Some(ProgressRecord::decode(&value)?);
+        }
+    }
+    Ok(latest)
+}
+
+/// The value of the last record keyed `slot` in one partition.
+fn latest_in_partition(
+    consumer: &BaseConsumer<ReaderContext>,
+    ends: &BaseConsumer<ReaderContext>,
+    topic: &str,
+    partition: i32,
+    slot: &str,
+) -> Result<Option<Vec<u8>>, ProgressRecordError> {
+    let (low, high) = ends
+        .fetch_watermarks(topic, partition, REQUEST_TIMEOUT)
+        .map_err(|source| ProgressRecordError::Kafka {
+            topic: topic.to_owned(),
+            source,
+        })?;
+    for window in WINDOWS.iter().copied().map(Some).chain([None]) {
+        let from = window.map_or(low, |w| (high - w).max(low));
+        let found = read_range(consumer, topic, partition, from, high, slot)?;
+        if found.is_some() || from <= low {
+            return Ok(found);
+        }
+    }
+    Ok(None)
+}
+
+/// Reads `[from, end)` of a partition; the value of the last record keyed `slot`.
+fn read_range(
+    consumer: &BaseConsumer<ReaderContext>,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    end: i64,
+    slot: &str,
+) -> Result<Option<Vec<u8>>, ProgressRecordError> {
+    let kafka = |source| ProgressRecordError::Kafka {
+        topic: topic.to_owned(),
+        source,
+    };
+    let mut assignment = TopicPartitionList::new();
+    assignment
+        .add_partition_offset(topic, partition, Offset::Offset(from))
+        .map_err(kafka)?;
+    consumer.assign(&assignment).map_err(kafka)?;
+    let mut found = None;
+    let mut at = from;
+    let mut last_progress = Instant::now();
+    while at < end {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                at = m.offset() + 1;
+                last_progress = Instant::now();
+                if m.key() == Some(slot.as_bytes()) {
+                    found = m.payload().map(<[u8]>::to_vec);
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(_))) => {
+                // Control records (commit markers) may follow the last record: the
+                // consumer's position says where it is. Short of the end, an open
+                // transaction holds the last stable offset: wait for it to end.
+                let position = consumer
+                    .position()
+                    .map_err(kafka)?
+                    .find_partition(topic, partition)
+                    .and_then(|e| match e.offset() {
+                        Offset::Offset(o) => Some(o),
+                        _ => None,
+                    });
+                if position.is_some_and(|p| p >= end) {
+                    at = end;
+                }
+            }
+            Some(Err(e)) => return Err(kafka(e)),
+            None if last_progress.elapsed() > IDLE_LIMIT => {
+                return Err(ProgressRecordError::Incomplete {
+                    topic: topic.to_owned(),
+                    partition,
+                    at,
+                    end,
+                    secs: IDLE_LIMIT.as_secs(),
+                });
+            }
+            None => {}
+        }
+    }
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> ProgressRecord {
+        ProgressRecord {
+            slot: "outbox_relay".into(),
+            history: ServerHistory {
+                system_identifier: 7_715_066_301_594_421_149,
+                timeline: 3,
+            },
+            saved: Lsn(0xAFDD_0000),
+            mark: ProgressMark {
+                confirmed: Lsn(0xAFDD_BCA8),
+                partial: vec![PartialTx {
+                    commit: Lsn(0xAFDD_BD00),
+                    admitted: 3,
+                    unresolved: vec![1],
+                }],
+            },
+        }
+    }
+
+    #[test]
+    fn a_record_reads_back_as_written() {
+        let value = record().encode();
+        let text = String::from_utf8(value.clone()).unwrap();
+        assert_eq!(
+            text,
+            r#"{"version":1,"slot":"outbox_relay","system_identifier":"7715066301594421149","timeline":3,"saved":"0/AFDD0000","confirmed":"0/AFDDBCA8","partial":[{"commit":"0/AFDDBD00","admitted":3,"unresolved":[1]}]}"#
+        );
+        assert_eq!(ProgressRecord::decode(&value).unwrap(), record());
+    }
+
+    #[test]
+    fn a_record_too_large_leaves_out_its_latest_partial_entries() {
+        let mut big = record();
+        big.mark.partial = (0..10_000)
+            .map(|i| PartialTx {
+                commit: Lsn(0xB000_0000 + i),
+                admitted: 100,
+                unresolved: (0..50).collect(),
+            })
+            .collect();
+        let value = big.encode_within(64 * 1024);
+        assert!(value.len() <= 64 * 1024);
+        let back = ProgressRecord::decode(&value).unwrap();
+        assert!(!back.mark.partial.is_empty());
+        assert_eq!(
+            back.mark.partial[..],
+            big.mark.partial[..back.mark.partial.len()]
+        );
+        assert_eq!(back.mark.confirmed, big.mark.confirmed);
+    }
+
+    #[test]
+    fn invalid_records_are_errors_not_panics() {
+        for bad in [
+            &b"not json"[..],
+            br#"{"version":2,"slot":"s","system_identifier":"1","timeline":1,"confirmed":"0/1"}"#,
+            br#"{"version":1,"slot":"s","system_identifier":"x","timeline":1,"confirmed":"0/1"}"#,
+            br#"{"version":1,"slot":"s","system_identifier":"1","timeline":1,"confirmed":"zz"}"#,
+        ] {
+            assert!(ProgressRecord::decode(bad).is_err());
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = ProgressRecord::decode(&bytes);
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! `kafka.delivery = "exactly-once"` against the in-memory broker with transactions
+//! (`outbox-relay dev-broker`: Tansu lists no aborted transactions, librdkafka's mock
+//! cluster writes no transaction markers) and the real PostgreSQL; the topics are read
+//! with librdkafka at `read_committed`, as the relay's consumers would.
+
+use std::time::{Duration, Instant};
+
+use tokio_postgres::Client;
+
+use crate::harness::{
+    self, DevBroker, Record, RelayProcess, TestDb, assert_per_key_order, consume_with, tally,
+};
+
+/// Events each writer commits (four writers).
+const PER_WRITER: i64 = 600;
+
+/// Writer `w`: `PER_WRITER` events over 13 entities of its own, in transactions of
+/// one to four rows, a few milliseconds apart (so kills land mid-stream).
+async fn write(client: Client, w: i64) {
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+               FOR g IN 0..{last} LOOP
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'w{w}-' || (g % 13), 'Created', jsonb_build_object('seq', g));
+                 IF g % (1 + g % 4) = 0 THEN
+                   COMMIT;
+                   PERFORM pg_sleep(0.02);
+                 END IF;
+               END LOOP;
+             END $$",
+            last = PER_WRITER - 1
+        ))
+        .await
+        .expect("write events");
+}
+
+/// Reads the topic at `read_committed` until every one of `expected` events is
+/// there or `limit` passed: as many records as events plus the duplicates seen so
+/// far (a reader that stopped at `expected` records would miss events behind
+/// duplicates).
+async fn read_committed_until_complete(
+    brokers: &str,
+    topic: &str,
+    expected: usize,
+    limit: Duration,
+) -> Vec<Record> {
+    let started = Instant::now();
+    let mut want = expected;
+    loop {
+        let records = consume_with(
+            brokers,
+            &READ_COMMITTED,
+            topic,
+            want,
+            Duration::from_secs(20),
+        )
+        .await;
+        let (unique, duplicates) = tally(&records);
+        if unique >= expected || started.elapsed() > limit {
+            return records;
+        }
+        want = expected + duplicates;
+    }
+}
+
+/// Every record written to the topic, aborted transactions' included.
+async fn read_uncommitted_count(brokers: &str, topic: &str) -> usize {
+    let settings = [
+        ("isolation.level", "read_uncommitted"),
+        ("broker.address.family", "v4"),
+    ];
+    consume_with(
+        brokers,
+        &settings,
+        topic,
+        usize::MAX,
+        Duration::from_secs(5),
+    )
+    .await
+    .len()
+}
+
+/// The settings of a reader that sees what the relay's consumers see.
+const READ_COMMITTED: [(&str, &str); 2] = [
+    ("isolation.level", "read_committed"),
+    ("broker.address.family", "v4"),
+];
+
+/// Four writers, the relay killed with SIGKILL three times while they write (and
+/// started again each time): a `read_committed` reader sees every event exactly once,
+/// in per-key order. Aborted transactions are there to see (`read_uncommitted` reads
+/// more records than `read_committed`), so the kills did cut transactions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_once_for_read_committed_readers_across_kill_9() {
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let db = TestDb::create("eos_kill").await;
+    harness::create_topic_on(&brokers, &db.topic, 3).await;
+    let env = [
+        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
+        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "500"),
+    ];
+    // `migrate` creates the progress topic; `check` finds it.
+    for (command, expected) in [
+        (
+            "migrate",
+            "kafka.progress_topic outbox_relay_progress exists",
+        ),
+        ("check", "kafka.delivery: exactly-once"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .args([command, "--config", db.config_path.to_str().unwrap()])
+            .envs(env)
+            .output()
+            .expect("run outbox-relay");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains(expected), "{command}: {text}");
+    }
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let client = harness::connect(&db.url).await;
+        writers.push(tokio::spawn(write(client, w)));
+    }
+    let mut kills = 0;
+    for pause_ms in [1_500, 900, 2_100] {
+        let relay = RelayProcess::start(&db.config_path, &env);
+        db.wait_streaming(&relay).await;
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        assert!(
+            relay.log().contains("transactions initialised"),
+            "{}",
+            relay.log()
+        );
+        relay.kill9().await;
+        kills += 1;
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let expected = usize::try_from(4 * PER_WRITER).unwrap();
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(90)).await;
+    let (unique, duplicates) = tally(&records);
+    assert_eq!(
+        unique,
+        expected,
+        "read_committed saw {unique} of {expected}; relay log:\n{}\nbroker log:\n{}",
+        relay.log(),
+        broker.log()
+    );
+    assert_eq!(duplicates, 0, "read_committed saw duplicates");
+    assert_per_key_order(&records);
+    let everything = read_uncommitted_count(&brokers, &db.topic).await;
+    eprintln!(
+        "exactly-once: {kills} kill -9, {expected} events, read_committed: {unique} once, \
+         0 duplicates; read_uncommitted: {everything} records (aborted ones included)"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// Tansu commits no Kafka transaction (its EndTxn answers UNSUPPORTED_FEATURE or
+/// fails): exactly-once mode refuses to start with exit code 3 and says why, rather
+/// than failing at the first commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_without_transactions_is_refused_at_start() {
+    let db = TestDb::create("eos_tansu").await;
+    harness::create_topic("outbox_relay_progress", 1).await;
+    let env = [("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once")];
+    let mut relay = RelayProcess::start(&db.config_path, &env);
+    let status = relay.wait(Duration::from_secs(90)).await;
+    let log = relay.log();
+    assert_eq!(status.code(), Some(3), "{log}");
+    assert!(log.contains("does not support Kafka transactions"), "{log}");
+    db.drop_slot().await;
+}
+
+/// Writer `w` of the drill: events `w{w}-{seq % 13}` in transactions of one to four
+/// rows, until `stop`; survives PostgreSQL restarts (it reconnects and continues
+/// after the last row it committed). Returns how many events it committed.
+async fn drill_writer(
+    url: String,
+    w: i64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> i64 {
+    loop {
+        let Ok((client, conn)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        tokio::spawn(conn);
+        // Where the last connection left off (a commit may have landed unanswered).
+        let mut next = match client
+            .query_one(
+                "SELECT coalesce(max((payload->>'seq')::bigint), -1) FROM outbox
+                 WHERE aggregate_id LIKE $1",
+                &[&format!("w{w}-%")],
+            )
+            .await
+        {
+            Ok(row) => row.get::<_, i64>(0) + 1,
+            Err(_) => continue,
+        };
+        loop {
+            if stop.load(std::sync::atomic::Ordering::Acquire) {
+                return next;
+            }
+            let rows = 1 + next % 4;
+            let batch = format!(
+                "BEGIN; INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT 'order', 'w{w}-' || (g % 13), 'Created', jsonb_build_object('seq', g)
+                 FROM generate_series({next}, {last}) g; COMMIT;",
+                last = next + rows - 1
+            );
+            if client.batch_execute(&batch).await.is_err() {
+                break;
+            }
+            next += rows;
+            tokio::time::sleep(Duration::from_millis(15)).await;
+        }
+    }
+}
+
+/// The relay as the drill runs it.
+fn drill_relay(db: &TestDb, brokers: &str) -> RelayProcess {
+    RelayProcess::start(
+        &db.config_path,
+        &[
+            ("OUTBOX_RELAY__KAFKA__BROKERS", brokers),
+            ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
+            ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
+            ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "500"),
+            ("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "600"),
+        ],
+    )
+}
+
+/// Until the relay logs that it streams (`n`-th time).
+async fn until_streaming(relay: &RelayProcess, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while relay
+        .log()
+        .matches("INFO outbox_relay::cdc::session: streaming")
+        .count()
+        < n
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no streaming; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The exactly-once drill: four writers on a private PostgreSQL, the relay killed
+/// with SIGKILL `OUTBOX_RELAY_EOS_KILLS` times (3 here; 10 in the full drill), the
+/// server restarted `OUTBOX_RELAY_EOS_PG_RESTARTS` times (1; 2 in the full drill,
+/// immediate and fast), and a standby taking over from a killed active relay. A
+/// `read_committed` reader sees every committed event exactly once, in per-key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
+    let count = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let kills = count("OUTBOX_RELAY_EOS_KILLS", 3);
+    let restarts = count("OUTBOX_RELAY_EOS_PG_RESTARTS", 1);
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let cluster = harness::PrivateCluster::start("logical").await;
+    let db = TestDb::create_in(&cluster.url, "eos_drill", 3, "").await;
+    harness::create_topic_on(&brokers, &db.topic, 3).await;
+    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..4)
+        .map(|w| tokio::spawn(drill_writer(db.url.clone(), w, stop.clone())))
+        .collect();
+    let mut active = drill_relay(&db, &brokers);
+    until_streaming(&active, 1).await;
+    // The standby waits for the slot, then takes over from the killed active relay.
+    let standby = drill_relay(&db, &brokers);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    active.kill9().await;
+    until_streaming(&standby, 1).await;
+    active = standby;
+    let mut restarted = 0;
+    for cycle in 0..kills {
+        tokio::time::sleep(Duration::from_millis(700 + 400 * (cycle as u64 % 3))).await;
+        if restarted < restarts && cycle % 2 == 1 {
+            let mode = if restarted % 2 == 0 {
+                "immediate"
+            } else {
+                "fast"
+            };
+            cluster.restart(mode).await;
+            restarted += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        active.kill9().await;
+        active = drill_relay(&db, &brokers);
+        until_streaming(&active, 1).await;
+    }
+    while restarted < restarts {
+        cluster
+            .restart(if restarted % 2 == 0 {
+                "immediate"
+            } else {
+                "fast"
+            })
+            .await;
+        restarted += 1;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let mut expected = 0_usize;
+    for w in writers {
+        expected += usize::try_from(w.await.expect("writer")).unwrap();
+    }
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(180))
+            .await;
+    let (unique, duplicates) = tally(&records);
+    assert_eq!(
+        unique,
+        expected,
+        "read_committed saw {unique} of {expected}; relay log:\n{}",
+        active.log()
+    );
+    assert_eq!(duplicates, 0, "read_committed saw duplicates");
+    assert_per_key_order(&records);
+    let everything = read_uncommitted_count(&brokers, &db.topic).await;
+    eprintln!(
+        "exactly-once drill: {kills} kill -9, {restarted} PostgreSQL restarts, 1 standby \
+         takeover, 4 writers, {expected} events: read_committed saw each once, in per-key \
+         order, 0 duplicates; read_uncommitted: {everything} records (aborted ones included)"
+    );
+    active.terminate(Duration::from_secs(30)).await;
+}
