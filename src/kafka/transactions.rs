@@ -33,14 +33,16 @@
 //!
 //! Reference: librdkafka's `rdkafka.h` "Transactional producer API" and KIP-98.
 
+use std::ffi::CStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
+use rdkafka::bindings;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::Producer;
+use rdkafka::producer::{BaseProducer, Producer};
 
-use super::publisher::Publisher;
+use super::publisher::{Publisher, RelayContext};
 
 /// `transaction.timeout.ms`: how long the broker lets a transaction stay open before
 /// it aborts it (Kafka's default, below the brokers' usual 15-minute maximum).
@@ -122,15 +124,23 @@ impl TransactionError {
                 message,
             };
         };
-        let (fatal, abortable, retriable) = match error {
-            KafkaError::Transaction(e) => (e.is_fatal(), e.txn_requires_abort(), e.is_retriable()),
-            _ => (false, false, false),
+        let flags = match error {
+            KafkaError::Transaction(e) => Flags {
+                fatal: e.is_fatal(),
+                abortable: e.txn_requires_abort(),
+                retriable: e.is_retriable(),
+            },
+            _ => Flags::default(),
         };
+        TransactionError::of(id, code, flags, message)
+    }
+
+    fn of(id: &str, code: RDKafkaErrorCode, flags: Flags, message: String) -> TransactionError {
         match code {
             RDKafkaErrorCode::ProducerFenced
             | RDKafkaErrorCode::InvalidProducerEpoch
             | RDKafkaErrorCode::Fenced
-                if fatal || code == RDKafkaErrorCode::ProducerFenced =>
+                if flags.fatal || code == RDKafkaErrorCode::ProducerFenced =>
             {
                 TransactionError::Fenced {
                     id: id.to_owned(),
@@ -142,14 +152,22 @@ impl TransactionError {
             | RDKafkaErrorCode::UnsupportedForMessageFormat => {
                 TransactionError::Unsupported { code, message }
             }
-            _ if fatal => TransactionError::Fatal { code, message },
-            _ if abortable => TransactionError::Abortable { code, message },
-            _ if retriable || code == RDKafkaErrorCode::OperationTimedOut => {
+            _ if flags.fatal => TransactionError::Fatal { code, message },
+            _ if flags.abortable => TransactionError::Abortable { code, message },
+            _ if flags.retriable || code == RDKafkaErrorCode::OperationTimedOut => {
                 TransactionError::Retriable { code, message }
             }
             _ => TransactionError::Abortable { code, message },
         }
     }
+}
+
+/// What librdkafka says about a transactional error, beside its code.
+#[derive(Debug, Default, Clone, Copy)]
+struct Flags {
+    fatal: bool,
+    abortable: bool,
+    retriable: bool,
 }
 
 /// A commit or an abort running on a blocking thread; await it for its outcome.
@@ -204,12 +222,55 @@ impl Publisher {
         tokio::task::spawn_blocking(move || {
             let result = match call {
                 Call::Init => producer.init_transactions(TRANSACTION_CALL_TIMEOUT),
-                Call::Commit => producer.commit_transaction(TRANSACTION_CALL_TIMEOUT),
+                Call::Commit => return commit(&producer, &id),
                 Call::Abort => producer.abort_transaction(TRANSACTION_CALL_TIMEOUT),
             };
             result.map_err(|e| TransactionError::classify(&id, &e))
         })
     }
+}
+
+/// `rd_kafka_commit_transaction`, called directly.
+///
+/// rust-rdkafka's `commit_transaction` first runs its own `flush`, which alternates
+/// zero-timeout `rd_kafka_flush` calls with 100 ms `poll`s of the event queue. The
+/// publisher's delivery thread polls that queue all the time and takes the last
+/// delivery reports, so that `poll` waits out its 100 ms with nothing left to serve:
+/// every commit took 100 ms longer, and the relay produces nothing while a commit is
+/// outstanding. librdkafka's commit flushes what is in flight itself ("Flushing N
+/// outstanding message(s) prior to commit"); it needs the event queue served, which
+/// the delivery thread does.
+fn commit(producer: &BaseProducer<RelayContext>, id: &str) -> Result<(), TransactionError> {
+    let timeout_ms = i32::try_from(TRANSACTION_CALL_TIMEOUT.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: the pointer is the live producer's handle (the caller holds an `Arc` to
+    // it for the whole call), and the transactional API may be called from any thread.
+    #[allow(unsafe_code)]
+    let error = unsafe {
+        bindings::rd_kafka_commit_transaction(producer.client().native_ptr(), timeout_ms)
+    };
+    if error.is_null() {
+        return Ok(());
+    }
+    // SAFETY: `error` is a non-null error object the call handed over to us: it is
+    // read here and destroyed exactly once, after its string was copied.
+    #[allow(unsafe_code)]
+    let (code, flags, message) = unsafe {
+        let code = RDKafkaErrorCode::from(bindings::rd_kafka_error_code(error));
+        let flags = Flags {
+            fatal: bindings::rd_kafka_error_is_fatal(error) != 0,
+            abortable: bindings::rd_kafka_error_txn_requires_abort(error) != 0,
+            retriable: bindings::rd_kafka_error_is_retriable(error) != 0,
+        };
+        let text = bindings::rd_kafka_error_string(error);
+        let message = if text.is_null() {
+            format!("{code:?}")
+        } else {
+            CStr::from_ptr(text).to_string_lossy().into_owned()
+        };
+        bindings::rd_kafka_error_destroy(error);
+        (code, flags, message)
+    };
+    Err(TransactionError::of(id, code, flags, message))
 }
 
 /// The outcome of a finished [`TransactionCall`].
