@@ -50,6 +50,10 @@ const WINDOWS: [i64; 3] = [1_000, 10_000, 100_000];
 /// Timeout of one metadata or watermark request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `fetch.wait.max.ms` of the reader: how long the broker may hold a fetch that has
+/// nothing to return (see [`read_latest`]).
+const FETCH_WAIT_MS: &str = "10";
+
 /// How long a read may find nothing new before it gives up on a partition's end:
 /// longer than a transaction may stay open (`kafka::TRANSACTION_TIMEOUT`), after
 /// which the broker aborts it and the last stable offset moves.
@@ -263,6 +267,13 @@ pub fn read_latest(
         topic: topic.to_owned(),
         source,
     };
+    // The read ends with an empty fetch at the end of the partition (the commit
+    // marker after the last record moves the position there), which the broker holds
+    // for `fetch.wait.max.ms` (500 ms by default) waiting for new records: every start
+    // of the relay paid it. Nothing new is awaited here.
+    let mut cfg = cfg.clone();
+    cfg.set("fetch.wait.max.ms", FETCH_WAIT_MS);
+    let cfg = &cfg;
     let consumer: BaseConsumer<ReaderContext> =
         cfg.create_with_context(ReaderContext).map_err(kafka)?;
     // The end to read to is the high watermark, which a read_committed consumer's
