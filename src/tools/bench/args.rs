@@ -21,6 +21,9 @@ pub enum ModeGroup {
     BrokerCeiling,
     /// The real `outbox-relay run`.
     Cdc,
+    /// The real `outbox-relay run` with `kafka.delivery = "exactly-once"` (needs a
+    /// broker with transactions, e.g. `outbox-relay dev-broker`).
+    CdcExactlyOnce,
     /// The real `outbox-relay poll`, four settings.
     Poll,
 }
@@ -150,6 +153,9 @@ impl BenchArgs {
         }
         if has(ModeGroup::Cdc) {
             modes.push(Mode::Cdc);
+        }
+        if has(ModeGroup::CdcExactlyOnce) {
+            modes.push(Mode::CdcExactlyOnce);
         }
         if has(ModeGroup::Poll) {
             modes.extend(

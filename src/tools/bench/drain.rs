@@ -57,8 +57,16 @@ pub(crate) enum Mode {
     Ours,
     BrokerCeiling,
     Cdc,
-    Poll { batch: u32, workers: u32 },
+    /// `Cdc` with `kafka.delivery = "exactly-once"`.
+    CdcExactlyOnce,
+    Poll {
+        batch: u32,
+        workers: u32,
+    },
 }
+
+/// The label of [`Mode::CdcExactlyOnce`] (also the steady workload's).
+pub(crate) const CDC_EXACTLY_ONCE: &str = "cdc-exactly-once";
 
 impl Mode {
     /// The name in tables and JSON.
@@ -69,6 +77,7 @@ impl Mode {
             Mode::Ours => "pg-ceiling-ours".into(),
             Mode::BrokerCeiling => "broker-ceiling".into(),
             Mode::Cdc => "cdc".into(),
+            Mode::CdcExactlyOnce => CDC_EXACTLY_ONCE.into(),
             Mode::Poll { batch, workers } => format!("poll-b{batch}-w{workers}"),
         }
     }
@@ -81,6 +90,7 @@ impl Mode {
             Mode::Ours => "our client+decoder+mapper+ack tracker, null sink".into(),
             Mode::BrokerCeiling => "relay producer and window, no database".into(),
             Mode::Cdc => "outbox-relay run".into(),
+            Mode::CdcExactlyOnce => "outbox-relay run, kafka.delivery = exactly-once".into(),
             Mode::Poll { batch, workers } => {
                 format!("outbox-relay poll --batch-size {batch} --workers {workers}")
             }
@@ -90,13 +100,16 @@ impl Mode {
     /// Whether the mode reads a replication slot.
     #[must_use]
     pub(crate) fn reads_wal(&self) -> bool {
-        matches!(self, Mode::RecvLogical | Mode::Ours | Mode::Cdc)
+        matches!(
+            self,
+            Mode::RecvLogical | Mode::Ours | Mode::Cdc | Mode::CdcExactlyOnce
+        )
     }
 
     /// Whether the mode's records end up on the topic (and are counted there).
     #[must_use]
     pub(crate) fn delivers(&self) -> bool {
-        matches!(self, Mode::Cdc | Mode::Poll { .. })
+        matches!(self, Mode::Cdc | Mode::CdcExactlyOnce | Mode::Poll { .. })
     }
 }
 
@@ -128,32 +141,8 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
         Mode::RecvLogical => recvlogical(fixture, target).await,
         Mode::Ours => null_sink(&fixture.config, target).await,
         Mode::BrokerCeiling => broker_ceiling(&fixture.config, target).await,
-        Mode::Cdc => {
-            // One relay per shard (`--shards`), all of them sampled.
-            let mut children = Vec::new();
-            for shard in 0..fixture.config.postgres.shards {
-                let mut cmd = relay_command(fixture, &["run"])?;
-                cmd.env(
-                    format!("{}POSTGRES__SHARD", crate::config::ENV_PREFIX),
-                    shard.to_string(),
-                );
-                children.push(RelayChild::start(
-                    cmd,
-                    "outbox-relay run",
-                    &format!("{}-{shard}", fixture.name),
-                )?);
-            }
-            let mut children = children.into_iter();
-            let Some(first) = children.next() else {
-                return Err(BenchError::NoModes);
-            };
-            first
-                .with_siblings(children.collect())
-                .watch(target, fixture, || async {
-                    Ok(fixture.confirmed_flush().await? >= target.end_lsn)
-                })
-                .await
-        }
+        Mode::Cdc => cdc(fixture, target, false).await,
+        Mode::CdcExactlyOnce => cdc(fixture, target, true).await,
         Mode::Poll { batch, workers } => {
             let (batch, workers) = (batch.to_string(), workers.to_string());
             let args = ["poll", "--batch-size", &batch, "--workers", &workers];
@@ -165,6 +154,48 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
                 .await
         }
     }
+}
+
+/// One `outbox-relay run` per shard (`--shards`), all of them sampled, until the
+/// slot confirms the backlog's end.
+async fn cdc(fixture: &Fixture, target: Target, exactly_once: bool) -> Result<Drained> {
+    if exactly_once {
+        fixture.create_progress_topic().await?;
+    }
+    let mut children = Vec::new();
+    for shard in 0..fixture.config.postgres.shards {
+        let mut cmd = relay_command(fixture, &["run"])?;
+        cmd.env(
+            format!("{}POSTGRES__SHARD", crate::config::ENV_PREFIX),
+            shard.to_string(),
+        );
+        if exactly_once {
+            exactly_once_env(&mut cmd);
+        }
+        children.push(RelayChild::start(
+            cmd,
+            "outbox-relay run",
+            &format!("{}-{shard}", fixture.name),
+        )?);
+    }
+    let mut children = children.into_iter();
+    let Some(first) = children.next() else {
+        return Err(BenchError::NoModes);
+    };
+    first
+        .with_siblings(children.collect())
+        .watch(target, fixture, || async {
+            Ok(fixture.confirmed_flush().await? >= target.end_lsn)
+        })
+        .await
+}
+
+/// Makes a relay command of [`relay_command`] deliver exactly once.
+pub(crate) fn exactly_once_env(cmd: &mut tokio::process::Command) {
+    cmd.env(
+        format!("{}KAFKA__DELIVERY", crate::config::ENV_PREFIX),
+        "exactly-once",
+    );
 }
 
 /// Generous bound for one drain: at least 1,000 events/s, plus start-up.

@@ -148,6 +148,13 @@ impl Fixture {
         &self.client
     }
 
+    /// Creates `kafka.progress_topic`, which the exactly-once relay writes its
+    /// progress to (an existing topic is fine; the run's slot names its records).
+    pub(crate) async fn create_progress_topic(&self) -> Result<()> {
+        crate::kafka::create_progress_topic(&self.config.kafka).await?;
+        Ok(())
+    }
+
     /// Creates the run's logical slot (pgoutput) now, so every row inserted from
     /// here on is in its stream.
     pub(crate) async fn create_slot(&self) -> Result<()> {

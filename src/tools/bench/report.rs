@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::args::{BenchArgs, Rate};
-use super::drain::Mode;
+use super::drain::{CDC_EXACTLY_ONCE, Mode};
 use super::stats::{LatencySpread, Spread, spread};
 use super::steady_report::{SteadyResult, render_steady, steady_json};
 use crate::tools::workload::Workload;
@@ -115,6 +115,8 @@ pub struct Ratios {
     pub cdc_vs_pg_ceiling: Option<f64>,
     pub cdc_vs_pg_ceiling_ours: Option<f64>,
     pub cdc_vs_broker_ceiling: Option<f64>,
+    /// Exactly-once drain rate over at-least-once (`cdc-exactly-once` / `cdc`).
+    pub exactly_once_vs_cdc: Option<f64>,
 }
 
 impl Report {
@@ -167,6 +169,10 @@ impl Report {
             cdc_vs_pg_ceiling: ratio(recvlogical.or(ours)),
             cdc_vs_pg_ceiling_ours: ratio(ours),
             cdc_vs_broker_ceiling: ratio(self.median("broker-ceiling")),
+            exactly_once_vs_cdc: match (self.median(CDC_EXACTLY_ONCE), cdc) {
+                (Some(e), Some(c)) if c > 0.0 => Some(e / c),
+                _ => None,
+            },
         }
     }
 
@@ -208,6 +214,7 @@ impl Report {
                 "cdc_vs_pg_ceiling": r.cdc_vs_pg_ceiling,
                 "cdc_vs_pg_ceiling_ours": r.cdc_vs_pg_ceiling_ours,
                 "cdc_vs_broker_ceiling": r.cdc_vs_broker_ceiling,
+                "exactly_once_vs_cdc": r.exactly_once_vs_cdc,
             },
             "steady": self.steady.iter().map(steady_json).collect::<Vec<_>>(),
         })
@@ -290,6 +297,13 @@ impl Report {
             ratio(r.cdc_vs_pg_ceiling_ours),
             ratio(r.cdc_vs_broker_ceiling),
         );
+        if r.exactly_once_vs_cdc.is_some() {
+            let _ = writeln!(
+                out,
+                "cdc-exactly-once vs cdc {} (drain rate; CPU per event in the table)",
+                ratio(r.exactly_once_vs_cdc),
+            );
+        }
         if !self.steady.is_empty() {
             let points = format!(
                 "{} s per point, {} rows/tx, {} writers",
@@ -424,6 +438,25 @@ mod tests {
         assert_eq!(json["ratios"]["cdc_vs_poll"], 4.0);
         assert!(json["results"][0]["p50_ms"].is_null());
         assert!(report.render_table().contains("poll-b1000-w4"));
+    }
+
+    #[test]
+    fn exactly_once_is_compared_with_the_at_least_once_drain() {
+        let samples = vec![
+            (Mode::Cdc, sample(200.0)),
+            (Mode::CdcExactlyOnce, sample(150.0)),
+        ];
+        let modes = [Mode::Cdc, Mode::CdcExactlyOnce];
+        let report = Report::new(info(), &modes, &samples);
+        assert_eq!(report.ratios().exactly_once_vs_cdc, Some(0.75));
+        assert_eq!(report.to_json()["ratios"]["exactly_once_vs_cdc"], 0.75);
+        let table = report.render_table();
+        assert!(table.contains("cdc-exactly-once vs cdc 0.75×"), "{table}");
+        assert!(table.contains("kafka.delivery = exactly-once"), "{table}");
+
+        let alone = Report::new(info(), &[Mode::Cdc], &samples[..1]);
+        assert_eq!(alone.ratios().exactly_once_vs_cdc, None);
+        assert!(!alone.render_table().contains("cdc-exactly-once vs cdc"));
     }
 
     #[test]

@@ -39,7 +39,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::args::{BenchArgs, Rate};
-use super::drain::{Mode, StopOnDrop, relay_command};
+use super::drain::{CDC_EXACTLY_ONCE, Mode, StopOnDrop, exactly_once_env, relay_command};
 use super::error::{BenchError, Result};
 use super::fixture::Fixture;
 use super::progress::{Progress, until_interrupted};
@@ -73,6 +73,9 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     let mut out = Vec::new();
     if modes.contains(&Mode::Cdc) {
         out.push("cdc");
+    }
+    if modes.contains(&Mode::CdcExactlyOnce) {
+        out.push(CDC_EXACTLY_ONCE);
     }
     if modes.iter().any(|m| matches!(m, Mode::Poll { .. })) {
         out.push(POLL_LABEL);
@@ -317,17 +320,21 @@ async fn run_in(
 ) -> Result<Outcome> {
     let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
         .ok_or(BenchError::NoSchedule { events_per_s })?;
-    let cdc = mode == "cdc";
+    let exactly_once = mode == CDC_EXACTLY_ONCE;
+    let cdc = mode == "cdc" || exactly_once;
     debug_assert!(cdc || mode == POLL_LABEL);
     if cdc {
         fixture.create_slot().await?;
+    }
+    if exactly_once {
+        fixture.create_progress_topic().await?;
     }
     let metrics = if cdc {
         Some(scrape::free_port()?)
     } else {
         None
     };
-    let mut child = spawn(fixture, cdc, metrics)?;
+    let mut child = spawn(fixture, cdc, exactly_once, metrics)?;
     wait_ready(fixture, cdc, &mut child).await?;
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
     let stop = Arc::new(AtomicBool::new(false));
@@ -442,10 +449,14 @@ async fn quarter_pages(
 fn spawn(
     fixture: &Fixture,
     cdc: bool,
+    exactly_once: bool,
     metrics: Option<SocketAddr>,
 ) -> Result<tokio::process::Child> {
     let args: &[&str] = if cdc { &["run"] } else { &POLL_ARGS };
     let mut cmd = relay_command(fixture, args)?;
+    if exactly_once {
+        exactly_once_env(&mut cmd);
+    }
     if let Some(addr) = metrics {
         cmd.env(
             format!("{}METRICS__LISTEN", crate::config::ENV_PREFIX),
@@ -592,4 +603,23 @@ fn consume_latencies(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_cdc_delivery_modes_and_the_poller_run_the_steady_workload() {
+        let poll = Mode::Poll {
+            batch: 1000,
+            workers: 1,
+        };
+        assert_eq!(
+            modes(&[Mode::RecvLogical, Mode::Cdc, Mode::CdcExactlyOnce, poll]),
+            vec!["cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
+        );
+        assert_eq!(modes(&[Mode::CdcExactlyOnce]), vec![CDC_EXACTLY_ONCE]);
+        assert!(modes(&[Mode::BrokerCeiling]).is_empty());
+    }
 }

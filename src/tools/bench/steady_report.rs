@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::args::Rate;
+use super::drain::CDC_EXACTLY_ONCE;
 use super::scrape::COMMIT_TO_ACK;
 use super::stats::{LatencySpread, Spread, spread};
 use crate::cdc::metrics as m;
@@ -26,30 +27,33 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nsteady rate, {workload}; latency from created_at to consumer (ms), drift = p50 of the last quarter against the first:\n{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
+        "\nsteady rate, {workload}; latency from created_at to consumer (ms), drift = p50 of the last quarter against the first:\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         "mode", "rate", "target/s", "achieved/s", "p50", "p95", "p99", "max", "drift"
     );
     for s in steady {
         let _ = writeln!(out, "{}", steady_row(s));
         for failure in &s.failures {
-            let _ = writeln!(out, "{:<14} FAILED: {failure}", "");
+            let _ = writeln!(out, "{:<16} FAILED: {failure}", "");
         }
     }
-    let cdc: Vec<&SteadyResult> = steady
-        .iter()
-        .filter(|s| s.mode == "cdc" && !s.stages.is_empty())
-        .collect();
-    if !cdc.is_empty() {
+    for mode in ["cdc", CDC_EXACTLY_ONCE] {
+        let rows: Vec<&SteadyResult> = steady
+            .iter()
+            .filter(|s| s.mode == mode && !s.stages.is_empty())
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
         let _ = write!(
             out,
-            "\nwhere the time goes (cdc; the relay's histograms, ms, p50 / p99; drift = each stage's p50 over the last quarter against the first):\n{:>6} {:>10}",
+            "\nwhere the time goes ({mode}; the relay's histograms, ms, p50 / p99; drift = each stage's p50 over the last quarter against the first):\n{:>6} {:>10}",
             "rate", "achieved/s"
         );
         for (_, title) in STAGE_COLUMNS {
             let _ = write!(out, " {title:>18}");
         }
         let _ = writeln!(out);
-        for s in cdc {
+        for s in rows {
             let _ = write!(out, "{}", stage_row(s));
         }
     }
@@ -124,7 +128,7 @@ fn steady_row(s: &SteadyResult) -> String {
     );
     let drift = drift_cell(s.drift_pct);
     format!(
-        "{:<14} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
+        "{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         s.mode,
         rate_text(s),
         target,
