@@ -38,6 +38,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 
 use crate::cdc::progress::{PartialTx, ProgressMark};
+use crate::kafka::ReaderContext;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 
@@ -232,24 +233,10 @@ impl ProgressRecord {
     }
 }
 
-/// The reader's client context: the end of a partition is how the read knows it is
-/// done, not an error worth a log line (rdkafka's default context logs every client
-/// error at ERROR).
-struct ReaderContext;
-
-impl rdkafka::ClientContext for ReaderContext {
-    fn error(&self, error: KafkaError, reason: &str) {
-        if matches!(error, KafkaError::PartitionEOF(_))
-            || error.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::PartitionEOF)
-        {
-            tracing::debug!(%error, reason, "progress record reader reached a partition end");
-        } else {
-            tracing::warn!(%error, reason, "progress record reader error");
-        }
-    }
-}
-
-impl rdkafka::consumer::ConsumerContext for ReaderContext {}
+/// The progress record reader's client context.
+const READER_CONTEXT: ReaderContext = ReaderContext {
+    reader: "progress record",
+};
 
 /// The latest committed record of `slot` in `topic`, `None` if there is none.
 /// Blocking: call it on a blocking thread.
@@ -275,14 +262,14 @@ pub fn read_latest(
     cfg.set("fetch.wait.max.ms", FETCH_WAIT_MS);
     let cfg = &cfg;
     let consumer: BaseConsumer<ReaderContext> =
-        cfg.create_with_context(ReaderContext).map_err(kafka)?;
+        cfg.create_with_context(READER_CONTEXT).map_err(kafka)?;
     // The end to read to is the high watermark, which a read_committed consumer's
     // ListOffsets does not give (it answers the last stable offset): another relay's
     // open transaction on this partition would hide our latest record behind it.
     let mut ends = cfg.clone();
     ends.set("isolation.level", "read_uncommitted");
     let ends: BaseConsumer<ReaderContext> =
-        ends.create_with_context(ReaderContext).map_err(kafka)?;
+        ends.create_with_context(READER_CONTEXT).map_err(kafka)?;
     let metadata = consumer
         .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
         .map_err(kafka)?;

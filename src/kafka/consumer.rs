@@ -17,6 +17,8 @@
 //! names events that were never committed.
 
 use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::KafkaConfig;
 
@@ -55,6 +57,28 @@ impl Isolation {
         }
     }
 }
+
+/// The client context of a reader: the end of a partition is how a reader knows it
+/// read everything, not an error worth a log line (rdkafka's default context logs
+/// every client error at ERROR level). `reader` names it in the log.
+#[derive(Debug, Clone, Copy)]
+pub struct ReaderContext {
+    pub reader: &'static str,
+}
+
+impl rdkafka::ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let eof = matches!(error, KafkaError::PartitionEOF(_))
+            || error.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF);
+        if eof {
+            tracing::debug!(reader = self.reader, %error, reason, "reader reached a partition end");
+        } else {
+            tracing::warn!(reader = self.reader, %error, reason, "reader error");
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for ReaderContext {}
 
 /// Whether a `kafka.producer` setting is about reaching or authenticating to the
 /// brokers, and so applies to a reader too.

@@ -57,7 +57,7 @@ pub use admin::create_progress_topic;
 pub(crate) use admin::create_topic;
 pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
 pub use config::{compresses, linger, producer_config, report_capacity};
-pub use consumer::{Isolation, reader_config};
+pub use consumer::{Isolation, ReaderContext, reader_config};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};

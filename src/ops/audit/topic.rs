@@ -36,7 +36,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use super::ledger::Ledger;
 use crate::config::{Config, ConfigError};
 use crate::error::Error;
-use crate::kafka::{Isolation, reader_config};
+use crate::kafka::{Isolation, ReaderContext, reader_config};
 use crate::lsn::Lsn;
 use crate::ops::meter::{self, Meter};
 use crate::outbox::{HEADER_IDEMPOTENCY_KEY, HEADER_SOURCE_LSN};
@@ -48,25 +48,8 @@ const PAST_END_GRACE: Duration = Duration::from_secs(5);
 const BROKER_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// `client.id` of the audit consumer.
 const CONSUMER_CLIENT_ID: &str = "outbox-relay-audit";
-/// Client context of the audit consumer: end-of-partition is how the audit knows it
-/// read everything, not an error worth a log line (rdkafka's default context logs
-/// every client error at ERROR level).
-#[derive(Debug, Clone, Copy)]
-struct AuditContext;
-
-impl rdkafka::ClientContext for AuditContext {
-    fn error(&self, error: KafkaError, reason: &str) {
-        let eof = matches!(error, KafkaError::PartitionEOF(_))
-            || error.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::PartitionEOF);
-        if eof {
-            tracing::debug!(%error, reason, "audit consumer reached a partition end");
-        } else {
-            tracing::warn!(%error, reason, "audit consumer error");
-        }
-    }
-}
-
-impl rdkafka::consumer::ConsumerContext for AuditContext {}
+/// The audit consumer's client context.
+const AUDIT_CONTEXT: ReaderContext = ReaderContext { reader: "audit" };
 
 /// The audit consumer (`crate::kafka::reader_config`), reading at `isolation`.
 pub(super) fn consumer_config(
@@ -114,7 +97,7 @@ fn audit_headers<M: Message>(m: &M) -> (Option<&[u8]>, Option<Lsn>) {
 /// Start offset per partition for `created_at >= since`, or `None` when the broker
 /// cannot say (then the partition is read from its low watermark).
 fn start_offsets(
-    consumer: &BaseConsumer<AuditContext>,
+    consumer: &BaseConsumer<ReaderContext>,
     topic: &str,
     partitions: &[(i32, i64, i64)],
     since_ms: i64,
@@ -207,8 +190,8 @@ pub(super) fn read_topic(
     progress: bool,
 ) -> Result<TopicOutcome, Error> {
     let mut outcome = TopicOutcome::default();
-    let consumer: BaseConsumer<AuditContext> =
-        cfg.create_with_context(AuditContext).map_err(|e| {
+    let consumer: BaseConsumer<ReaderContext> =
+        cfg.create_with_context(AUDIT_CONTEXT).map_err(|e| {
             Error::Config(ConfigError::Invalid(format!(
                 "cannot create the audit consumer: {e}"
             )))
