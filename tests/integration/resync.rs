@@ -90,6 +90,18 @@ async fn write_backlog_with_an_undeliverable_row(db: &TestDb) {
 }
 
 /// `(holds_key, parked, other)` poison rows.
+/// The position row's recorded slot loss (`None`: no loss is recorded).
+async fn slot_lost_reason(db: &TestDb) -> Option<String> {
+    db.client
+        .query_one(
+            "SELECT slot_lost_reason FROM outbox_relay_position WHERE slot_name = $1",
+            &[&db.slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 async fn poison_kinds(db: &TestDb) -> (i64, i64, i64) {
     let row = db
         .client
@@ -148,15 +160,7 @@ async fn a_resync_halts_on_an_undeliverable_row() {
     let records = delivered(&db, "b", &[0, 1, 2], &relay).await;
     assert_eq!(sequence(&records, "a"), vec![0], "{}", relay.log());
     assert_eq!(poison_kinds(&db).await, (0, 0, 0));
-    let lost: Option<String> = db
-        .client
-        .query_one(
-            "SELECT slot_lost_reason FROM outbox_relay_position WHERE slot_name = $1",
-            &[&db.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let lost = slot_lost_reason(&db).await;
     assert!(lost.is_some(), "the resync must not complete");
     assert!(relay.is_running(), "{}", relay.log());
 
@@ -315,15 +319,7 @@ async fn a_resync_the_layout_cannot_carry_is_refused_with_the_ways_out() {
     assert!(log.contains("cannot be resynced"), "{log}");
     assert!(log.contains("ALTER TABLE"), "{log}");
     assert!(log.contains("delete the slot's row"), "{log}");
-    let lost: Option<String> = db
-        .client
-        .query_one(
-            "SELECT slot_lost_reason FROM outbox_relay_position WHERE slot_name = $1",
-            &[&db.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let lost = slot_lost_reason(&db).await;
     assert_eq!(lost, None, "nothing recorded");
     assert!(!db.slot_exists().await, "no slot made");
 }
