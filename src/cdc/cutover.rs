@@ -87,6 +87,7 @@ use crate::config::{Config, ConfigError, CutoverMode, qualified_name, quote_iden
 use crate::error::{Error, Result};
 use crate::lifecycle::Shutdown;
 use crate::lsn::Lsn;
+use crate::outbox::position::ServerHistory;
 use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
@@ -325,7 +326,15 @@ async fn cut_over(
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    let mut backlog = Backlog::open(config, metadata, Some(marker_table)).await?;
+    let identity = conn
+        .identify_system()
+        .await
+        .map_err(|e| crate::postgres::process_error(e, "IDENTIFY_SYSTEM failed: "))?;
+    let history = ServerHistory {
+        system_identifier: identity.systemid,
+        timeline: identity.timeline,
+    };
+    let mut backlog = Backlog::open(config, metadata, Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata(), marker_table, slot_name).await?;
     let (consistent_point, snapshot) = create_exported_slot(conn, slot_name).await?;

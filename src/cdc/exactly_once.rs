@@ -47,7 +47,7 @@ const READER_CLIENT_ID: &str = "outbox-relay-progress";
 /// Largest progress record written: `partial` entries past it are left out (which
 /// only makes a restart send their events again), so that a large window cannot
 /// make the record larger than the topic accepts.
-const MAX_RECORD_BYTES: usize = 256 * 1024;
+pub(crate) const MAX_RECORD_BYTES: usize = 256 * 1024;
 
 /// Times a retriable `init_transactions` is made again before the session ends.
 const INIT_ATTEMPTS: u32 = 3;
@@ -141,6 +141,14 @@ impl ExactlyOnce {
         self.replace_producer || self.begun || self.call.is_some() || self.outcome.is_some()
     }
 
+    /// A backlog of this process (a cutover, or a resync after a lost slot) ran its
+    /// own transactional producer under the same `transactional.id`
+    /// (`cdc::backlog`): that fenced this one, if it was initialised, and it must be
+    /// replaced before the session produces.
+    pub(crate) fn fenced_by_backlog(&self) -> bool {
+        self.initialized
+    }
+
     /// A failure the session must act on: fenced or unsupported ends the process
     /// ([`TransactionError::needs_operator`]), any other replaces the producer.
     pub(crate) fn take_failure(&mut self) -> Option<TransactionError> {
@@ -223,34 +231,14 @@ impl ExactlyOnce {
         Ok(())
     }
 
-    /// One transaction with one record under the key `<slot>.probe` (which readers
-    /// of the slot's record skip, and compaction keeps once): a broker that cannot
-    /// commit a transaction is found at start, with a clear message, instead of at
-    /// the first commit; and before the progress record is read, so that a broker
-    /// that leaves the transaction open cannot hold that read.
+    /// [`probe`] with this session's producer.
     async fn probe(&mut self, publisher: &Publisher) -> Result<()> {
-        let key = format!("{}.probe", self.slot);
-        publisher.begin_transaction(&self.id)?;
-        let sent = self.send_progress(publisher, &key, b"{}");
-        let committed = match sent {
-            Ok(()) => kafka::joined(publisher.start_commit(&self.id).await),
-            Err(rejected) => Err(TransactionError::Abortable {
-                code: rejected.code,
-                message: rejected.message,
-            }),
-        };
-        match committed {
-            Ok(()) => Ok(()),
-            Err(e @ TransactionError::Unsupported { .. }) => Err(e.into()),
-            Err(e) => {
-                // Aborting the probe loses nothing. If the abort fails too, the
-                // producer is replaced.
-                if kafka::joined(publisher.start_abort(&self.id).await).is_err() {
-                    self.replace_producer = true;
-                }
-                Err(e.into())
-            }
-        }
+        probe(publisher, &self.id, &self.topic, &self.slot)
+            .await
+            .map_err(|failed| {
+                self.replace_producer |= failed.producer_unusable;
+                failed.error.into()
+            })
     }
 
     async fn init(&mut self, publisher: &Publisher) -> Result<()> {
@@ -294,6 +282,7 @@ impl ExactlyOnce {
             history,
             saved: core.saved_position(),
             mark: core.transaction_mark().cloned().unwrap_or_default(),
+            backlog: None,
         };
         let value = record.encode_within(MAX_RECORD_BYTES);
         let sent = self.send_progress(publisher, &self.slot, &value);
@@ -315,16 +304,7 @@ impl ExactlyOnce {
         key: &str,
         value: &[u8],
     ) -> std::result::Result<(), kafka::SendRejected> {
-        publisher.send(
-            PROGRESS_RECORD_ID,
-            RecordRef {
-                topic: &self.topic,
-                key: key.as_bytes(),
-                payload: value,
-                headers: &[],
-                timestamp_ms: None,
-            },
-        )
+        send_progress(publisher, &self.topic, key, value)
     }
 
     /// [`Action::AbortTransaction`](crate::cdc::progress::Action).
@@ -401,6 +381,72 @@ impl ExactlyOnce {
     }
 }
 
+/// Queues one record of the progress topic `topic`, reported as
+/// [`PROGRESS_RECORD_ID`].
+pub(crate) fn send_progress(
+    publisher: &Publisher,
+    topic: &str,
+    key: &str,
+    value: &[u8],
+) -> std::result::Result<(), kafka::SendRejected> {
+    publisher.send(
+        PROGRESS_RECORD_ID,
+        RecordRef {
+            topic,
+            key: key.as_bytes(),
+            payload: value,
+            headers: &[],
+            timestamp_ms: None,
+        },
+    )
+}
+
+/// A start-up transaction that failed.
+pub(crate) struct ProbeFailed {
+    pub(crate) error: TransactionError,
+    /// Its abort failed too: the producer must be replaced.
+    pub(crate) producer_unusable: bool,
+}
+
+/// One transaction with one record under the key `<slot>.probe` (which readers of
+/// the slot's record skip, and compaction keeps once): a broker that cannot commit a
+/// transaction is found at start, with a clear message, instead of at the first
+/// commit; and before the progress record is read, so that a broker that leaves the
+/// transaction open cannot hold that read.
+pub(crate) async fn probe(
+    publisher: &Publisher,
+    id: &str,
+    topic: &str,
+    slot: &str,
+) -> std::result::Result<(), ProbeFailed> {
+    let key = format!("{slot}.probe");
+    let unusable = |error| ProbeFailed {
+        error,
+        producer_unusable: true,
+    };
+    publisher.begin_transaction(id).map_err(unusable)?;
+    let committed = match send_progress(publisher, topic, &key, b"{}") {
+        Ok(()) => kafka::joined(publisher.start_commit(id).await),
+        Err(rejected) => Err(TransactionError::Abortable {
+            code: rejected.code,
+            message: rejected.message,
+        }),
+    };
+    match committed {
+        Ok(()) => Ok(()),
+        Err(error @ TransactionError::Unsupported { .. }) => Err(ProbeFailed {
+            error,
+            producer_unusable: false,
+        }),
+        // Aborting the probe loses nothing; if the abort fails too, the producer is
+        // replaced.
+        Err(error) => Err(ProbeFailed {
+            error,
+            producer_unusable: kafka::joined(publisher.start_abort(id).await).is_err(),
+        }),
+    }
+}
+
 /// The part of `record`'s mark that holds on the server history `history`: all of
 /// it on the same history; up to the fork when `history` branched off the record's
 /// timeline later; nothing of another database.
@@ -461,6 +507,7 @@ mod tests {
                     },
                 ],
             },
+            backlog: None,
         }
     }
 

@@ -22,6 +22,13 @@
 //! and of each `partial` transaction the events `0..admitted` except the `unresolved`
 //! ordinals.
 //!
+//! A record written by a backlog (a cutover, or the resync after a lost slot) also
+//! names the rows it published in its transaction, whose `sent_at` marks are written
+//! in PostgreSQL only after the Kafka commit (`cdc::backlog`):
+//! `"backlog":{"system_identifier":"…","timeline":1,"consistent_point":"0/B0000060",
+//! "sent":["17","18"]}`. The next backlog writes those marks first, so that a crash
+//! between the two commits does not make it publish the rows again.
+//!
 //! # Reading the latest
 //!
 //! Only after `init_transactions` (which aborted whatever a predecessor left open)
@@ -71,6 +78,23 @@ pub struct ProgressRecord {
     /// not hold for it.
     pub saved: Lsn,
     pub mark: ProgressMark,
+    /// The rows a backlog published in the transaction of this record.
+    pub backlog: Option<BacklogSent>,
+}
+
+/// Rows a backlog published in one Kafka transaction, before their `sent_at` marks
+/// were written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BacklogSent {
+    /// The server history the rows were read on (the record's own `history` is the
+    /// carried streaming part's, which may be older).
+    pub history: ServerHistory,
+    /// The consistent point of the slot the backlog was read for: a server whose WAL
+    /// ends below it went back (restored in place) and may have given the ids to
+    /// other rows.
+    pub consistent_point: Lsn,
+    /// The outbox ids (as text) of the rows, in the order they were published.
+    pub sent: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -84,6 +108,16 @@ struct Json {
     confirmed: String,
     #[serde(default)]
     partial: Vec<JsonPartial>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    backlog: Option<JsonBacklog>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct JsonBacklog {
+    system_identifier: String,
+    timeline: u32,
+    consistent_point: String,
+    sent: Vec<String>,
 }
 
 fn zero_lsn() -> String {
@@ -159,6 +193,12 @@ impl ProgressRecord {
                     unresolved: p.unresolved.clone(),
                 })
                 .collect(),
+            backlog: self.backlog.as_ref().map(|b| JsonBacklog {
+                system_identifier: b.history.system_identifier.to_string(),
+                timeline: b.history.timeline,
+                consistent_point: b.consistent_point.to_string(),
+                sent: b.sent.clone(),
+            }),
         };
         // Serializing these plain fields cannot fail.
         serde_json::to_vec(&json).unwrap_or_default()
@@ -201,13 +241,12 @@ impl ProgressRecord {
                     value: value.to_owned(),
                 })
         };
-        let system_identifier =
-            json.system_identifier
-                .parse()
-                .map_err(|_| ProgressRecordError::Field {
-                    field: "system_identifier",
-                    value: json.system_identifier.clone(),
-                })?;
+        let system_identifier = |field: &'static str, value: &str| {
+            value.parse().map_err(|_| ProgressRecordError::Field {
+                field,
+                value: value.to_owned(),
+            })
+        };
         let mut partial = Vec::with_capacity(json.partial.len());
         for p in &json.partial {
             let mut unresolved = p.unresolved.clone();
@@ -221,13 +260,27 @@ impl ProgressRecord {
         Ok(ProgressRecord {
             slot: json.slot,
             history: ServerHistory {
-                system_identifier,
+                system_identifier: system_identifier("system_identifier", &json.system_identifier)?,
                 timeline: json.timeline,
             },
             saved: lsn("saved", &json.saved)?,
             mark: ProgressMark {
                 confirmed: lsn("confirmed", &json.confirmed)?,
                 partial,
+            },
+            backlog: match json.backlog {
+                Some(b) => Some(BacklogSent {
+                    history: ServerHistory {
+                        system_identifier: system_identifier(
+                            "backlog.system_identifier",
+                            &b.system_identifier,
+                        )?,
+                        timeline: b.timeline,
+                    },
+                    consistent_point: lsn("backlog.consistent_point", &b.consistent_point)?,
+                    sent: b.sent,
+                }),
+                None => None,
             },
         })
     }
@@ -399,6 +452,7 @@ mod tests {
                     unresolved: vec![1],
                 }],
             },
+            backlog: None,
         }
     }
 
@@ -411,6 +465,30 @@ mod tests {
             r#"{"version":1,"slot":"outbox_relay","system_identifier":"7715066301594421149","timeline":3,"saved":"0/AFDD0000","confirmed":"0/AFDDBCA8","partial":[{"commit":"0/AFDDBD00","admitted":3,"unresolved":[1]}]}"#
         );
         assert_eq!(ProgressRecord::decode(&value).unwrap(), record());
+    }
+
+    #[test]
+    fn a_backlog_record_names_its_rows() {
+        let mut with_rows = record();
+        with_rows.backlog = Some(BacklogSent {
+            history: ServerHistory {
+                system_identifier: 7_715_066_301_594_421_149,
+                timeline: 4,
+            },
+            consistent_point: Lsn(0xB000_0060),
+            sent: vec!["17".into(), "3f2c".into()],
+        });
+        let value = with_rows.encode();
+        let text = String::from_utf8(value.clone()).unwrap();
+        assert!(
+            text.ends_with(
+                r#","backlog":{"system_identifier":"7715066301594421149","timeline":4,"consistent_point":"0/B0000060","sent":["17","3f2c"]}}"#
+            ),
+            "{text}"
+        );
+        assert_eq!(ProgressRecord::decode(&value).unwrap(), with_rows);
+        let bad = text.replace("0/B0000060", "nope");
+        assert!(ProgressRecord::decode(bad.as_bytes()).is_err());
     }
 
     #[test]

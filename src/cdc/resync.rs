@@ -55,7 +55,7 @@ pub(crate) async fn resync(
     // saves fail), and an outbox without the columns a resync needs, a connection or
     // the broker failing must leave the position row as it was.
     ensure_idle(metadata, slot_name).await?;
-    let mut backlog = Backlog::open(config, metadata, None)
+    let mut backlog = Backlog::open(config, metadata, None, history)
         .await
         .map_err(|e| impossible(e, loss))?;
     let mut reader = poller::session(conninfo).await?;

@@ -890,6 +890,16 @@ impl Relay {
                 self.config.relay.on_poison,
                 crate::cdc::poison_policy::parked_keys(&metadata, &self.config).await?,
             );
+            if self
+                .exactly_once
+                .as_ref()
+                .is_some_and(ExactlyOnce::fenced_by_backlog)
+            {
+                tracing::info!(
+                    "a backlog's transactional producer fenced this session's; replacing it"
+                );
+                self.replace_producer()?;
+            }
         }
         self.reset_core(history, start, fresh_core);
         self.server_started = server.started;

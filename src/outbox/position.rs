@@ -245,9 +245,10 @@ impl PositionTable {
         Ok(())
     }
 
-    /// Saves `confirmed` (taking a new candidate checkpoint, promoting the last one
-    /// if `confirmed` passed it). The saved position never moves back: a late save
-    /// of an older session cannot undo a newer one. Returns `false` when the row is missing, belongs to
+    /// Saves `confirmed` (taking a new candidate checkpoint, promoting the newest one
+    /// `confirmed` passed: the new one itself when nothing was written since the
+    /// last delivered commit, the usual state of an idle outbox). The saved position
+    /// never moves back: a late save of an older session cannot undo a newer one. Returns `false` when the row is missing, belongs to
     /// another history, or a resync is pending: the save did not happen.
     ///
     /// # Errors
@@ -262,14 +263,21 @@ impl PositionTable {
         // Every right-hand side reads the row as it was before the update. One
         // statement: the snapshot is taken before the insert LSN is read, and the
         // new candidate `n` is computed once. Candidates are kept in LSN order with
-        // distinct LSNs, so the two arrays stay parallel.
+        // distinct LSNs, so the two arrays stay parallel. `n` is the newest of all
+        // (the insert position only grows): when `confirmed` already reaches it
+        // (nothing was written since the last delivered commit, as after a burst
+        // on an idle database) it is promoted at once and not kept; otherwise an
+        // idle relay would never pass it and a resync would resend the burst.
         let candidates = "unnest(p.candidate_lsns, p.candidate_xmins) AS c(l, x)";
-        let newest_passed =
-            format!("FROM {candidates} WHERE c.l <= $2::text::pg_lsn ORDER BY c.l DESC LIMIT 1");
+        let newest_passed = format!(
+            "FROM (SELECT n.l, n.x UNION ALL SELECT * FROM {candidates}) AS c(l, x)
+             WHERE c.l <= $2::text::pg_lsn ORDER BY c.l DESC LIMIT 1"
+        );
         let kept = format!(
             "(SELECT c.l, c.x FROM {candidates} WHERE c.l > $2::text::pg_lsn
               ORDER BY c.l LIMIT {keep})
-             UNION ALL SELECT n.l, n.x WHERE n.l > ALL(p.candidate_lsns)",
+             UNION ALL SELECT n.l, n.x WHERE n.l > ALL(p.candidate_lsns)
+                                         AND n.l > $2::text::pg_lsn",
             keep = MAX_CANDIDATES - 1
         );
         let n = client

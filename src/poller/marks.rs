@@ -60,6 +60,20 @@ pub struct BatchOutcome {
     pub transient: usize,
 }
 
+/// Marks the rows with these ids (as text) sent, outside a batch: the rows an
+/// exactly-once backlog committed to Kafka before it could mark them
+/// (`cdc::backlog`). Returns how many rows were updated.
+pub(crate) async fn mark_sent(
+    client: &impl tokio_postgres::GenericClient,
+    prepared: &Prepared,
+    ids: &[String],
+) -> Result<u64> {
+    client
+        .execute(&prepared.mark_sent, &[&ids])
+        .await
+        .map_err(pg_error)
+}
+
 /// Step 4 without the commit: marks acked rows sent, records failures and poisons
 /// exhausted rows inside `tx` (the poller's batch, or a cutover's marks).
 ///

@@ -32,7 +32,6 @@ async fn marker(db: &TestDb) -> Option<(Option<String>, i64, i64, bool)> {
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
 }
 
-/// Delivery count per idempotency key.
 /// A random-ish delay in `0..max_ms`, printed so that a failure can be replayed
 /// with `CUTOVER_TEST_DELAY_MS`.
 fn random_delay(max_ms: u64) -> Duration {

@@ -89,7 +89,6 @@ async fn write_backlog_with_an_undeliverable_row(db: &TestDb) {
     insert(db, "b", &small(2)).await;
 }
 
-/// `(holds_key, parked, other)` poison rows.
 /// The position row's recorded slot loss (`None`: no loss is recorded).
 async fn slot_lost_reason(db: &TestDb) -> Option<String> {
     db.client
@@ -102,6 +101,7 @@ async fn slot_lost_reason(db: &TestDb) -> Option<String> {
         .get(0)
 }
 
+/// `(holds_key, parked, other)` poison rows.
 async fn poison_kinds(db: &TestDb) -> (i64, i64, i64) {
     let row = db
         .client
@@ -299,6 +299,31 @@ async fn the_position_promotes_the_newest_checkpoint_it_passed() {
         "newest candidate {} is stale (now {newest})",
         full_xmins[15]
     );
+    // A save that confirms everything written so far (an idle outbox after a
+    // burst) promotes its own candidate: no later save has to pass it.
+    insert(&db, "k", &small(99)).await;
+    let insert_lsn: String = db
+        .client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let everything = Lsn::from(harness::parse_lsn(&insert_lsn) + 0x10_0000);
+    assert!(
+        positions
+            .save(&db.client, history, everything)
+            .await
+            .unwrap()
+    );
+    let (left, _, delivered, delivered_lsn) = checkpoints(&db).await;
+    assert!(left.is_empty(), "every candidate passed: {left:?}");
+    let delivered = delivered.expect("a delivered checkpoint");
+    assert!(
+        delivered > full_xmins[15],
+        "{delivered} after {full_xmins:?}"
+    );
+    let delivered_lsn = harness::parse_lsn(&delivered_lsn.expect("its LSN"));
+    assert!(delivered_lsn >= harness::parse_lsn(&insert_lsn));
 }
 
 /// An adopted layout without the columns a resync marks rows with: a lost slot is

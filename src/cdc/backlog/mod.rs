@@ -24,8 +24,15 @@
 //! counted in memory only: writing `attempts` would give the row a new commit time,
 //! and a backlog read again (a resync started over after a crash or a halt) would
 //! order it after the later rows of its key when commit timestamps are on.
+//!
+//! # Exactly-once
+//!
+//! Under `kafka.delivery = "exactly-once"` each round is one Kafka transaction whose
+//! progress record names its rows, and the marks follow the commit
+//! ([`transactions`] explains why that publishes each row once across crashes).
 
 mod order;
+mod transactions;
 
 use std::time::Duration;
 
@@ -37,11 +44,13 @@ use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lifecycle::{Backoff, millis};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
+use crate::outbox::position::ServerHistory;
 use crate::poison::{Parked, PoisonRow, WriterStatements};
 use crate::poller::{self, BatchRow, Polled, RowResult};
 use crate::postgres::replication::quote_literal;
 
 use order::{KeyRules, Step, Unresolved, Verdict, reset_for_retry};
+use transactions::BacklogTransactions;
 
 /// Most rows read, published and marked as one window.
 const MAX_WINDOW: usize = 10_000;
@@ -106,6 +115,10 @@ pub(super) struct Backlog<'a> {
     /// Rows read so far: a parked row's place in the backlog.
     ordinal: u64,
     halted: Vec<HaltedRow>,
+    /// Exactly-once mode: each round in a Kafka transaction.
+    transactions: Option<BacklogTransactions>,
+    /// The consistent point of the slot the backlog is read for.
+    consistent_point: Lsn,
 }
 
 impl<'a> Backlog<'a> {
@@ -115,11 +128,14 @@ impl<'a> Backlog<'a> {
     }
 
     /// Everything that can fail for lack of a column, a table, a connection or the
-    /// broker, before anything is recorded.
+    /// broker, before anything is recorded. In exactly-once mode it also fences the
+    /// slot's older producers and writes the marks the last backlog transaction left
+    /// ([`transactions`]): before the slot whose snapshot the rows are read in exists.
     pub(super) async fn open(
         config: &'a Config,
         metadata: &'a mut Client,
         marker_table: Option<&'a str>,
+        history: ServerHistory,
     ) -> Result<Backlog<'a>> {
         let layout = poller::inspect_tables(metadata, &config.outbox).await?;
         // A shard's cutover or resync publishes its shard's rows only.
@@ -140,11 +156,19 @@ impl<'a> Backlog<'a> {
             OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
         let window = window_size(config.relay.max_in_flight_events);
         let capacity = kafka::report_capacity(&config.relay).max(window + 1);
-        let producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+        let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+        let transactional_id = BacklogTransactions::configure(config, &mut producer_config);
         let (publisher, reports) = Publisher::new(producer_config, capacity)?;
         let publisher =
             publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
+        let transactions = match transactional_id {
+            Some(id) => Some(
+                BacklogTransactions::open(config, id, &publisher, metadata, &prepared, history)
+                    .await?,
+            ),
+            None => None,
+        };
         let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
         Ok(Backlog {
             config,
@@ -163,6 +187,8 @@ impl<'a> Backlog<'a> {
             next_id: 0,
             ordinal: 0,
             halted: Vec::new(),
+            transactions,
+            consistent_point: Lsn::ZERO,
         })
     }
 
@@ -181,6 +207,7 @@ impl<'a> Backlog<'a> {
         query: BacklogQuery,
     ) -> Result<BacklogSummary> {
         let mut summary = BacklogSummary::default();
+        self.consistent_point = consistent_point;
         let tx = reader
             .build_transaction()
             .isolation_level(IsolationLevel::RepeatableRead)
@@ -316,7 +343,18 @@ impl<'a> Backlog<'a> {
                 Step::Wait => left.push((ordinal, row)),
             }
         }
+        if self.transactions.is_some() {
+            // The round's progress record lists every row of it: the rest waits.
+            let fit =
+                BacklogTransactions::fitting(produce.iter().map(|(_, u)| u.row.polled.id.as_str()));
+            left.extend(produce.drain(fit..));
+        }
         let mut published: Vec<BatchRow> = produce.iter_mut().map(|(_, u)| take(u)).collect();
+        if let Some(transactions) = &self.transactions
+            && !published.is_empty()
+        {
+            transactions.begin(&self.publisher)?;
+        }
         let base = self.next_id;
         self.next_id = self.next_id.wrapping_add(published.len() as u64);
         let sent = poller::publish_holding(
@@ -327,11 +365,19 @@ impl<'a> Backlog<'a> {
             |i| produce.get(i).and_then(|(_, u)| u.key.as_ref()),
         )
         .await?;
-        let mut failed = 0usize;
+        let committed = self.settle_transaction(&published, &sent).await?;
+        let mut failed = usize::from(!committed);
         for (((ordinal, mut meta), row), sent) in produce.into_iter().zip(published).zip(sent) {
             meta.row = row;
             if !sent {
                 // An earlier row of its key was refused at once: it waits.
+                left.push((ordinal, meta));
+                continue;
+            }
+            if !committed && is_acked(&meta.row) {
+                // Delivered into an aborted transaction: produced again, and no
+                // attempt counts (the row did not fail).
+                reset_for_retry(&mut meta.row);
                 left.push((ordinal, meta));
                 continue;
             }
@@ -387,6 +433,30 @@ impl<'a> Backlog<'a> {
             stuck,
             failed,
         })
+    }
+
+    /// Exactly-once mode: commits the round's Kafka transaction when every record of
+    /// it was delivered, else aborts it. `true` when the deliveries stand (committed,
+    /// nothing produced, or at-least-once).
+    async fn settle_transaction(&mut self, published: &[BatchRow], sent: &[bool]) -> Result<bool> {
+        let Some(transactions) = self.transactions.as_mut() else {
+            return Ok(true);
+        };
+        let produced: Vec<&BatchRow> = published
+            .iter()
+            .filter(|row| matches!(row.result, RowResult::Event { .. }))
+            .collect();
+        if produced.is_empty() {
+            return Ok(true);
+        }
+        if !(sent.iter().all(|s| *s) && produced.iter().all(|row| is_acked(row))) {
+            transactions.abort(&self.publisher).await?;
+            return Ok(false);
+        }
+        let ids = produced.iter().map(|row| row.polled.id.clone()).collect();
+        transactions
+            .commit(&self.publisher, self.consistent_point, ids)
+            .await
     }
 
     /// The marks of a round and its parked rows, in one transaction with the
@@ -474,6 +544,17 @@ struct Round {
     stuck: bool,
     /// Produced rows that were not acked.
     failed: usize,
+}
+
+/// Whether the broker acked the row's record.
+fn is_acked(row: &BatchRow) -> bool {
+    matches!(
+        row.result,
+        RowResult::Event {
+            delivery: poller::Delivery::Acked,
+            ..
+        }
+    )
 }
 
 /// Moves the row out of `u` to publish it (it is put back after).

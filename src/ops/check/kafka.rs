@@ -278,8 +278,9 @@ pub(super) async fn delivery(publisher: &Publisher, config: &Config) -> Check {
             NAME,
             format!(
                 "exactly-once: read_committed consumers see each event once; progress in \
-                 {topic:?} (transactions are tried by `run` at start; the backlog of a \
-                 cutover or a resync after a lost slot is at-least-once)"
+                 {topic:?} (transactions are tried by `run` at start; a resync after a \
+                 lost slot publishes again the events streamed since the last delivered \
+                 checkpoint, about the relay's lag plus one position save)"
             ),
         ),
         Ok(_) => Check::problem(

@@ -1,0 +1,279 @@
+//! A backlog in `kafka.delivery = "exactly-once"`: each round's records in one Kafka
+//! transaction with a progress record that names their rows; the `sent_at` marks
+//! after the commit.
+//!
+//! # Why the marks follow the commit
+//!
+//! An at-least-once backlog marks a row `sent_at` once the broker acked it: a crash
+//! between the ack and the mark publishes the row again. Two commits (Kafka's and
+//! PostgreSQL's) cannot be one, so exactly-once makes Kafka's the decision and the
+//! mark its consequence. A round's records go into one Kafka transaction under the
+//! slot's `transactional.id` (the stream's: the relay that streams next fences this
+//! producer), together with a progress record that lists the rows
+//! ([`BacklogSent`]); the marks are written after the commit. Then:
+//!
+//! * a crash before the commit leaves the records in a transaction the next
+//!   producer's `init_transactions` aborts: a `read_committed` consumer never sees
+//!   them, and the rows, unmarked, are published again;
+//! * a crash after it leaves the rows committed and perhaps unmarked: the next
+//!   backlog (the interrupted cutover or resync starts over) reads the record first
+//!   and writes the marks, before the slot whose exported snapshot it reads the rows
+//!   in is created, so the snapshot sees them marked and leaves them out.
+//!
+//! A round commits only if every record of it was delivered: one failure aborts the
+//! transaction, the failed row follows the backlog's retry and poison rules, and the
+//! rows delivered beside it are produced again without counting an attempt (the
+//! stream does the same, `cdc::progress::transactions`). The record is the slot's
+//! progress record, so it carries the latest record's streaming part (history, saved
+//! position, mark) unchanged: the stream that follows resumes as it would have.
+//!
+//! # When the marks are not written
+//!
+//! Only on the record's own server history (system identifier and timeline) and once
+//! the server's WAL reaches the record's consistent point. A failover or a data
+//! directory restored in place may have taken those rows away and given their ids
+//! to new rows (a sequence hands out values again after a restore); marking those
+//! would lose them. The rows are then published again: duplicates, never a loss
+//! (a warning says so).
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, send_progress};
+use crate::cdc::progress_record::{self, BacklogSent, ProgressRecord};
+use crate::config::Config;
+use crate::error::Result;
+use crate::kafka::{self, Isolation, Publisher, TransactionError};
+use crate::lsn::Lsn;
+use crate::outbox::position::ServerHistory;
+use crate::poller;
+
+/// `client.id` of the progress record's reader.
+const READER_CLIENT_ID: &str = "outbox-relay-backlog-progress";
+
+/// Bytes of row ids one record may list (a round stops short of it): half of the
+/// record's limit, the rest is the carried streaming part.
+const SENT_IDS_BUDGET: usize = MAX_RECORD_BYTES / 2;
+
+/// Times a retriable transactional call is made again before the backlog fails.
+const CALL_ATTEMPTS: u32 = 3;
+
+/// Pause before a retriable call is made again.
+const CALL_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// See the module documentation.
+pub(super) struct BacklogTransactions {
+    id: String,
+    topic: String,
+    /// The server history the backlog reads on (its records' `backlog` part).
+    history: ServerHistory,
+    /// The latest record's streaming part, written again with every round.
+    carried: ProgressRecord,
+}
+
+impl BacklogTransactions {
+    /// `Some` in exactly-once mode; makes `producer_config` transactional.
+    pub(super) fn configure(
+        config: &Config,
+        producer_config: &mut rdkafka::ClientConfig,
+    ) -> Option<String> {
+        if config.kafka.delivery != crate::config::DeliveryMode::ExactlyOnce {
+            return None;
+        }
+        let id = kafka::transactional_id(&config.postgres.slot_name());
+        kafka::transactional_config(producer_config, &id);
+        Some(id)
+    }
+
+    /// Fences every older producer of the slot (`init_transactions` settles what it
+    /// left open), makes sure the broker commits transactions (the stream's probe,
+    /// `cdc::exactly_once`), reads the slot's latest committed progress record, and
+    /// writes the marks of the backlog rows it names (see the module docs for when it
+    /// does not).
+    ///
+    /// # Errors
+    ///
+    /// A transactional failure (fenced or a broker without transactions: exit 3), a
+    /// missing progress topic (exit 3), a record that cannot be read, a failed mark.
+    pub(super) async fn open(
+        config: &Config,
+        id: String,
+        publisher: &Publisher,
+        metadata: &Client,
+        prepared: &poller::Prepared,
+        history: ServerHistory,
+    ) -> Result<BacklogTransactions> {
+        retrying(|| publisher.init_transactions(&id)).await?;
+        let slot = config.postgres.slot_name();
+        let topic = config.kafka.progress_topic.clone();
+        probe(publisher, &id, &topic, &slot)
+            .await
+            .map_err(|failed| failed.error)?;
+        let reader =
+            kafka::reader_config(&config.kafka, READER_CLIENT_ID, Isolation::ReadCommitted)
+                .map_err(|e| {
+                    crate::config::ConfigError::Invalid(format!(
+                        "kafka.producer (progress record reader): {e}"
+                    ))
+                })?;
+        let (read_topic, read_slot) = (topic.clone(), slot.clone());
+        let latest = tokio::task::spawn_blocking(move || {
+            progress_record::read_latest(&reader, &read_topic, &read_slot)
+        })
+        .await
+        .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??;
+        let mut carried = latest.unwrap_or_else(|| ProgressRecord {
+            slot,
+            history,
+            saved: Lsn::ZERO,
+            mark: Default::default(),
+            backlog: None,
+        });
+        if let Some(sent) = carried.backlog.take() {
+            finish_marks(metadata, prepared, history, &sent).await?;
+        }
+        Ok(BacklogTransactions {
+            id,
+            topic,
+            history,
+            carried,
+        })
+    }
+
+    /// How many of `ids` (in order) one round may publish: the record must list
+    /// them all. At least one.
+    pub(super) fn fitting<'i>(ids: impl IntoIterator<Item = &'i str>) -> usize {
+        let mut bytes = 0usize;
+        let mut n = 0usize;
+        for id in ids {
+            // The id as a JSON string, and a comma.
+            bytes += serde_json::to_string(id).map_or(6 * id.len() + 2, |s| s.len()) + 1;
+            if n > 0 && bytes > SENT_IDS_BUDGET {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Begins the round's transaction, before its first produce.
+    pub(super) fn begin(&self, publisher: &Publisher) -> Result<()> {
+        Ok(publisher.begin_transaction(&self.id)?)
+    }
+
+    /// Writes the record naming `sent` (the round's delivered rows) and commits.
+    /// `Ok(false)`: the transaction was aborted instead (nothing of it is visible;
+    /// the rows are published again).
+    ///
+    /// # Errors
+    ///
+    /// A fenced or otherwise unusable producer; the backlog fails and starts over
+    /// (the next producer's `init_transactions` settles this one's transaction).
+    pub(super) async fn commit(
+        &mut self,
+        publisher: &Publisher,
+        consistent_point: Lsn,
+        sent: Vec<String>,
+    ) -> Result<bool> {
+        let mut record = self.carried.clone();
+        record.backlog = Some(BacklogSent {
+            history: self.history,
+            consistent_point,
+            sent,
+        });
+        let value = record.encode_within(MAX_RECORD_BYTES);
+        let queued = send_progress(publisher, &self.topic, &record.slot, &value);
+        if let Err(rejected) = queued {
+            tracing::warn!(error = %rejected, topic = %self.topic,
+                "backlog: the progress record was refused; aborting the round's transaction");
+            self.abort(publisher).await?;
+            return Ok(false);
+        }
+        match retrying(|| async { kafka::joined(publisher.start_commit(&self.id).await) }).await {
+            Ok(()) => Ok(true),
+            Err(TransactionError::Abortable { code, message }) => {
+                tracing::warn!(?code, %message,
+                    "backlog: the Kafka transaction cannot commit; aborting it (its rows are published again)");
+                self.abort(publisher).await?;
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Aborts the round's transaction (a record of it failed).
+    pub(super) async fn abort(&self, publisher: &Publisher) -> Result<()> {
+        retrying(|| async { kafka::joined(publisher.start_abort(&self.id).await) }).await?;
+        Ok(())
+    }
+}
+
+/// Writes the marks a backlog could not write before its process ended, when they
+/// still name the same rows (module docs).
+async fn finish_marks(
+    metadata: &Client,
+    prepared: &poller::Prepared,
+    history: ServerHistory,
+    sent: &BacklogSent,
+) -> Result<()> {
+    if sent.sent.is_empty() {
+        return Ok(());
+    }
+    let wal_end: String = metadata
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .and_then(|row| row.try_get(0))
+        .map_err(poller::pg_error)?;
+    let reached = wal_end
+        .parse::<Lsn>()
+        .is_ok_and(|end| end >= sent.consistent_point);
+    if sent.history != history || !reached {
+        tracing::warn!(rows = sent.sent.len(), recorded = %sent.history, %history,
+            consistent_point = %sent.consistent_point, %wal_end,
+            "the last backlog transaction's rows were committed to Kafka on another server history (or a database that went back): not marking them; rows still in the outbox are published again");
+        return Ok(());
+    }
+    let updated = poller::mark_sent(metadata, prepared, &sent.sent).await?;
+    tracing::info!(
+        rows = sent.sent.len(),
+        updated,
+        "marked the rows of the last committed backlog transaction sent"
+    );
+    Ok(())
+}
+
+/// Makes a transactional call, again while it fails retriably.
+async fn retrying<F, Fut>(mut call: F) -> std::result::Result<(), TransactionError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<(), TransactionError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(TransactionError::Retriable { .. }) if attempt < CALL_ATTEMPTS => {
+                attempt += 1;
+                tokio::time::sleep(CALL_RETRY_PAUSE).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_lists_at_most_its_budget_of_ids_and_at_least_one() {
+        let ids: Vec<String> = (0..100_000).map(|i| format!("{i:020}")).collect();
+        let n = BacklogTransactions::fitting(ids.iter().map(String::as_str));
+        assert!(n > 1_000 && n < ids.len(), "{n}");
+        let listed: usize = ids[..n].iter().map(|id| id.len() + 3).sum();
+        assert!(listed <= SENT_IDS_BUDGET);
+        let huge = "x".repeat(SENT_IDS_BUDGET * 2);
+        assert_eq!(BacklogTransactions::fitting([huge.as_str(), "1"]), 1);
+        assert_eq!(BacklogTransactions::fitting(std::iter::empty()), 0);
+    }
+}
