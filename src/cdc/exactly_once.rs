@@ -141,11 +141,10 @@ impl ExactlyOnce {
         self.replace_producer || self.begun || self.call.is_some() || self.outcome.is_some()
     }
 
-    /// A backlog of this process (a cutover, or a resync after a lost slot) ran its
-    /// own transactional producer under the same `transactional.id`
-    /// (`cdc::backlog`): that fenced this one, if it was initialised, and it must be
-    /// replaced before the session produces.
-    pub(crate) fn fenced_by_backlog(&self) -> bool {
+    /// Whether the current producer ran `init_transactions`: another producer of the
+    /// same `transactional.id` initialised after it (a backlog's, `cdc::backlog`)
+    /// fences it.
+    pub(crate) fn initialized(&self) -> bool {
         self.initialized
     }
 

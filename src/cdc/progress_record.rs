@@ -25,8 +25,8 @@
 //! A record written by a backlog (a cutover, or the resync after a lost slot) also
 //! names the rows it published in its transaction, whose `sent_at` marks are written
 //! in PostgreSQL only after the Kafka commit (`cdc::backlog`):
-//! `"backlog":{"system_identifier":"…","timeline":1,"consistent_point":"0/B0000060",
-//! "sent":["17","18"]}`. The next backlog writes those marks first, so that a crash
+//! `"backlog":{"system_identifier":"…","timeline":1,"server_started":…,
+//! "consistent_point":"0/B0000060","sent":["17","18"]}`. The next backlog writes those marks first, so that a crash
 //! between the two commits does not make it publish the rows again.
 //!
 //! # Reading the latest
@@ -89,6 +89,9 @@ pub struct BacklogSent {
     /// The server history the rows were read on (the record's own `history` is the
     /// carried streaming part's, which may be older).
     pub history: ServerHistory,
+    /// When that server's postmaster started (microseconds since the Unix epoch): a
+    /// server started since may have been restored from a copy.
+    pub server_started: Option<i64>,
     /// The consistent point of the slot the backlog was read for: a server whose WAL
     /// ends below it went back (restored in place) and may have given the ids to
     /// other rows.
@@ -116,6 +119,8 @@ struct Json {
 struct JsonBacklog {
     system_identifier: String,
     timeline: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    server_started: Option<i64>,
     consistent_point: String,
     sent: Vec<String>,
 }
@@ -196,6 +201,7 @@ impl ProgressRecord {
             backlog: self.backlog.as_ref().map(|b| JsonBacklog {
                 system_identifier: b.history.system_identifier.to_string(),
                 timeline: b.history.timeline,
+                server_started: b.server_started,
                 consistent_point: b.consistent_point.to_string(),
                 sent: b.sent.clone(),
             }),
@@ -277,6 +283,7 @@ impl ProgressRecord {
                         )?,
                         timeline: b.timeline,
                     },
+                    server_started: b.server_started,
                     consistent_point: lsn("backlog.consistent_point", &b.consistent_point)?,
                     sent: b.sent,
                 }),
@@ -475,6 +482,7 @@ mod tests {
                 system_identifier: 7_715_066_301_594_421_149,
                 timeline: 4,
             },
+            server_started: Some(1_796_371_200_000_000),
             consistent_point: Lsn(0xB000_0060),
             sent: vec!["17".into(), "3f2c".into()],
         });
@@ -482,7 +490,7 @@ mod tests {
         let text = String::from_utf8(value.clone()).unwrap();
         assert!(
             text.ends_with(
-                r#","backlog":{"system_identifier":"7715066301594421149","timeline":4,"consistent_point":"0/B0000060","sent":["17","3f2c"]}}"#
+                r#","backlog":{"system_identifier":"7715066301594421149","timeline":4,"server_started":1796371200000000,"consistent_point":"0/B0000060","sent":["17","3f2c"]}}"#
             ),
             "{text}"
         );

@@ -761,6 +761,24 @@ impl Relay {
             || self.core.transaction_events() > 0
     }
 
+    /// Before a cutover or a resync: their backlog's transactional producer takes the
+    /// slot's `transactional.id` (`cdc::backlog`) and would fence this session's if it
+    /// is initialised, whether the backlog succeeds or not. A new producer is only
+    /// initialised when streaming starts, after the backlog.
+    fn before_backlog(&mut self) -> Result<()> {
+        if self
+            .exactly_once
+            .as_ref()
+            .is_some_and(ExactlyOnce::initialized)
+        {
+            tracing::info!(
+                "replacing the transactional producer: a backlog's producer takes its transactional.id"
+            );
+            self.replace_producer()?;
+        }
+        Ok(())
+    }
+
     /// Replaces a wedged or fatally failed producer. The old one is dropped on a
     /// blocking thread (librdkafka's destroy may wait for its broker connections);
     /// its late reports go nowhere.
@@ -842,6 +860,7 @@ impl Relay {
             StartPlan::Fresh => {
                 // The core starts at exactly what was recorded, nothing remembered.
                 fresh_core = true;
+                self.before_backlog()?;
                 self.create_slot(&mut conn, &mut metadata, busy_timeout, history)
                     .await?
             }
@@ -880,6 +899,7 @@ impl Relay {
             }
             StartPlan::Lost { loss, .. } => {
                 fresh_core = true;
+                self.before_backlog()?;
                 self.heal(&mut conn, &mut metadata, &server, remembered, &loss)
                     .await?
             }
@@ -890,16 +910,6 @@ impl Relay {
                 self.config.relay.on_poison,
                 crate::cdc::poison_policy::parked_keys(&metadata, &self.config).await?,
             );
-            if self
-                .exactly_once
-                .as_ref()
-                .is_some_and(ExactlyOnce::fenced_by_backlog)
-            {
-                tracing::info!(
-                    "a backlog's transactional producer fenced this session's; replacing it"
-                );
-                self.replace_producer()?;
-            }
         }
         self.reset_core(history, start, fresh_core);
         self.server_started = server.started;

@@ -60,16 +60,16 @@ pub struct BatchOutcome {
     pub transient: usize,
 }
 
-/// Marks the rows with these ids (as text) sent, outside a batch: the rows an
-/// exactly-once backlog committed to Kafka before it could mark them
-/// (`cdc::backlog`). Returns how many rows were updated.
-pub(crate) async fn mark_sent(
+/// Marks the rows with these ids (as text) sent unless they are already, outside a
+/// batch: the rows an exactly-once backlog committed to Kafka before it could mark
+/// them (`cdc::backlog`). Returns how many rows were updated.
+pub(crate) async fn mark_unsent_sent(
     client: &impl tokio_postgres::GenericClient,
-    prepared: &Prepared,
+    sql: &super::Sql,
     ids: &[String],
 ) -> Result<u64> {
     client
-        .execute(&prepared.mark_sent, &[&ids])
+        .execute(sql.mark_sent_if_unsent.as_str(), &[&ids])
         .await
         .map_err(pg_error)
 }

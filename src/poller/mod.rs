@@ -84,7 +84,7 @@ pub use args::PollArgs;
 pub use batch::{ATTEMPTS_EXHAUSTED, Poller, PublishedBatch};
 pub(crate) use layout::{Layout, inspect_tables};
 pub use marks::BatchOutcome;
-pub(crate) use marks::{mark_sent, write_marks};
+pub(crate) use marks::{mark_unsent_sent, write_marks};
 pub(crate) use pg_error::pg_error;
 pub(crate) use publish::publish_holding;
 pub(crate) use row::{BatchRow, Delivery, Polled, RowResult, read_row};

@@ -71,6 +71,10 @@ pub(crate) struct Sql {
     /// original of a poison row whose copy was truncated.
     pub(crate) by_id: String,
     pub(super) mark_sent: String,
+    /// [`Sql::mark_sent`] for rows not marked yet (`$1`: ids as text): the marks an
+    /// exactly-once backlog left to its successor (`cdc::backlog`), which must not
+    /// move the `sent_at` of rows marked since.
+    pub(crate) mark_sent_if_unsent: String,
     pub(super) record_failures: String,
     pub(super) insert_poison: String,
     /// `relay.poison_copy_limit_bytes`, for the poison rows.
@@ -134,6 +138,10 @@ impl Sql {
             mark_sent: format!(
                 "UPDATE {table} SET sent_at = statement_timestamp()
                  WHERE {id} = ANY($1::text[]::{id_type}[])"
+            ),
+            mark_sent_if_unsent: format!(
+                "UPDATE {table} SET sent_at = statement_timestamp()
+                 WHERE {id} = ANY($1::text[]::{id_type}[]) AND sent_at IS NULL"
             ),
             record_failures: format!(
                 "UPDATE {table} AS o SET attempts = f.attempts, last_error = f.error

@@ -452,8 +452,8 @@ async fn a_cutover_cut_between_its_kafka_commit_and_its_marks_publishes_each_row
 }
 
 /// The slot of a running exactly-once relay is dropped under it: the same process
-/// resyncs (its backlog's transactional producer fences the stream's, which the
-/// session then replaces) and streams on; every row written after the loss (by the
+/// resyncs (its backlog's transactional producer would fence the stream's, which the
+/// session replaces first) and streams on; every row written after the loss (by the
 /// resync, then by the stream) is read once. The rows streamed just before the loss may be republished by the resync
 /// (its boundary, `docs/architecture.md#exactly-once`): counted, not asserted away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -578,4 +578,130 @@ async fn a_relay_fenced_by_another_producer_exits_with_code_3() {
     assert!(log.contains("fenced"), "{log}");
     drop(fencer);
     db.drop_slot().await;
+}
+
+/// A backlog round committed to Kafka whose marks were never written, then the
+/// database restored in place to before the round's rows: the sequence hands their
+/// ids to new rows, and new writes carry the WAL past the round's consistent point.
+/// The next backlog must not mark those new rows with the old round's ids (the
+/// server restarted since the round): every new row is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_round_left_unmarked_before_a_restore_marks_no_new_row() {
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let cluster = harness::PrivateCluster::start("logical").await;
+    let mut db = TestDb::create_in(&cluster.url, "eos_restore", 3, "").await;
+    db.append_config("\n[relay]\ncutover = \"off\"\n");
+    harness::create_topic_on(&brokers, &db.topic, 3).await;
+    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
+    let env = [
+        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
+        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "200"),
+    ];
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+    cluster.snapshot("before_the_backlog").await;
+    // The same ids in both generations, as a sequence (an adopted layout's bigserial)
+    // hands them out again after a restore; the idempotency keys differ.
+    let rows = |generation: i64| {
+        format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT ('00000000-0000-7000-8000-' || lpad(g::text, 12, '0'))::uuid,
+                    'order', 'k' || (g % 7), 'Created',
+                    jsonb_build_object('seq', g, 'generation', {generation})
+             FROM generate_series(0, 999) g"
+        )
+    };
+    let client = harness::connect(&db.url).await;
+    client
+        .batch_execute(&format!(
+            "{};
+             CREATE FUNCTION refuse_marks() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'sent_at marks refused by the test'; END $$;
+             CREATE TRIGGER refuse_marks BEFORE UPDATE OF sent_at ON outbox
+               FOR EACH ROW EXECUTE FUNCTION refuse_marks();",
+            rows(1)
+        ))
+        .await
+        .unwrap();
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !relay.log().contains("sent_at marks refused by the test") {
+        assert!(
+            Instant::now() < deadline,
+            "no marks tried; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first = relay.log();
+    relay.kill9().await;
+    let consistent_point = first
+        .lines()
+        .find(|l| l.contains("slot created again"))
+        .and_then(|l| l.split("consistent_point=").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(harness::parse_lsn)
+        .expect("the resync's consistent point in the log");
+    cluster.restore("before_the_backlog").await;
+    let client = harness::connect(&db.url).await;
+    client.batch_execute(&rows(2)).await.unwrap();
+    // More WAL than the first attempt wrote: the restored server passes the round's
+    // consistent point again.
+    client
+        .batch_execute("CREATE TABLE padding AS SELECT g FROM generate_series(1, 200000) g")
+        .await
+        .unwrap();
+    let wal: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        harness::parse_lsn(&wal) > consistent_point,
+        "the WAL must pass the round's consistent point, or this test proves nothing"
+    );
+    let keys: std::collections::HashSet<String> = client
+        .query("SELECT idempotency_key::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys.len(), 1_000);
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let records = consume_with(
+            &brokers,
+            &READ_COMMITTED,
+            &db.topic,
+            usize::MAX,
+            Duration::from_secs(3),
+        )
+        .await;
+        let seen: std::collections::HashSet<&str> = records
+            .iter()
+            .filter_map(|r| r.header("idempotency_key"))
+            .collect();
+        let missing = keys.iter().filter(|k| !seen.contains(k.as_str())).count();
+        if missing == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{missing} of the rows written after the restore were never published; log:\n{}",
+            relay.log()
+        );
+    }
+    assert!(
+        relay.log().contains("before the server restarted"),
+        "{}",
+        relay.log()
+    );
+    relay.terminate(Duration::from_secs(30)).await;
 }

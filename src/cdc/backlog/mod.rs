@@ -164,8 +164,7 @@ impl<'a> Backlog<'a> {
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
         let transactions = match transactional_id {
             Some(id) => Some(
-                BacklogTransactions::open(config, id, &publisher, metadata, &prepared, history)
-                    .await?,
+                BacklogTransactions::open(config, id, &publisher, metadata, &sql, history).await?,
             ),
             None => None,
         };
@@ -343,10 +342,9 @@ impl<'a> Backlog<'a> {
                 Step::Wait => left.push((ordinal, row)),
             }
         }
-        if self.transactions.is_some() {
+        if let Some(transactions) = &self.transactions {
             // The round's progress record lists every row of it: the rest waits.
-            let fit =
-                BacklogTransactions::fitting(produce.iter().map(|(_, u)| u.row.polled.id.as_str()));
+            let fit = transactions.fitting(produce.iter().map(|(_, u)| u.row.polled.id.as_str()));
             left.extend(produce.drain(fit..));
         }
         let mut published: Vec<BatchRow> = produce.iter_mut().map(|(_, u)| take(u)).collect();

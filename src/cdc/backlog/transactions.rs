@@ -29,12 +29,22 @@
 //!
 //! # When the marks are not written
 //!
-//! Only on the record's own server history (system identifier and timeline) and once
-//! the server's WAL reaches the record's consistent point. A failover or a data
-//! directory restored in place may have taken those rows away and given their ids
-//! to new rows (a sequence hands out values again after a restore); marking those
-//! would lose them. The rows are then published again: duplicates, never a loss
-//! (a warning says so).
+//! Only on the record's own server history (system identifier and timeline), on the
+//! same run of the server (its postmaster start time) and once the server's WAL
+//! reaches the record's consistent point. A failover or a data directory restored in
+//! place may have taken those rows away and given their ids to new rows (a sequence
+//! hands out values again after a restore); marking those would lose them. A
+//! restore restarts the server, and its WAL can pass the consistent point again
+//! with new writes, so the start time is what tells it apart. The rows are then
+//! published again: duplicates, never a loss (a warning says so); the same after an
+//! ordinary restart, which cannot be told from a restore.
+//!
+//! # The record's size
+//!
+//! A round lists at most [`SENT_IDS_BUDGET`] bytes of ids. A progress topic whose
+//! `max.message.bytes` is smaller refuses the record and the round aborts: the
+//! budget is halved for the next round (down to one row), so the backlog goes on
+//! in smaller transactions instead of retrying the same one forever.
 
 use std::time::Duration;
 
@@ -56,6 +66,9 @@ const READER_CLIENT_ID: &str = "outbox-relay-backlog-progress";
 /// record's limit, the rest is the carried streaming part.
 const SENT_IDS_BUDGET: usize = MAX_RECORD_BYTES / 2;
 
+/// The smallest budget a refused record halves it to (a round always lists a row).
+const MIN_SENT_IDS_BUDGET: usize = 256;
+
 /// Times a retriable transactional call is made again before the backlog fails.
 const CALL_ATTEMPTS: u32 = 3;
 
@@ -68,8 +81,12 @@ pub(super) struct BacklogTransactions {
     topic: String,
     /// The server history the backlog reads on (its records' `backlog` part).
     history: ServerHistory,
+    /// When the server's postmaster started (its records' `backlog` part).
+    server_started: Option<i64>,
     /// The latest record's streaming part, written again with every round.
     carried: ProgressRecord,
+    /// Bytes of ids a round may list ([`SENT_IDS_BUDGET`], halved by refusals).
+    budget: usize,
 }
 
 impl BacklogTransactions {
@@ -101,7 +118,7 @@ impl BacklogTransactions {
         id: String,
         publisher: &Publisher,
         metadata: &Client,
-        prepared: &poller::Prepared,
+        sql: &poller::Sql,
         history: ServerHistory,
     ) -> Result<BacklogTransactions> {
         retrying(|| publisher.init_transactions(&id)).await?;
@@ -130,31 +147,24 @@ impl BacklogTransactions {
             mark: Default::default(),
             backlog: None,
         });
+        let server_started = crate::postgres::postmaster_started(metadata).await?;
         if let Some(sent) = carried.backlog.take() {
-            finish_marks(metadata, prepared, history, &sent).await?;
+            finish_marks(metadata, sql, history, server_started, &sent).await?;
         }
         Ok(BacklogTransactions {
             id,
             topic,
             history,
+            server_started,
             carried,
+            budget: SENT_IDS_BUDGET,
         })
     }
 
     /// How many of `ids` (in order) one round may publish: the record must list
     /// them all. At least one.
-    pub(super) fn fitting<'i>(ids: impl IntoIterator<Item = &'i str>) -> usize {
-        let mut bytes = 0usize;
-        let mut n = 0usize;
-        for id in ids {
-            // The id as a JSON string, and a comma.
-            bytes += serde_json::to_string(id).map_or(6 * id.len() + 2, |s| s.len()) + 1;
-            if n > 0 && bytes > SENT_IDS_BUDGET {
-                break;
-            }
-            n += 1;
-        }
-        n
+    pub(super) fn fitting<'i>(&self, ids: impl IntoIterator<Item = &'i str>) -> usize {
+        fitting(ids, self.budget)
     }
 
     /// Begins the round's transaction, before its first produce.
@@ -179,27 +189,37 @@ impl BacklogTransactions {
         let mut record = self.carried.clone();
         record.backlog = Some(BacklogSent {
             history: self.history,
+            server_started: self.server_started,
             consistent_point,
             sent,
         });
         let value = record.encode_within(MAX_RECORD_BYTES);
         let queued = send_progress(publisher, &self.topic, &record.slot, &value);
         if let Err(rejected) = queued {
-            tracing::warn!(error = %rejected, topic = %self.topic,
+            tracing::warn!(error = %rejected, topic = %self.topic, record_bytes = value.len(),
                 "backlog: the progress record was refused; aborting the round's transaction");
+            self.smaller_rounds();
             self.abort(publisher).await?;
             return Ok(false);
         }
         match retrying(|| async { kafka::joined(publisher.start_commit(&self.id).await) }).await {
             Ok(()) => Ok(true),
             Err(TransactionError::Abortable { code, message }) => {
-                tracing::warn!(?code, %message,
+                tracing::warn!(?code, %message, record_bytes = value.len(),
                     "backlog: the Kafka transaction cannot commit; aborting it (its rows are published again)");
+                self.smaller_rounds();
                 self.abort(publisher).await?;
                 Ok(false)
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// After a round whose delivered records could not be committed (the progress
+    /// record refused, by its size or otherwise): the next rounds list half as many
+    /// bytes of ids.
+    fn smaller_rounds(&mut self) {
+        self.budget = (self.budget / 2).max(MIN_SENT_IDS_BUDGET);
     }
 
     /// Aborts the round's transaction (a record of it failed).
@@ -213,8 +233,9 @@ impl BacklogTransactions {
 /// still name the same rows (module docs).
 async fn finish_marks(
     metadata: &Client,
-    prepared: &poller::Prepared,
+    sql: &poller::Sql,
     history: ServerHistory,
+    server_started: Option<i64>,
     sent: &BacklogSent,
 ) -> Result<()> {
     if sent.sent.is_empty() {
@@ -228,19 +249,36 @@ async fn finish_marks(
     let reached = wal_end
         .parse::<Lsn>()
         .is_ok_and(|end| end >= sent.consistent_point);
-    if sent.history != history || !reached {
+    let same_run = server_started.is_some() && sent.server_started == server_started;
+    if sent.history != history || !same_run || !reached {
         tracing::warn!(rows = sent.sent.len(), recorded = %sent.history, %history,
-            consistent_point = %sent.consistent_point, %wal_end,
-            "the last backlog transaction's rows were committed to Kafka on another server history (or a database that went back): not marking them; rows still in the outbox are published again");
+            consistent_point = %sent.consistent_point, %wal_end, same_run,
+            "the last backlog transaction's rows were committed to Kafka on another server history or before the server restarted (it may have been restored): not marking them; rows still in the outbox are published again");
         return Ok(());
     }
-    let updated = poller::mark_sent(metadata, prepared, &sent.sent).await?;
+    let updated = poller::mark_unsent_sent(metadata, sql, &sent.sent).await?;
     tracing::info!(
         rows = sent.sent.len(),
         updated,
         "marked the rows of the last committed backlog transaction sent"
     );
     Ok(())
+}
+
+/// How many of `ids` (in order) fit `budget` bytes as the record lists them; at
+/// least one.
+fn fitting<'i>(ids: impl IntoIterator<Item = &'i str>, budget: usize) -> usize {
+    let mut bytes = 0usize;
+    let mut n = 0usize;
+    for id in ids {
+        // The id as a JSON string, and a comma.
+        bytes += serde_json::to_string(id).map_or(6 * id.len() + 2, |s| s.len()) + 1;
+        if n > 0 && bytes > budget {
+            break;
+        }
+        n += 1;
+    }
+    n
 }
 
 /// Makes a transactional call, again while it fails retriably.
@@ -268,12 +306,13 @@ mod tests {
     #[test]
     fn a_round_lists_at_most_its_budget_of_ids_and_at_least_one() {
         let ids: Vec<String> = (0..100_000).map(|i| format!("{i:020}")).collect();
-        let n = BacklogTransactions::fitting(ids.iter().map(String::as_str));
+        let n = fitting(ids.iter().map(String::as_str), SENT_IDS_BUDGET);
         assert!(n > 1_000 && n < ids.len(), "{n}");
         let listed: usize = ids[..n].iter().map(|id| id.len() + 3).sum();
         assert!(listed <= SENT_IDS_BUDGET);
+        assert!(fitting(ids.iter().map(String::as_str), MIN_SENT_IDS_BUDGET) >= 1);
         let huge = "x".repeat(SENT_IDS_BUDGET * 2);
-        assert_eq!(BacklogTransactions::fitting([huge.as_str(), "1"]), 1);
-        assert_eq!(BacklogTransactions::fitting(std::iter::empty()), 0);
+        assert_eq!(fitting([huge.as_str(), "1"], SENT_IDS_BUDGET), 1);
+        assert_eq!(fitting(std::iter::empty(), SENT_IDS_BUDGET), 0);
     }
 }
