@@ -99,13 +99,7 @@ impl ExactlyOnce {
         let slot = config.postgres.slot_name();
         let id = kafka::transactional_id(&slot);
         kafka::transactional_config(producer_config, &id);
-        let reader =
-            kafka::reader_config(&config.kafka, READER_CLIENT_ID, Isolation::ReadCommitted)
-                .map_err(|e| {
-                    crate::config::ConfigError::Invalid(format!(
-                        "kafka.producer (progress record reader): {e}"
-                    ))
-                })?;
+        let reader = progress_reader_config(config, READER_CLIENT_ID)?;
         Ok(Some(ExactlyOnce {
             id,
             slot,
@@ -378,6 +372,21 @@ impl ExactlyOnce {
             }
         }
     }
+}
+
+/// The settings of a progress record reader (`read_committed`).
+///
+/// # Errors
+///
+/// The reader's configuration refused by librdkafka (exit code 2).
+pub(crate) fn progress_reader_config(config: &Config, client_id: &str) -> Result<ClientConfig> {
+    Ok(
+        kafka::reader_config(&config.kafka, client_id, Isolation::ReadCommitted).map_err(|e| {
+            crate::config::ConfigError::Invalid(format!(
+                "kafka.producer (progress record reader): {e}"
+            ))
+        })?,
+    )
 }
 
 /// Queues one record of the progress topic `topic`, reported as

@@ -348,6 +348,31 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     active.terminate(Duration::from_secs(30)).await;
 }
 
+/// A trigger that refuses every `sent_at` mark: a backlog fails right after a
+/// round's Kafka commit (`DROP TRIGGER refuse_marks ON outbox` lifts it).
+const REFUSE_MARKS: &str = "
+    CREATE FUNCTION refuse_marks() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN RAISE EXCEPTION 'sent_at marks refused by the test'; END $$;
+    CREATE TRIGGER refuse_marks BEFORE UPDATE OF sent_at ON outbox
+      FOR EACH ROW EXECUTE FUNCTION refuse_marks();";
+
+/// Waits until `relay`'s backlog had a round's marks refused (its Kafka commit
+/// done), then kills it with SIGKILL; returns its log.
+async fn killed_when_its_marks_are_refused(relay: RelayProcess) -> String {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !relay.log().contains("sent_at marks refused by the test") {
+        assert!(
+            Instant::now() < deadline,
+            "the backlog never tried to mark its first round; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = relay.log();
+    relay.kill9().await;
+    log
+}
+
 /// A backlog in exactly-once mode whose process dies between a round's Kafka commit
 /// and the `sent_at` marks of that round (the marks are refused by a trigger, then
 /// the relay is killed): the next relay reads the round's progress record, marks its
@@ -383,26 +408,12 @@ async fn backlog_cut_between_its_kafka_commit_and_its_marks(prefix: &str, lose_s
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
              SELECT 'order', 'k' || (g % 7), 'Created', jsonb_build_object('seq', g)
              FROM generate_series(0, {last}) g;
-             CREATE FUNCTION refuse_marks() RETURNS trigger LANGUAGE plpgsql AS $$
-               BEGIN RAISE EXCEPTION 'sent_at marks refused by the test'; END $$;
-             CREATE TRIGGER refuse_marks BEFORE UPDATE OF sent_at ON outbox
-               FOR EACH ROW EXECUTE FUNCTION refuse_marks();",
+             {REFUSE_MARKS}",
             last = ROWS - 1
         ))
         .await
         .expect("write the backlog and refuse its marks");
-    let relay = RelayProcess::start(&db.config_path, &env);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !relay.log().contains("sent_at marks refused by the test") {
-        assert!(
-            Instant::now() < deadline,
-            "the backlog never tried to mark its first round; log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let first = relay.log();
-    relay.kill9().await;
+    let first = killed_when_its_marks_are_refused(RelayProcess::start(&db.config_path, &env)).await;
     db.client
         .batch_execute("DROP TRIGGER refuse_marks ON outbox")
         .await
@@ -620,26 +631,12 @@ async fn a_backlog_round_left_unmarked_before_a_restore_marks_no_new_row() {
     client
         .batch_execute(&format!(
             "{};
-             CREATE FUNCTION refuse_marks() RETURNS trigger LANGUAGE plpgsql AS $$
-               BEGIN RAISE EXCEPTION 'sent_at marks refused by the test'; END $$;
-             CREATE TRIGGER refuse_marks BEFORE UPDATE OF sent_at ON outbox
-               FOR EACH ROW EXECUTE FUNCTION refuse_marks();",
+             {REFUSE_MARKS}",
             rows(1)
         ))
         .await
         .unwrap();
-    let relay = RelayProcess::start(&db.config_path, &env);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !relay.log().contains("sent_at marks refused by the test") {
-        assert!(
-            Instant::now() < deadline,
-            "no marks tried; log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let first = relay.log();
-    relay.kill9().await;
+    let first = killed_when_its_marks_are_refused(RelayProcess::start(&db.config_path, &env)).await;
     let consistent_point = first
         .lines()
         .find(|l| l.contains("slot created again"))

@@ -50,11 +50,11 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, send_progress};
+use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, progress_reader_config, send_progress};
 use crate::cdc::progress_record::{self, BacklogSent, ProgressRecord};
 use crate::config::Config;
 use crate::error::Result;
-use crate::kafka::{self, Isolation, Publisher, TransactionError};
+use crate::kafka::{self, Publisher, TransactionError};
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 use crate::poller;
@@ -127,13 +127,7 @@ impl BacklogTransactions {
         probe(publisher, &id, &topic, &slot)
             .await
             .map_err(|failed| failed.error)?;
-        let reader =
-            kafka::reader_config(&config.kafka, READER_CLIENT_ID, Isolation::ReadCommitted)
-                .map_err(|e| {
-                    crate::config::ConfigError::Invalid(format!(
-                        "kafka.producer (progress record reader): {e}"
-                    ))
-                })?;
+        let reader = progress_reader_config(config, READER_CLIENT_ID)?;
         let (read_topic, read_slot) = (topic.clone(), slot.clone());
         let latest = tokio::task::spawn_blocking(move || {
             progress_record::read_latest(&reader, &read_topic, &read_slot)
