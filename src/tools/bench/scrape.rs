@@ -132,9 +132,23 @@ fn latency(stage: &'static str, buckets: &[(f64, u64)]) -> Option<StageLatency> 
 
 /// One HTTP/1.0 `GET /metrics` (the endpoint closes the connection after it).
 async fn fetch(addr: SocketAddr) -> std::io::Result<String> {
+    get(addr, "/metrics").await
+}
+
+/// Whether the relay's `/readyz` answers 200: it streams (in exactly-once mode, only
+/// once its transactions are initialised and its progress record read, which a held
+/// slot does not say).
+pub(crate) async fn ready(addr: SocketAddr) -> bool {
+    tokio::time::timeout(SCRAPE_TIMEOUT, get(addr, "/readyz"))
+        .await
+        .is_ok_and(|answer| answer.is_ok())
+}
+
+/// `GET path`: the body of a 200 answer.
+async fn get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: relay\r\n\r\n").as_bytes())
         .await?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response).await?;

@@ -335,7 +335,7 @@ async fn run_in(
         None
     };
     let mut child = spawn(fixture, cdc, exactly_once, metrics)?;
-    wait_ready(fixture, cdc, &mut child).await?;
+    wait_ready(fixture, cdc, metrics, &mut child).await?;
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
@@ -473,9 +473,17 @@ fn spawn(
     })
 }
 
-/// Waits until the relay reads: the CDC relay holds its slot; the poller has run
-/// its poll query once.
-async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Child) -> Result<()> {
+/// Waits until the relay reads: the CDC relay holds its slot and its `/readyz` says
+/// it streams (an exactly-once relay holds the slot a few hundred milliseconds
+/// before it reads: it initialises its transactions and reads its progress record
+/// first, and the first events written then would wait for it and count as latency
+/// of the steady state); the poller has run its poll query once.
+async fn wait_ready(
+    fixture: &Fixture,
+    cdc: bool,
+    metrics: Option<SocketAddr>,
+    child: &mut tokio::process::Child,
+) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let table = fixture.config.outbox.table.clone();
     let (_, table_name) = crate::config::qualified_name(&table)?;
@@ -501,7 +509,11 @@ async fn wait_ready(fixture: &Fixture, cdc: bool, child: &mut tokio::process::Ch
                 .await?
                 .get(0)
         };
-        if ready {
+        let streaming = match metrics {
+            Some(addr) if ready => scrape::ready(addr).await,
+            _ => ready,
+        };
+        if streaming {
             return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {
