@@ -203,6 +203,8 @@ pub enum Outcome {
 /// Makes the slot ready to stream: runs (or resumes) a cutover when [`decide`]
 /// says so. The replication connection is left idle (its next command may be
 /// `START_REPLICATION`); `metadata` holds the advisory lock while this runs.
+/// `history` is the server's (`IDENTIFY_SYSTEM` on `conn`), which an exactly-once
+/// backlog records with its rows.
 ///
 /// # Errors
 ///
@@ -213,6 +215,7 @@ pub(crate) async fn prepare(
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
     metadata: &mut Client,
+    history: ServerHistory,
     trigger: Trigger,
 ) -> Result<Outcome> {
     let marker_table = marker_table(config)?;
@@ -239,7 +242,16 @@ pub(crate) async fn prepare(
         .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
         .await
         .map_err(poller::pg_error)?;
-    let result = prepare_locked(config, conninfo, conn, metadata, trigger, &marker_table).await;
+    let result = prepare_locked(
+        config,
+        conninfo,
+        conn,
+        metadata,
+        history,
+        trigger,
+        &marker_table,
+    )
+    .await;
     // On error the session ends and the server releases the lock with it.
     if result.is_ok() {
         metadata
@@ -255,6 +267,7 @@ async fn prepare_locked(
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
     metadata: &mut Client,
+    history: ServerHistory,
     trigger: Trigger,
     marker_table: &str,
 ) -> Result<Outcome> {
@@ -290,7 +303,7 @@ async fn prepare_locked(
         );
         return Ok(Outcome::Stream);
     }
-    let mut summary = cut_over(config, conninfo, conn, metadata, marker_table).await?;
+    let mut summary = cut_over(config, conninfo, conn, metadata, marker_table, history).await?;
     summary.restarted = restarted;
     Ok(Outcome::CutOver(summary))
 }
@@ -320,20 +333,13 @@ async fn cut_over(
     conn: &mut ReplicationConnection,
     metadata: &mut Client,
     marker_table: &str,
+    history: ServerHistory,
 ) -> Result<CutoverSummary> {
     let slot_name = &config.postgres.slot_name();
     // Everything that can fail for lack of a column, a connection or the broker is
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    let identity = conn
-        .identify_system()
-        .await
-        .map_err(|e| crate::postgres::process_error(e, "IDENTIFY_SYSTEM failed: "))?;
-    let history = ServerHistory {
-        system_identifier: identity.systemid,
-        timeline: identity.timeline,
-    };
     let mut backlog = Backlog::open(config, metadata, Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata(), marker_table, slot_name).await?;
@@ -501,12 +507,20 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
     let mut conn = ReplicationConnection::connect(&conninfo)
         .await
         .map_err(|e| crate::postgres::process_error(e, ""))?;
+    let identity = conn
+        .identify_system()
+        .await
+        .map_err(|e| crate::postgres::process_error(e, "IDENTIFY_SYSTEM failed: "))?;
+    let history = ServerHistory {
+        system_identifier: identity.systemid,
+        timeline: identity.timeline,
+    };
     let outcome = tokio::select! {
         biased;
         () = shutdown => {
             return Err(Error::CutoverInterrupted);
         }
-        outcome = prepare(config, &conninfo, &mut conn, &mut metadata, Trigger::Command) => outcome?,
+        outcome = prepare(config, &conninfo, &mut conn, &mut metadata, history, Trigger::Command) => outcome?,
     };
     if let Err(e) = conn.close().await {
         tracing::debug!(error = %e, "closing the replication connection");

@@ -93,12 +93,10 @@ impl ExactlyOnce {
         config: &Config,
         producer_config: &mut ClientConfig,
     ) -> Result<Option<ExactlyOnce>> {
-        if config.kafka.delivery != DeliveryMode::ExactlyOnce {
+        let Some(id) = make_transactional(config, producer_config) else {
             return Ok(None);
-        }
+        };
         let slot = config.postgres.slot_name();
-        let id = kafka::transactional_id(&slot);
-        kafka::transactional_config(producer_config, &id);
         let reader = progress_reader_config(config, READER_CLIENT_ID)?;
         Ok(Some(ExactlyOnce {
             id,
@@ -196,13 +194,7 @@ impl ExactlyOnce {
             self.probe(publisher).await?;
             self.probed = true;
         }
-        let reader = self.reader.clone();
-        let (topic, slot) = (self.topic.clone(), self.slot.clone());
-        let latest = tokio::task::spawn_blocking(move || {
-            progress_record::read_latest(&reader, &topic, &slot)
-        })
-        .await
-        .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??;
+        let latest = read_latest(&self.reader, &self.topic, &self.slot).await?;
         let Some(record) = latest else {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
@@ -278,7 +270,7 @@ impl ExactlyOnce {
             backlog: None,
         };
         let value = record.encode_within(MAX_RECORD_BYTES);
-        let sent = self.send_progress(publisher, &self.slot, &value);
+        let sent = send_progress(publisher, &self.topic, &self.slot, &value);
         match sent {
             Ok(()) => self.start(publisher, Ending::Commit),
             Err(rejected) => {
@@ -288,16 +280,6 @@ impl ExactlyOnce {
                 self.start(publisher, Ending::Abort);
             }
         }
-    }
-
-    /// Queues one record of the progress topic, reported as [`PROGRESS_RECORD_ID`].
-    fn send_progress(
-        &self,
-        publisher: &Publisher,
-        key: &str,
-        value: &[u8],
-    ) -> std::result::Result<(), kafka::SendRejected> {
-        send_progress(publisher, &self.topic, key, value)
     }
 
     /// [`Action::AbortTransaction`](crate::cdc::progress::Action).
@@ -372,6 +354,40 @@ impl ExactlyOnce {
             }
         }
     }
+}
+
+/// In exactly-once mode, makes `producer_config` transactional under the slot's
+/// `transactional.id` and returns the id; `None` in at-least-once mode. The stream's
+/// producer and a backlog's take the same id, so each fences the other.
+pub(crate) fn make_transactional(
+    config: &Config,
+    producer_config: &mut ClientConfig,
+) -> Option<String> {
+    if config.kafka.delivery != DeliveryMode::ExactlyOnce {
+        return None;
+    }
+    let id = kafka::transactional_id(&config.postgres.slot_name());
+    kafka::transactional_config(producer_config, &id);
+    Some(id)
+}
+
+/// The latest committed record of `slot` ([`progress_record::read_latest`], on a
+/// blocking thread).
+///
+/// # Errors
+///
+/// See [`progress_record::read_latest`].
+pub(crate) async fn read_latest(
+    reader: &ClientConfig,
+    topic: &str,
+    slot: &str,
+) -> Result<Option<ProgressRecord>> {
+    let (reader, topic, slot) = (reader.clone(), topic.to_owned(), slot.to_owned());
+    Ok(
+        tokio::task::spawn_blocking(move || progress_record::read_latest(&reader, &topic, &slot))
+            .await
+            .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??,
+    )
 }
 
 /// The settings of a progress record reader (`read_committed`).

@@ -981,7 +981,9 @@ impl Relay {
         // The WAL end last, and now: a session that waited for its slot must not
         // judge a position saved meanwhile by the WAL end it saw before the wait.
         let server = ServerView {
-            wal_end: server.wal_end.max(wal_end(metadata).await?),
+            wal_end: server
+                .wal_end
+                .max(crate::postgres::wal_end(metadata).await?),
             ..server.clone()
         };
         Ok(start::plan(
@@ -1011,6 +1013,7 @@ impl Relay {
             &self.conninfo,
             conn,
             metadata,
+            history,
             crate::cdc::cutover::Trigger::Run(self.config.relay.cutover),
         )
         .await?;
@@ -1802,19 +1805,6 @@ async fn transaction_finished(exactly_once: &mut Option<ExactlyOnce>) {
         Some(eo) => eo.finished().await,
         None => std::future::pending().await,
     }
-}
-
-/// The server's WAL flush position now (its replay position on a standby).
-async fn wal_end(metadata: &Client) -> Result<Lsn> {
-    let row = metadata
-        .query_one(
-            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
-                          ELSE pg_current_wal_flush_lsn() END)::text",
-            &[],
-        )
-        .await?;
-    let text: Option<String> = row.try_get(0)?;
-    Ok(text.and_then(|t| t.parse().ok()).unwrap_or(Lsn::ZERO))
 }
 
 /// Where each ancestor of `timeline` ended (`TIMELINE_HISTORY`), for the start plan's

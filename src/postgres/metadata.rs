@@ -137,6 +137,28 @@ pub async fn table_exists(
         .try_get(0)
 }
 
+/// The server's WAL flush position now (its replay position on a standby); zero
+/// when the server gives none.
+///
+/// # Errors
+///
+/// The query's error.
+pub async fn wal_end(
+    client: &impl tokio_postgres::GenericClient,
+) -> Result<crate::lsn::Lsn, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                          ELSE pg_current_wal_flush_lsn() END)::text",
+            &[],
+        )
+        .await?;
+    let text: Option<String> = row.try_get(0)?;
+    Ok(text
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(crate::lsn::Lsn::ZERO))
+}
+
 /// When the server started (`pg_postmaster_start_time()`, µs since the epoch): a
 /// data directory restored in place restarts the server, so a session that
 /// remembers positions of the server it streamed from checks this first.

@@ -29,5 +29,5 @@ pub mod tls;
 pub use error::{PgError, describe_error, process_error};
 pub use metadata::{
     bound_statements, connect, connect_info, connect_metadata, parse_url, postmaster_started,
-    table_exists,
+    table_exists, wal_end,
 };

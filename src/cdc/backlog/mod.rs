@@ -157,7 +157,8 @@ impl<'a> Backlog<'a> {
         let window = window_size(config.relay.max_in_flight_events);
         let capacity = kafka::report_capacity(&config.relay).max(window + 1);
         let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
-        let transactional_id = BacklogTransactions::configure(config, &mut producer_config);
+        let transactional_id =
+            crate::cdc::exactly_once::make_transactional(config, &mut producer_config);
         let (publisher, reports) = Publisher::new(producer_config, capacity)?;
         let publisher =
             publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());

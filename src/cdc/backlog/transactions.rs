@@ -50,8 +50,10 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, progress_reader_config, send_progress};
-use crate::cdc::progress_record::{self, BacklogSent, ProgressRecord};
+use crate::cdc::exactly_once::{
+    MAX_RECORD_BYTES, probe, progress_reader_config, read_latest, send_progress,
+};
+use crate::cdc::progress_record::{BacklogSent, ProgressRecord};
 use crate::config::Config;
 use crate::error::Result;
 use crate::kafka::{self, Publisher, TransactionError};
@@ -90,19 +92,6 @@ pub(super) struct BacklogTransactions {
 }
 
 impl BacklogTransactions {
-    /// `Some` in exactly-once mode; makes `producer_config` transactional.
-    pub(super) fn configure(
-        config: &Config,
-        producer_config: &mut rdkafka::ClientConfig,
-    ) -> Option<String> {
-        if config.kafka.delivery != crate::config::DeliveryMode::ExactlyOnce {
-            return None;
-        }
-        let id = kafka::transactional_id(&config.postgres.slot_name());
-        kafka::transactional_config(producer_config, &id);
-        Some(id)
-    }
-
     /// Fences every older producer of the slot (`init_transactions` settles what it
     /// left open), makes sure the broker commits transactions (the stream's probe,
     /// `cdc::exactly_once`), reads the slot's latest committed progress record, and
@@ -128,12 +117,7 @@ impl BacklogTransactions {
             .await
             .map_err(|failed| failed.error)?;
         let reader = progress_reader_config(config, READER_CLIENT_ID)?;
-        let (read_topic, read_slot) = (topic.clone(), slot.clone());
-        let latest = tokio::task::spawn_blocking(move || {
-            progress_record::read_latest(&reader, &read_topic, &read_slot)
-        })
-        .await
-        .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??;
+        let latest = read_latest(&reader, &topic, &slot).await?;
         let mut carried = latest.unwrap_or_else(|| ProgressRecord {
             slot,
             history,
@@ -235,14 +219,10 @@ async fn finish_marks(
     if sent.sent.is_empty() {
         return Ok(());
     }
-    let wal_end: String = metadata
-        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+    let wal_end = crate::postgres::wal_end(metadata)
         .await
-        .and_then(|row| row.try_get(0))
         .map_err(poller::pg_error)?;
-    let reached = wal_end
-        .parse::<Lsn>()
-        .is_ok_and(|end| end >= sent.consistent_point);
+    let reached = wal_end >= sent.consistent_point;
     let same_run = server_started.is_some() && sent.server_started == server_started;
     if sent.history != history || !same_run || !reached {
         tracing::warn!(rows = sent.sent.len(), recorded = %sent.history, %history,

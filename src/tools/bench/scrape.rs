@@ -53,7 +53,7 @@ pub(crate) fn free_port() -> std::io::Result<SocketAddr> {
 /// The Prometheus text page of the endpoint at `addr`; `Err` with the reason when it
 /// cannot be read.
 pub(crate) async fn page(addr: SocketAddr) -> Result<String, String> {
-    tokio::time::timeout(SCRAPE_TIMEOUT, fetch(addr))
+    tokio::time::timeout(SCRAPE_TIMEOUT, get(addr, "/metrics"))
         .await
         .map_err(|_| format!("no answer from {addr} within {SCRAPE_TIMEOUT:?}"))?
         .map_err(|e| format!("reading {addr}/metrics: {e}"))
@@ -130,11 +130,6 @@ fn latency(stage: &'static str, buckets: &[(f64, u64)]) -> Option<StageLatency> 
     })
 }
 
-/// One HTTP/1.0 `GET /metrics` (the endpoint closes the connection after it).
-async fn fetch(addr: SocketAddr) -> std::io::Result<String> {
-    get(addr, "/metrics").await
-}
-
 /// Whether the relay's `/readyz` answers 200: it streams (in exactly-once mode, only
 /// once its transactions are initialised and its progress record read, which a held
 /// slot does not say).
@@ -144,7 +139,8 @@ pub(crate) async fn ready(addr: SocketAddr) -> bool {
         .is_ok_and(|answer| answer.is_ok())
 }
 
-/// `GET path`: the body of a 200 answer.
+/// One HTTP/1.0 `GET path` (the endpoint closes the connection after it): the body
+/// of a 200 answer.
 async fn get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream
