@@ -348,6 +348,24 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     active.terminate(Duration::from_secs(30)).await;
 }
 
+/// Creates `db`'s topic and the progress topic on `brokers`; the environment of an
+/// exactly-once relay that writes to them (`window`: `relay.max_in_flight_events`).
+async fn exactly_once_on<'b>(
+    brokers: &'b str,
+    db: &TestDb,
+    window: Option<&'b str>,
+) -> Vec<(&'static str, &'b str)> {
+    harness::create_topic_on(brokers, &db.topic, 3).await;
+    harness::create_topic_on(brokers, "outbox_relay_progress", 1).await;
+    let mut env = vec![
+        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers),
+        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
+    ];
+    env.extend(window.map(|w| ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", w)));
+    env
+}
+
 /// A trigger that refuses every `sent_at` mark: a backlog fails right after a
 /// round's Kafka commit (`DROP TRIGGER refuse_marks ON outbox` lifts it).
 const REFUSE_MARKS: &str = "
@@ -388,14 +406,7 @@ async fn backlog_cut_between_its_kafka_commit_and_its_marks(prefix: &str, lose_s
     if lose_slot {
         db.append_config("\n[relay]\ncutover = \"off\"\n");
     }
-    harness::create_topic_on(&brokers, &db.topic, 3).await;
-    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
-    let env = [
-        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
-        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
-        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
-        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "200"),
-    ];
+    let env = exactly_once_on(&brokers, &db, Some("200")).await;
     if lose_slot {
         // The relay records its position once, then its slot is lost.
         let relay = RelayProcess::start(&db.config_path, &env);
@@ -465,20 +476,15 @@ async fn a_cutover_cut_between_its_kafka_commit_and_its_marks_publishes_each_row
 /// The slot of a running exactly-once relay is dropped under it: the same process
 /// resyncs (its backlog's transactional producer would fence the stream's, which the
 /// session replaces first) and streams on; every row written after the loss (by the
-/// resync, then by the stream) is read once. The rows streamed just before the loss may be republished by the resync
-/// (its boundary, `docs/architecture.md#exactly-once`): counted, not asserted away.
+/// resync, then by the stream) is read once. The rows streamed just before the loss
+/// may be republished by the resync (its boundary,
+/// `docs/architecture.md#exactly-once`): counted, not asserted away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_lost_under_a_running_relay_is_resynced_by_the_same_process() {
     let broker = DevBroker::start();
     let brokers = broker.address.clone();
     let db = TestDb::create("eos_heal").await;
-    harness::create_topic_on(&brokers, &db.topic, 3).await;
-    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
-    let env = [
-        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
-        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
-        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
-    ];
+    let env = exactly_once_on(&brokers, &db, None).await;
     let insert = |entity: &'static str| {
         format!(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -552,13 +558,7 @@ async fn a_relay_fenced_by_another_producer_exits_with_code_3() {
     let broker = DevBroker::start();
     let brokers = broker.address.clone();
     let db = TestDb::create("eos_fenced").await;
-    harness::create_topic_on(&brokers, &db.topic, 3).await;
-    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
-    let env = [
-        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
-        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
-        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
-    ];
+    let env = exactly_once_on(&brokers, &db, None).await;
     let insert = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
                   SELECT 'order', 'k' || (g % 3), 'Created', jsonb_build_object('seq', g)
                   FROM generate_series(0, 9) g";
@@ -603,14 +603,7 @@ async fn a_backlog_round_left_unmarked_before_a_restore_marks_no_new_row() {
     let cluster = harness::PrivateCluster::start("logical").await;
     let mut db = TestDb::create_in(&cluster.url, "eos_restore", 3, "").await;
     db.append_config("\n[relay]\ncutover = \"off\"\n");
-    harness::create_topic_on(&brokers, &db.topic, 3).await;
-    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
-    let env = [
-        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
-        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
-        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
-        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "200"),
-    ];
+    let env = exactly_once_on(&brokers, &db, Some("200")).await;
     let relay = RelayProcess::start(&db.config_path, &env);
     db.wait_streaming(&relay).await;
     relay.terminate(Duration::from_secs(30)).await;
