@@ -35,6 +35,9 @@ pub(crate) enum InFlight {
         /// Its key is parked (`relay.on_poison = "park-key"`): it is written to the
         /// poison table as parked instead of being produced.
         parked: bool,
+        /// A previous process already recorded it in the poison table
+        /// (`poison::RecordedPoison`): it is resolved as poisoned, not produced.
+        recorded_before: bool,
         /// A size error may have been another record's: the next produce sends it
         /// in a batch of its own.
         alone: bool,

@@ -69,7 +69,7 @@ use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
-use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter};
+use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter, RecordedPoison};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
 use crate::postgres::prerequisite::Prerequisite;
@@ -344,6 +344,7 @@ pub async fn run_checked(
         blocked_topics: HashMap::new(),
         streak: FailureStreak::default(),
         policy,
+        recorded: RecordedPoison::default(),
         alone: None,
         topic_limits,
         idle_gate: IdleGate::new(linger),
@@ -497,6 +498,9 @@ struct Relay {
     streak: FailureStreak,
     /// `relay.on_poison` and the keys it parked.
     policy: PoisonPolicy,
+    /// Events of this session's stretch of WAL that an earlier process poisoned:
+    /// resolved as poisoned instead of produced again.
+    recorded: RecordedPoison,
     /// Sends records in batches of one, for retries after a size error (see
     /// [`Relay::retry_alone`]); made on first use.
     alone: Option<Publisher>,
@@ -912,6 +916,7 @@ impl Relay {
             );
         }
         self.reset_core(history, start, fresh_core);
+        self.recorded = self.recorded_poison(&metadata, start, server.wal_end).await;
         self.server_started = server.started;
         self.confirmation.start_session(
             &self.conninfo,
@@ -957,6 +962,23 @@ impl Relay {
         }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
+    }
+
+    /// The poison rows of events this session may stream again (`start..=wal_end`):
+    /// a failed read costs duplicates, never a loss, so it does not stop the start.
+    async fn recorded_poison(
+        &self,
+        metadata: &tokio_postgres::Client,
+        start: Lsn,
+        wal_end: Lsn,
+    ) -> RecordedPoison {
+        let copy_limit = self.config.relay.poison_copy_limit_bytes;
+        RecordedPoison::read(metadata, &self.config.outbox, copy_limit, start, wal_end)
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cannot read the poison rows of this session's stretch of WAL: events an earlier process poisoned may be produced again");
+                RecordedPoison::default()
+            })
     }
 
     /// The start plan from the slot and the recorded position as they are now. The
@@ -1341,6 +1363,7 @@ impl Relay {
                             produced_at: now,
                             last_error: None,
                             parked: false,
+                            recorded_before: false,
                             alone: false,
                         },
                     );
@@ -1576,6 +1599,11 @@ impl Relay {
     }
 
     fn produce(&mut self, id: EventId, attempt: u32) {
+        if attempt == 1 && self.recorded_before(id) {
+            // Resolved as poisoned without an insert (`request_poison`).
+            self.core.park(id, Instant::now());
+            return;
+        }
         let Some(InFlight::Event { event, parked, .. }) = self.pending.get_mut(&id) else {
             return;
         };
@@ -1645,6 +1673,33 @@ impl Relay {
         }
     }
 
+    /// Whether an earlier process already recorded `id` in the poison table
+    /// (`poison::RecordedPoison`); marks it so.
+    fn recorded_before(&mut self, id: EventId) -> bool {
+        if self.recorded.is_empty() {
+            return false;
+        }
+        let (Some(pending @ InFlight::Event { .. }), Some(origin)) =
+            (self.pending.get_mut(&id), self.core.origin(id))
+        else {
+            return false;
+        };
+        let row = pending.poison_row(1, Parking::None, origin);
+        if !self.recorded.take(origin.commit, origin.ordinal, &row) {
+            return false;
+        }
+        tracing::info!(%id, commit = %origin.commit, ordinal = origin.ordinal,
+            idempotency_key = row.fields.idempotency_key.as_deref().unwrap_or(""),
+            "an earlier process recorded this event in the poison table: not produced again");
+        if let InFlight::Event {
+            recorded_before, ..
+        } = pending
+        {
+            *recorded_before = true;
+        }
+        true
+    }
+
     /// Whether `id` is to be retried alone; makes the producer that sends records
     /// alone on first use (when it cannot be made, the shared producer is used).
     fn make_alone_publisher(&mut self, id: EventId) -> bool {
@@ -1698,6 +1753,16 @@ impl Relay {
         let (Some(pending), Some(origin)) = (self.pending.get(&id), self.core.origin(id)) else {
             return;
         };
+        if let InFlight::Event {
+            recorded_before: true,
+            ..
+        } = pending
+        {
+            // Its row is committed already.
+            self.pending.remove(&id);
+            self.core.poison_committed(id, Instant::now());
+            return;
+        }
         let parking = match self.policy.dispose(pending) {
             Disposal::Insert(parking) => parking,
             Disposal::Halt => return self.halt(id, attempts),

@@ -1,6 +1,6 @@
 //! Undeliverable events: the `poison_outbox` side table.
 //!
-//! Two concerns, two files, because they have different users:
+//! The concerns, a file each, because they have different users:
 //!
 //! * `table.rs`, the table's contract (`PoisonRow`, `insert_statement`,
 //!   `insert_rows`): shared by every writer (the CDC relay, the poller, a cutover),
@@ -13,11 +13,14 @@
 //!   and report back;
 //! * `parking.rs`, parked keys (`relay.on_poison = "park-key"`): how the writer
 //!   parks the later events of a poisoned event's key and how `replay` releases
-//!   them, without the two interleaving badly.
+//!   them, without the two interleaving badly;
+//! * `recorded.rs`, what a new session must not produce again because a previous
+//!   process already poisoned it.
 //!
 //! Rows are never deleted (a trigger refuses it); `replay` re-publishes them.
 
 mod parking;
+mod recorded;
 mod table;
 mod writer;
 
@@ -25,5 +28,6 @@ pub(crate) use parking::{
     KEY_ORDER, Parked, ParkedKey, WriterStatements, insert_parking_in, load_parked_keys,
     needs_parking, parked_key_table, parked_row, release_key, unreplayed_key_rows,
 };
+pub(crate) use recorded::RecordedPoison;
 pub(crate) use table::{Parking, PoisonRow, insert_rows, insert_statement};
 pub(crate) use writer::{PoisonOutcome, PoisonRequest, PoisonWriter, run_writer};

@@ -695,3 +695,101 @@ async fn a_backlog_round_left_unmarked_before_a_restore_marks_no_new_row() {
     );
     relay.terminate(Duration::from_secs(30)).await;
 }
+
+/// An event poisoned just before the relay is killed, in a PostgreSQL transaction
+/// whose other event was written in the Kafka transaction still open (so neither the
+/// slot nor a progress record has passed it), then deliverable when a relay starts
+/// again: it stays in the poison table only, and a `read_committed` reader sees the
+/// other event once and never the poisoned one. (Before, the restarted relay
+/// produced it again: in the topic *and* in the poison table, which `replay` would
+/// publish a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_poisoned_just_before_a_kill_is_not_published_after_the_restart() {
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let mut db = TestDb::create("eos_poison_kill").await;
+    let base = std::fs::read_to_string(&db.config_path).expect("read the config");
+    db.append_config("\n[kafka.producer]\n\"message.max.bytes\" = \"100000\"\n");
+    let mut env = exactly_once_on(&brokers, &db, None).await;
+    // Nothing commits on its own for a minute: the kill comes first.
+    let slow = [
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "60000"),
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_MAX_EVENTS", "100000"),
+    ];
+    let first = RelayProcess::start(&db.config_path, &[env.clone(), slow.to_vec()].concat());
+    db.wait_streaming(&first).await;
+    let delivered = "'written'";
+    db.client
+        .batch_execute(&format!(
+            "BEGIN;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'b', 'Created', jsonb_build_object('seq', 0, 'what', {delivered}));
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'a', 'Created', '{}'::jsonb);
+             COMMIT;",
+            harness::oversize_payload(0)
+        ))
+        .await
+        .expect("write the two events");
+    harness::wait_until(
+        Duration::from_secs(60),
+        "the oversize event poisoned",
+        || async {
+            let n: i64 = db
+                .client
+                .query_one("SELECT count(*) FROM poison_outbox", &[])
+                .await
+                .unwrap()
+                .get(0);
+            n == 1
+        },
+    )
+    .await;
+    let first_log = first.log();
+    first.kill9().await;
+    let poisoned_key: String = db
+        .client
+        .query_one("SELECT idempotency_key FROM poison_outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+
+    // The event fits now; a later event shows the relay went past it.
+    std::fs::write(&db.config_path, base).expect("restore the config");
+    env.push(("OUTBOX_RELAY__KAFKA__TRANSACTION_MAX_EVENTS", "1000"));
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'a', 'Created', jsonb_build_object('seq', 1))",
+        )
+        .await
+        .expect("write the later event");
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, 2, Duration::from_secs(60)).await;
+    let log = relay.log();
+    let (unique, duplicates) = tally(&records);
+    assert!(
+        records
+            .iter()
+            .all(|r| r.header("idempotency_key") != Some(poisoned_key.as_str())),
+        "the poisoned event was published after the restart; first relay:\n{first_log}\n\
+         second relay:\n{log}"
+    );
+    assert_eq!(
+        (unique, duplicates),
+        (2, 0),
+        "first relay:\n{first_log}\nsecond relay:\n{log}"
+    );
+    assert!(log.contains("not produced again"), "{log}");
+    let rows: i64 = db
+        .client
+        .query_one("SELECT count(*) FROM poison_outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1, "the poisoned event is recorded once");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}

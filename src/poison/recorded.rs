@@ -1,0 +1,213 @@
+//! Events a previous process already recorded in the poison table, so that a new
+//! session does not produce them again.
+//!
+//! # Why
+//!
+//! A poisoned event is resolved once its poison row commits; the slot (and, with
+//! `kafka.delivery = "exactly-once"`, the progress record) learns it later, at the
+//! next status update or Kafka commit. A relay killed in between streams the event
+//! again after its restart. Before, it was produced again: if the broker accepted it
+//! this time, the event was in the topic *and* in the poison table, where `replay`
+//! would publish it a second time, and under `relay.on_poison = "park-key"` a parked
+//! event went out ahead of the poisoned event of its key. With exactly-once
+//! delivery it broke the all-or-nothing rule: the event was committed in Kafka and
+//! poisoned.
+//!
+//! # What is read, and how an event is matched
+//!
+//! At each session start the shell reads the poison rows whose commit LSN lies
+//! between where the session starts and the server's WAL end then: no earlier
+//! process can have poisoned an event committed later, and an event committed
+//! earlier is not streamed again. A stream row carries its transaction's commit LSN
+//! (`Begin.final_lsn`) and its ordinal among the transaction's outbox rows
+//! (`tx_position`), the event's name in the core (`cdc::progress::Origin`); when the
+//! session is about to produce an event of that name for the first time, the shell
+//! also compares the row's occurrence key, the one the table's unique index holds
+//! (`outbox_id`, or the content hash for a row without one: `table.rs`). Only when
+//! all three agree is the event taken as recorded: a cutover's or a resync's rows
+//! carry the slot's consistent point as their LSN and their backlog ordinal, which a
+//! streamed transaction committing exactly at that point could share, but never
+//! the same outbox row.
+//!
+//! Reading the rows of other shards of the same table, or of backlogs, only costs
+//! memory: they never match. The read is capped ([`MAX_ROWS`], lowest LSNs first);
+//! an event past the cap is produced again, as before (a duplicate, never a loss).
+//! A poison insert of the killed process that commits after the read is not seen
+//! either, with the same consequence.
+
+use std::collections::HashMap;
+
+use tokio_postgres::GenericClient;
+
+use super::table::{PoisonRow, StoredRow};
+use crate::config::{OutboxConfig, quote_qualified};
+use crate::lsn::Lsn;
+
+/// Most rows read at a session start.
+pub(crate) const MAX_ROWS: i64 = 100_000;
+
+/// The occurrence key of a poison row as the unique index holds it: whether the
+/// outbox row had no id, and its id (or the content hash when it had none).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Occurrence {
+    no_id: bool,
+    key: String,
+}
+
+impl Occurrence {
+    /// The key `row` gets when it is stored with values cut to `copy_limit`.
+    fn of(row: &PoisonRow, copy_limit: usize) -> Occurrence {
+        let stored = StoredRow::new(row, copy_limit);
+        match stored.outbox_id {
+            Some(id) => Occurrence {
+                no_id: false,
+                key: id.into_owned(),
+            },
+            None => Occurrence {
+                no_id: true,
+                key: stored.row_sha256,
+            },
+        }
+    }
+}
+
+/// Poison rows of streamed events recorded before this session (module docs).
+#[derive(Debug, Default)]
+pub(crate) struct RecordedPoison {
+    /// By commit LSN and ordinal.
+    rows: HashMap<(Lsn, u32), Occurrence>,
+    copy_limit: usize,
+}
+
+impl RecordedPoison {
+    /// Reads the rows whose commit LSN is in `from..=to`.
+    ///
+    /// # Errors
+    ///
+    /// The query failed (the session start is retried).
+    pub(crate) async fn read(
+        client: &impl GenericClient,
+        outbox: &OutboxConfig,
+        copy_limit: usize,
+        from: Lsn,
+        to: Lsn,
+    ) -> Result<RecordedPoison, tokio_postgres::Error> {
+        let mut recorded = RecordedPoison {
+            rows: HashMap::new(),
+            copy_limit,
+        };
+        if to < from {
+            return Ok(recorded);
+        }
+        let sql = format!(
+            "SELECT lsn::text, tx_position, outbox_id IS NULL, COALESCE(outbox_id, row_sha256)
+               FROM {}
+              WHERE lsn >= $1::text::pg_lsn AND lsn <= $2::text::pg_lsn
+                AND tx_position IS NOT NULL AND duplicate_of IS NULL
+                AND COALESCE(outbox_id, row_sha256) IS NOT NULL
+              ORDER BY lsn, tx_position
+              LIMIT $3",
+            quote_qualified(&outbox.poison_table)
+        );
+        let rows = client
+            .query(&sql, &[&from.to_string(), &to.to_string(), &MAX_ROWS])
+            .await?;
+        for row in &rows {
+            let (Ok(lsn), Ok(position), Ok(no_id), Ok(key)) = (
+                row.try_get::<_, String>(0),
+                row.try_get::<_, i32>(1),
+                row.try_get::<_, bool>(2),
+                row.try_get::<_, String>(3),
+            ) else {
+                continue;
+            };
+            let (Ok(lsn), Ok(position)) = (lsn.parse::<Lsn>(), u32::try_from(position)) else {
+                continue;
+            };
+            recorded
+                .rows
+                .insert((lsn, position), Occurrence { no_id, key });
+        }
+        if rows.len() >= usize::try_from(MAX_ROWS).unwrap_or(usize::MAX) {
+            tracing::warn!(from = %from, to = %to, rows = rows.len(),
+                "more poison rows than read at a session start: events poisoned past them may be produced again");
+        }
+        if !recorded.rows.is_empty() {
+            tracing::info!(rows = recorded.rows.len(), from = %from, to = %to,
+                "poison rows of events this session may stream again: they will not be produced");
+        }
+        Ok(recorded)
+    }
+
+    /// Whether the event named `(commit, ordinal)`, whose poison row would be `row`,
+    /// is recorded; a recorded one is forgotten (it is resolved once).
+    pub(crate) fn take(&mut self, commit: Lsn, ordinal: u32, row: &PoisonRow) -> bool {
+        let Some(occurrence) = self.rows.get(&(commit, ordinal)) else {
+            return false;
+        };
+        if *occurrence != Occurrence::of(row, self.copy_limit) {
+            return false;
+        }
+        self.rows.remove(&(commit, ordinal));
+        true
+    }
+
+    /// Whether every row read was matched (or none was read).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::PoisonFields;
+
+    fn row(id: Option<&str>, payload: &str) -> PoisonRow {
+        PoisonRow {
+            fields: PoisonFields {
+                outbox_id: id.map(str::to_owned),
+                payload: Some(payload.to_owned()),
+                columns: vec![("payload".to_owned(), Some(payload.to_owned()))],
+                ..PoisonFields::default()
+            },
+            ..PoisonRow::default()
+        }
+    }
+
+    fn recorded(entries: &[((u64, u32), &PoisonRow)]) -> RecordedPoison {
+        let copy_limit = 1024;
+        RecordedPoison {
+            rows: entries
+                .iter()
+                .map(|((lsn, ord), r)| ((Lsn(*lsn), *ord), Occurrence::of(r, copy_limit)))
+                .collect(),
+            copy_limit,
+        }
+    }
+
+    #[test]
+    fn an_event_is_recorded_only_when_its_name_and_its_row_agree() {
+        let poisoned = row(Some("17"), "a");
+        let mut r = recorded(&[((100, 0), &poisoned)]);
+        // Same name, another outbox row (a backlog's row at the consistent point).
+        assert!(!r.take(Lsn(100), 0, &row(Some("18"), "a")));
+        // Same row, another name.
+        assert!(!r.take(Lsn(100), 1, &poisoned));
+        assert!(!r.take(Lsn(101), 0, &poisoned));
+        assert!(r.take(Lsn(100), 0, &poisoned));
+        // Resolved once.
+        assert!(!r.take(Lsn(100), 0, &poisoned));
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn a_row_without_an_id_is_matched_by_its_content() {
+        let poisoned = row(None, "a");
+        let mut r = recorded(&[((100, 0), &poisoned)]);
+        assert!(!r.take(Lsn(100), 0, &row(None, "b")));
+        // An id never meets a hash.
+        assert!(!r.take(Lsn(100), 0, &row(Some("a"), "a")));
+        assert!(r.take(Lsn(100), 0, &poisoned));
+    }
+}
