@@ -20,6 +20,7 @@ mod environment;
 mod exactly_once;
 mod fault_drill;
 mod harness;
+mod huge_transaction;
 mod kafka_publisher;
 mod kafka_security;
 mod migrate_names;

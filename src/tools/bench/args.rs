@@ -17,6 +17,9 @@ pub(crate) const POLL_VARIANTS: [(u32, u32); 4] = [(100, 1), (100, 4), (1000, 1)
 pub enum ModeGroup {
     /// `pg_recvlogical` and our replication client with a null sink.
     PgCeiling,
+    /// `pg_recvlogical` with pgoutput v2 streaming: what the server spills or
+    /// streams of a transaction larger than `logical_decoding_work_mem`.
+    PgStreaming,
     /// Our producer alone, no database.
     BrokerCeiling,
     /// The real `outbox-relay run`.
@@ -147,6 +150,9 @@ impl BenchArgs {
         let has = |g| self.modes.contains(&g);
         if has(ModeGroup::PgCeiling) {
             modes.extend([Mode::RecvLogical, Mode::Ours]);
+        }
+        if has(ModeGroup::PgStreaming) {
+            modes.push(Mode::RecvLogicalStreaming);
         }
         if has(ModeGroup::BrokerCeiling) {
             modes.push(Mode::BrokerCeiling);

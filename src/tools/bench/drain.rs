@@ -4,6 +4,13 @@
 //! * `pg-ceiling-recvlogical` — PostgreSQL's own `pg_recvlogical` reading the slot
 //!   with `pgoutput` into `/dev/null`, stopped by `--endpos` at the drain target:
 //!   how fast the walsender can decode and send, with a client that does nothing.
+//! * `pg-ceiling-recvlogical-streaming` — the same with pgoutput protocol v2 and
+//!   `streaming 'on'`: a transaction larger than `logical_decoding_work_mem` is sent
+//!   in chunks while it is in progress instead of being spilled to disk and sent at
+//!   its commit. The relay does not ask for it (nothing may be published before the
+//!   commit, so it would have to keep what the server no longer spills); this mode
+//!   measures what the server would save: the spill and stream columns of
+//!   `pg_stat_replication_slots` are in every WAL-reading mode's figures.
 //! * `pg-ceiling-ours` — our replication client, decoder, mapper and ack tracker,
 //!   with a sink that acknowledges every event at once: the relay minus Kafka.
 //! * `broker-ceiling` — our producer settings ([`Publisher`], `acks=all`,
@@ -54,6 +61,8 @@ const PROTO_VERSION: u8 = 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     RecvLogical,
+    /// `RecvLogical` with protocol v2 streaming of large in-progress transactions.
+    RecvLogicalStreaming,
     Ours,
     BrokerCeiling,
     Cdc,
@@ -74,6 +83,7 @@ impl Mode {
     pub(crate) fn label(&self) -> String {
         match self {
             Mode::RecvLogical => "pg-ceiling-recvlogical".into(),
+            Mode::RecvLogicalStreaming => "pg-ceiling-recvlogical-streaming".into(),
             Mode::Ours => "pg-ceiling-ours".into(),
             Mode::BrokerCeiling => "broker-ceiling".into(),
             Mode::Cdc => "cdc".into(),
@@ -87,6 +97,9 @@ impl Mode {
     pub(crate) fn settings(&self) -> String {
         match self {
             Mode::RecvLogical => "pg_recvlogical, pgoutput v1, to /dev/null".into(),
+            Mode::RecvLogicalStreaming => {
+                "pg_recvlogical, pgoutput v2 streaming on, to /dev/null".into()
+            }
             Mode::Ours => "our client+decoder+mapper+ack tracker, null sink".into(),
             Mode::BrokerCeiling => "relay producer and window, no database".into(),
             Mode::Cdc => "outbox-relay run".into(),
@@ -102,7 +115,11 @@ impl Mode {
     pub(crate) fn reads_wal(&self) -> bool {
         matches!(
             self,
-            Mode::RecvLogical | Mode::Ours | Mode::Cdc | Mode::CdcExactlyOnce
+            Mode::RecvLogical
+                | Mode::RecvLogicalStreaming
+                | Mode::Ours
+                | Mode::Cdc
+                | Mode::CdcExactlyOnce
         )
     }
 
@@ -138,7 +155,8 @@ pub(crate) struct Target {
 /// Drains the backlog of `fixture` with `mode`.
 pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Result<Drained> {
     match mode {
-        Mode::RecvLogical => recvlogical(fixture, target).await,
+        Mode::RecvLogical => recvlogical(fixture, target, false).await,
+        Mode::RecvLogicalStreaming => recvlogical(fixture, target, true).await,
         Mode::Ours => null_sink(&fixture.config, target).await,
         Mode::BrokerCeiling => broker_ceiling(&fixture.config, target).await,
         Mode::Cdc => cdc(fixture, target, false).await,
@@ -362,7 +380,7 @@ impl RelayChild {
 // pg_recvlogical
 // ---------------------------------------------------------------------------
 
-async fn recvlogical(fixture: &Fixture, target: Target) -> Result<Drained> {
+async fn recvlogical(fixture: &Fixture, target: Target, streaming: bool) -> Result<Drained> {
     let Some(exe) = find_pg_tool("pg_recvlogical") else {
         return Err(BenchError::Missing(
             "pg_recvlogical (install the PostgreSQL client/server binaries)".into(),
@@ -376,7 +394,12 @@ async fn recvlogical(fixture: &Fixture, target: Target) -> Result<Drained> {
         .arg(&config.postgres.slot)
         .arg("--start")
         .arg("--no-loop")
-        .args(["-o", "proto_version=1", "-o"])
+        .args(if streaming {
+            ["-o", "proto_version=2", "-o", "streaming=on"].as_slice()
+        } else {
+            ["-o", "proto_version=1"].as_slice()
+        })
+        .arg("-o")
         .arg(format!("publication_names={}", config.postgres.publication))
         .args(["--file", "/dev/null", "--fsync-interval", "0"])
         .arg("--endpos")

@@ -42,6 +42,15 @@ pub(crate) struct Fixture {
     table: String,
 }
 
+/// Bytes logical decoding spilled to disk (a transaction larger than
+/// `logical_decoding_work_mem`, sent at its commit) and streamed in progress
+/// (protocol v2 `streaming`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct DecodingStats {
+    pub(crate) spill_bytes: i64,
+    pub(crate) stream_bytes: i64,
+}
+
 /// What writing the workload cost PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Fill {
@@ -244,6 +253,23 @@ impl Fixture {
                 Err(e)
             }
         }
+    }
+
+    /// What logical decoding of the run's slots spilled to disk and streamed in
+    /// progress (`pg_stat_replication_slots`, zero for a new slot), in bytes.
+    pub(crate) async fn decoding_stats(&self) -> Result<DecodingStats> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT COALESCE(sum(spill_bytes), 0)::bigint, COALESCE(sum(stream_bytes), 0)::bigint
+                   FROM pg_stat_replication_slots WHERE slot_name = ANY($1::text[])",
+                &[&self.slots()],
+            )
+            .await?;
+        Ok(DecodingStats {
+            spill_bytes: row.get(0),
+            stream_bytes: row.get(1),
+        })
     }
 
     /// `pg_current_wal_lsn()`.

@@ -164,6 +164,11 @@ async fn backlog_in(
     };
     progress.step(format!("{}: draining", mode.label()));
     let drained: Drained = drain::drain(mode, fixture, target).await?;
+    let decoding = if mode.reads_wal() {
+        Some(fixture.decoding_stats().await?)
+    } else {
+        None
+    };
     let wal_after = fixture.wal_lsn().await?;
     let on_topic = if mode.delivers() {
         progress.step(format!("{}: counting the topic", mode.label()));
@@ -190,6 +195,7 @@ async fn backlog_in(
     Ok(sample_of(
         workload.events,
         &drained,
+        decoding,
         fill.as_ref(),
         wal_after.0.saturating_sub(end_lsn.0),
         table_before,
@@ -201,6 +207,7 @@ async fn backlog_in(
 fn sample_of(
     events: u64,
     drained: &Drained,
+    decoding: Option<fixture::DecodingStats>,
     fill: Option<&fixture::Fill>,
     drain_wal_bytes: u64,
     table_before: fixture::TableStats,
@@ -227,7 +234,13 @@ fn sample_of(
         drain_wal_bytes_per_event: fill.map(|_| drain_wal / n),
         dead_tuples: table_after.map(|t| t.dead_tuples),
         table_growth_bytes: table_after.map(|t| t.total_bytes - table_before.total_bytes),
+        spill_mib: decoding.map(|d| mib(d.spill_bytes)),
+        stream_mib: decoding.map(|d| mib(d.stream_bytes)),
     }
+}
+
+fn mib(bytes: i64) -> f64 {
+    stats::signed_f64(bytes) / (1024.0 * 1024.0)
 }
 
 /// The table's statistics once the poller's updates are all counted (statistics

@@ -33,6 +33,10 @@ pub struct Sample {
     pub walsender_cpu_s_per_1m: Option<f64>,
     /// Read and write system calls of the mode's process, per event.
     pub io_calls_per_event: Option<f64>,
+    /// What the server's logical decoding spilled to disk and streamed in progress
+    /// while the mode drained (`pg_stat_replication_slots`), MiB.
+    pub spill_mib: Option<f64>,
+    pub stream_mib: Option<f64>,
 }
 
 /// The aggregated figures of one mode.
@@ -49,6 +53,8 @@ pub struct ModeResult {
     pub drain_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
+    pub spill_mib: Option<Spread>,
+    pub stream_mib: Option<Spread>,
     /// From the steady point at `HEADLINE_RATE` events/s.
     pub latency: Option<LatencySpread>,
 }
@@ -254,7 +260,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "\n{:<24} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>12}  settings",
+            "\n{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>16} {:>12}  settings",
             "mode",
             "events/s",
             "CPU s/1M ev",
@@ -263,6 +269,7 @@ impl Report {
             "peak RSS MiB",
             "drain WAL B/ev",
             "dead tuples",
+            "spill/stream MiB",
             "p99 ms"
         );
         for m in &self.results {
@@ -273,7 +280,7 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "{:<24} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>12}  {}{best}",
+                "{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>16} {:>12}  {}{best}",
                 m.mode,
                 spread(&m.events_per_s, 0),
                 opt(m.cpu_s_per_1m.as_ref(), 1),
@@ -282,6 +289,11 @@ impl Report {
                 opt(m.rss_mib.as_ref(), 0),
                 opt(m.drain_wal_bytes_per_event.as_ref(), 0),
                 opt(m.dead_tuples.as_ref(), 0),
+                match (&m.spill_mib, &m.stream_mib) {
+                    (None, None) => "-".into(),
+                    (spill, stream) =>
+                        format!("{}/{}", opt(spill.as_ref(), 0), opt(stream.as_ref(), 0)),
+                },
                 m.latency
                     .map_or("-".into(), |l| format!("{:.0}", l.p99.median)),
                 m.settings,
@@ -337,6 +349,8 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
         drain_wal_bytes_per_event: spread_of(&|s| s.drain_wal_bytes_per_event),
         dead_tuples: spread_of(&|s| as_f64(s.dead_tuples)),
         table_growth_bytes: spread_of(&|s| as_f64(s.table_growth_bytes)),
+        spill_mib: spread_of(&|s| s.spill_mib),
+        stream_mib: spread_of(&|s| s.stream_mib),
         latency: None,
     })
 }
@@ -362,6 +376,8 @@ fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
         "drain_wal_bytes_per_event": med(m.drain_wal_bytes_per_event.as_ref()),
         "dead_tuples": med(m.dead_tuples.as_ref()),
         "table_growth_bytes": med(m.table_growth_bytes.as_ref()),
+        "spill_mib": med(m.spill_mib.as_ref()),
+        "stream_mib": med(m.stream_mib.as_ref()),
     })
 }
 
