@@ -176,6 +176,13 @@ enum Lost {
     /// the shutdown completes with the slot at the last saved position.
     #[error("PostgreSQL is shutting down ({reason}): ending the session")]
     ServerStopping { reason: String },
+    /// Nothing came from the server for `relay.receive_timeout_secs` while the relay
+    /// read, not even the keepalive it asked for: a silent network partition.
+    #[error(
+        "no message from PostgreSQL for {silent_secs}s, not even the keepalive asked for \
+         (relay.receive_timeout_secs): the connection is taken as lost"
+    )]
+    ServerSilent { silent_secs: u64 },
 }
 
 impl Lost {
@@ -358,6 +365,7 @@ pub async fn run_checked(
         health,
         instruments: Instruments::new(),
         exactly_once,
+        last_status: None,
     };
     relay.run(shutdown).await
 }
@@ -525,6 +533,19 @@ struct Relay {
     instruments: Instruments,
     /// `kafka.delivery = "exactly-once"`: the Kafka transactions (`cdc::exactly_once`).
     exactly_once: Option<ExactlyOnce>,
+    /// The last status update sent in this session: repeated with `reply_requested`
+    /// to make a silent server answer ([`Relay::watch_server`]).
+    last_status: Option<StatusUpdate>,
+}
+
+/// What the session last heard from the server ([`Relay::watch_server`]).
+#[derive(Debug, Clone, Copy)]
+struct Hearing {
+    /// The last frame read, or the last moment the relay was not reading (a paused
+    /// read is no silence of the server's).
+    heard_at: Instant,
+    /// A keepalive was asked for since then.
+    asked: bool,
 }
 
 impl Relay {
@@ -1139,6 +1160,12 @@ impl Relay {
         tokio::pin!(timer);
         let mut watchdog = tokio::time::interval(WATCHDOG_TICK);
         watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.last_status = None;
+        self.health.set_alert("replication", None);
+        let mut hearing = Hearing {
+            heard_at: Instant::now(),
+            asked: false,
+        };
         loop {
             self.settle_transaction();
             if let Err(e) = self.execute_actions(&mut stream).await {
@@ -1162,6 +1189,9 @@ impl Relay {
             // The core also pauses reading while a window's worth of resolved
             // events waits for a save (`progress::saving`).
             let can_read = self.core.can_read();
+            if !can_read {
+                hearing.heard_at = Instant::now();
+            }
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
@@ -1198,10 +1228,18 @@ impl Relay {
                     if let Some(lost) = self.watch_producer().await {
                         return Ok(SessionEnd::Lost(lost));
                     }
+                    if let Some(lost) = self.watch_server(&mut stream, &mut hearing).await {
+                        return Ok(SessionEnd::Lost(lost));
+                    }
                 }
                 frame = stream.next_frame(), if can_read => {
                     match frame {
                         Ok(Some(frame)) => {
+                            hearing.heard_at = Instant::now();
+                            if hearing.asked {
+                                hearing.asked = false;
+                                self.health.set_alert("replication", None);
+                            }
                             if let Err(reason) = self.on_frame(frame) {
                                 return Ok(SessionEnd::Lost(reason.into()));
                             }
@@ -1272,6 +1310,54 @@ impl Relay {
             silent_secs: silent.as_secs(),
             in_flight,
         })
+    }
+
+    /// The receive timeout (`relay.receive_timeout_secs`): a server silent for half
+    /// of it is asked for a keepalive (the last status again, with `reply_requested`,
+    /// which every walsender answers at once) and `/readyz` turns 503; silent for all
+    /// of it, the session is lost. A server that stops answering without closing the
+    /// connection (a network partition drops packets, sends no RST) is noticed
+    /// within the timeout, whatever TCP does.
+    async fn watch_server(
+        &mut self,
+        stream: &mut ReplicationStream,
+        hearing: &mut Hearing,
+    ) -> Option<Lost> {
+        // A walsender answers a reply request at once, also while it decodes a large
+        // transaction (else its own wal_sender_timeout would end it); with that
+        // timeout off it promises nothing, and the check is off too.
+        let configured = Duration::from_secs(self.config.relay.receive_timeout_secs);
+        if configured.is_zero() || self.wal_sender_timeout.is_zero() {
+            return None;
+        }
+        let timeout = configured.max(self.wal_sender_timeout);
+        let silent = hearing.heard_at.elapsed();
+        if silent >= timeout {
+            return Some(Lost::ServerSilent {
+                silent_secs: silent.as_secs(),
+            });
+        }
+        if silent < timeout / 2 || hearing.asked {
+            return None;
+        }
+        hearing.asked = true;
+        tracing::warn!(
+            silent_secs = silent.as_secs(),
+            "no message from PostgreSQL; asking for a keepalive"
+        );
+        self.health.set_alert(
+            "replication",
+            Some(format!(
+                "no message from PostgreSQL for {}s on the replication connection",
+                silent.as_secs()
+            )),
+        );
+        let status = self.last_status?;
+        let ask = StatusUpdate {
+            reply_requested: true,
+            ..status
+        };
+        send_status(stream, ask).await.err().map(Lost::from)
     }
 
     /// Clears the alert of a failure streak (or a replaced producer) once the
@@ -1570,6 +1656,7 @@ impl Relay {
                     // The core caps it at the saved position (`progress::saving`).
                     tracing::trace!(flush = %status.flush, confirmed = %self.core.confirmed(), "standby status");
                     send_status(stream, status).await?;
+                    self.last_status = Some(status);
                     self.instruments.status_sent(status.flush, Instant::now());
                     self.summary.confirmed = status.flush;
                 }

@@ -355,6 +355,11 @@ pub struct RelayConfig {
     /// after which the producer is considered wedged: it is replaced and the
     /// unconfirmed events are produced again. 0 turns the watchdog off.
     pub producer_stall_secs: u64,
+    /// Seconds without any message from the server while the relay reads the
+    /// replication stream after which the session is taken as lost (a silent network
+    /// partition); from half of it the relay asks the server for a keepalive and
+    /// `/readyz` turns 503. 0 turns the check off.
+    pub receive_timeout_secs: u64,
     /// Least milliseconds between two writes of the relay's position table while
     /// events flow (idle progress is written once per status interval).
     pub position_save_interval_ms: u64,
@@ -606,6 +611,7 @@ impl Default for RelayConfig {
             on_config_error: ConfigErrorMode::Block,
             on_poison: PoisonKeyMode::Skip,
             producer_stall_secs: 60,
+            receive_timeout_secs: 60,
             position_save_interval_ms: 50,
             flush_when_idle: true,
         }

@@ -39,12 +39,14 @@
 //!   with a `/`, would be taken for host `relay`, port 12 and database `ab@db/app`,
 //!   and `relay:@/ab@db/app` for an empty password and database `ab@db/app`).
 //!
-//! Two defaults differ from libpq's, because a relay runs unattended: the
+//! Three defaults differ from libpq's, because a relay runs unattended: the
 //! `connect_timeout` is [`DEFAULT_CONNECT_TIMEOUT`] (libpq waits as long as the
-//! kernel does), and TCP keepalives probe after 30 s of silence, every 10 s, 3 times
-//! ([`Keepalives`]; libpq keeps the system's two hours), so a half-open connection
-//! fails within a minute instead of hanging a writer for hours. Both apply to the
-//! metadata and the replication connection alike.
+//! kernel does), TCP keepalives probe after 30 s of silence, every 10 s, 3 times
+//! ([`Keepalives`]; libpq keeps the system's two hours), and `tcp_user_timeout` is
+//! [`DEFAULT_TCP_USER_TIMEOUT`] (libpq keeps the system's ~15 minutes of
+//! retransmissions), so a half-open connection fails within about a minute, idle or
+//! not, instead of hanging a writer for hours. They apply to the metadata and the
+//! replication connection alike.
 //!
 //! # The password
 //!
@@ -209,6 +211,15 @@ pub enum RootCerts {
 /// slow link, short enough that an unreachable server is reported (and retried)
 /// within seconds rather than after the kernel's TCP timeout of minutes.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `tcp_user_timeout` when the URL gives none: how long sent data may stay
+/// unacknowledged before the kernel drops the connection. Keepalive probes run only
+/// on an idle connection, and the replication connection is never idle from the
+/// kernel's view (the relay sends a status update every few seconds), so without it
+/// a server that stops answering (a silent network partition) would keep the
+/// connection open for the kernel's ~15 minutes of retransmissions. The same
+/// minute as [`Keepalives::default`].
+pub const DEFAULT_TCP_USER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// TCP keepalive probes (libpq's `keepalives_idle`, `keepalives_interval`,
 /// `keepalives_count`).
@@ -378,7 +389,8 @@ impl ConnInfo {
     }
 
     /// How long sent data may stay unacknowledged before the connection is dropped
-    /// (`tcp_user_timeout`, Linux only); `None` keeps the system's default.
+    /// (`tcp_user_timeout`, Linux only): [`DEFAULT_TCP_USER_TIMEOUT`] unless the URL
+    /// says otherwise; `None` (`tcp_user_timeout=0`) keeps the system's default.
     #[must_use]
     pub fn tcp_user_timeout(&self) -> Option<Duration> {
         self.tcp_user_timeout
@@ -661,7 +673,7 @@ impl Default for Params {
             connect_timeout: Some(DEFAULT_CONNECT_TIMEOUT),
             keepalives: true,
             keepalive: Keepalives::default(),
-            tcp_user_timeout: None,
+            tcp_user_timeout: Some(DEFAULT_TCP_USER_TIMEOUT),
             options: None,
         }
     }
@@ -984,7 +996,7 @@ mod tests {
         assert_eq!(info.application_name(), DEFAULT_APPLICATION_NAME);
         assert_eq!(info.connect_timeout(), Some(DEFAULT_CONNECT_TIMEOUT));
         assert_eq!(info.keepalives(), Some(Keepalives::default()));
-        assert_eq!(info.tcp_user_timeout(), None);
+        assert_eq!(info.tcp_user_timeout(), Some(DEFAULT_TCP_USER_TIMEOUT));
         assert!(info.attempts_tls());
     }
 
@@ -1302,7 +1314,7 @@ mod tests {
         assert_eq!(c.get_keepalives_idle(), Duration::from_secs(30));
         assert_eq!(c.get_keepalives_interval(), Some(Duration::from_secs(10)));
         assert_eq!(c.get_keepalives_retries(), Some(3));
-        assert_eq!(c.get_tcp_user_timeout(), None);
+        assert_eq!(c.get_tcp_user_timeout(), Some(&DEFAULT_TCP_USER_TIMEOUT));
         let tuned = parse(
             "postgresql://u@h/db?keepalives_idle=7&keepalives_interval=0&tcp_user_timeout=2500",
         )

@@ -8,8 +8,11 @@
 //! load, walsender cuts inside a large transaction with an event that cannot be
 //! delivered (poisoned once), a data directory restored in place from a snapshot
 //! (the commits after the restore must not be skipped), a standby promoted after
-//! the primary died (the slot is missing there: resynced, keeping the checkpoint).
-//! Then `audit` must find
+//! the primary died (the slot is missing there: resynced, keeping the checkpoint),
+//! and, where this machine lets the test make network namespaces (root), silent
+//! network partitions of PostgreSQL and of the broker (the relay in a namespace of
+//! its own, one link taken down: no RST), which it must notice within its receive
+//! timeout and survive. Then `audit` must find
 //! nothing lost and nothing out of order, and every fault's duplicates must stay
 //! within its bound (the in-flight bound; PostgreSQL restarts and crashes included,
 //! since the relay resumes from its own saved position).
@@ -54,6 +57,22 @@ fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<S
     })
 }
 
+/// Whether network namespaces can be made here (`ip netns`, root): the drill's
+/// partitions need one.
+fn can_make_network_namespaces() -> bool {
+    let name = format!("odprobe{}", std::process::id());
+    let made = Command::new("ip")
+        .args(["netns", "add", &name])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if made {
+        let _ = Command::new("ip").args(["netns", "del", &name]).status();
+    }
+    made
+}
+
 fn signal(child: &Child, sig: &str) {
     let _ = Command::new("kill")
         .args([sig, &child.id().to_string()])
@@ -66,7 +85,19 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let seed = seed();
     let seed_text = seed.to_string();
+    let partitions = if can_make_network_namespaces() {
+        "1"
+    } else {
+        eprintln!(
+            "no network namespaces on this machine (ip netns add failed): the drill runs without partitions"
+        );
+        "0"
+    };
     let args = [
+        "--net-partitions",
+        partitions,
+        "--partition-secs",
+        "14-18",
         "--seed",
         seed_text.as_str(),
         "--cycles",
@@ -173,7 +204,7 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         2000 + 4001,
         "every written event audited; {context}"
     );
-    for fault in [
+    let mut kinds = vec![
         "kill9",
         "broker",
         "pg_restart",
@@ -185,7 +216,11 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "big_tx_cut",
         "restore",
         "promotion",
-    ] {
+    ];
+    if partitions != "0" {
+        kinds.extend(["partition_pg", "partition_broker"]);
+    }
+    for fault in kinds {
         let n = report["faults"][fault].as_u64().unwrap_or(0);
         assert!(n > 0, "fault {fault} was never injected; {context}");
         let bound = report["duplicate_bound_by_fault"][fault]

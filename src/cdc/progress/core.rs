@@ -35,7 +35,9 @@ pub struct StatusUpdate {
     pub flush: Lsn,
     /// Same as `flush`.
     pub apply: Lsn,
-    /// Always `false`: the relay never asks the server for an immediate keepalive.
+    /// Always `false` from the core; the shell repeats the last status with `true`
+    /// when the server has been silent for half the receive timeout
+    /// (`relay.receive_timeout_secs`).
     pub reply_requested: bool,
 }
 

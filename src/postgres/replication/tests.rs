@@ -592,7 +592,10 @@ async fn the_replication_socket_gets_the_keepalives_of_the_url() {
         Duration::from_secs(10)
     );
     assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
-    assert_eq!(socket.tcp_user_timeout().unwrap(), None);
+    assert_eq!(
+        socket.tcp_user_timeout().unwrap(),
+        Some(crate::postgres::conninfo::DEFAULT_TCP_USER_TIMEOUT)
+    );
 
     let (transport, _listener) = tcp_transport(
         "&keepalives_idle=7&keepalives_interval=2&keepalives_count=5&tcp_user_timeout=4000",
