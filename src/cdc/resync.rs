@@ -12,8 +12,8 @@
 //! 3. in that snapshot, publish every outbox row that is not sent (`sent_at`), not
 //!    poisoned, and not below the position's `delivered_xmin` checkpoint: every row
 //!    committed after the last recorded position and before the new slot, plus the
-//!    few delivered just before the position was saved (sent again, with their
-//!    idempotency key);
+//!    few delivered just before the position was saved, which the backlog finds in
+//!    the topic and marks sent without publishing them again (`backlog::delivered`);
 //! 4. record the new slot's consistent point as the position and the snapshot's
 //!    xmin as `delivered_xmin`, clearing the loss; streaming starts there.
 //!
@@ -81,6 +81,7 @@ pub(crate) async fn resync(
             },
         )
         .await?;
+    let already_delivered = published.already_delivered;
     let summary = CutoverSummary::of(consistent_point, published);
     positions
         .resynced(
@@ -98,6 +99,7 @@ pub(crate) async fn resync(
         rows = summary.rows,
         published = summary.published,
         poisoned = summary.poisoned,
+        already_delivered,
         "resync complete: streaming starts at the new slot's consistent point"
     );
     Ok(summary)

@@ -25,12 +25,20 @@
 //! and a backlog read again (a resync started over after a crash or a halt) would
 //! order it after the later rows of its key when commit timestamps are on.
 //!
+//! # What the topic already holds
+//!
+//! A resync first looks up, for each window, which of its rows' records the topic
+//! already holds (the stream delivered them before the slot was lost, after the
+//! last delivered checkpoint) and marks those sent without producing them again
+//! ([`delivered`]).
+//!
 //! # Exactly-once
 //!
 //! Under `kafka.delivery = "exactly-once"` each round is one Kafka transaction whose
 //! progress record names its rows, and the marks follow the commit
 //! ([`transactions`] explains why that publishes each row once across crashes).
 
+mod delivered;
 mod order;
 mod transactions;
 
@@ -49,6 +57,7 @@ use crate::poison::{Parked, PoisonRow, WriterStatements};
 use crate::poller::{self, BatchRow, Polled, RowResult};
 use crate::postgres::replication::quote_literal;
 
+use delivered::DeliveredKeys;
 use order::{KeyRules, Step, Unresolved, Verdict, reset_for_retry};
 use transactions::BacklogTransactions;
 
@@ -82,6 +91,9 @@ pub(crate) struct BacklogSummary {
     pub(crate) published: u64,
     /// Rows written to the poison table (parked ones included).
     pub(crate) poisoned: u64,
+    /// A resync's rows whose record the topic already held (the lost slot had
+    /// delivered them): marked sent, not published again.
+    pub(crate) already_delivered: u64,
     /// The exported snapshot's xmin (64-bit): every transaction below it is visible
     /// in the snapshot, so its rows were read.
     pub(crate) snapshot_xmin: i64,
@@ -242,6 +254,10 @@ impl<'a> Backlog<'a> {
             .await
             .map_err(poller::pg_error)?;
         let window = i32::try_from(self.window).unwrap_or(i32::MAX);
+        let mut delivered = match query {
+            BacklogQuery::Undelivered { .. } => Some(DeliveredKeys::new(self.config)?),
+            BacklogQuery::Unsent => None,
+        };
         loop {
             let chunk = tx
                 .query_portal(&portal, window)
@@ -260,6 +276,9 @@ impl<'a> Backlog<'a> {
             }
             drop(chunk);
             summary.rows += fetched as u64;
+            if let Some(delivered) = delivered.as_mut() {
+                rows = self.mark_delivered(delivered, rows, &mut summary).await?;
+            }
             if !rows.is_empty() {
                 self.resolve(rows, &mut summary).await?;
                 tracing::debug!(
@@ -281,6 +300,49 @@ impl<'a> Backlog<'a> {
                 error: first.error.clone(),
             }),
         }
+    }
+
+    /// Marks sent the rows of a resync's window whose record the topic already holds
+    /// ([`delivered`]); returns the others, in order.
+    async fn mark_delivered(
+        &mut self,
+        delivered: &mut DeliveredKeys,
+        rows: Vec<BatchRow>,
+        summary: &mut BacklogSummary,
+    ) -> Result<Vec<BatchRow>> {
+        let mut wants: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+        for row in &rows {
+            if let RowResult::Event { event, .. } = &row.result
+                && let Some(ts) = event.timestamp_ms
+            {
+                let since = wants.entry(event.topic.clone()).or_insert(ts);
+                *since = (*since).min(ts);
+            }
+        }
+        delivered.learn(wants).await;
+        let (mut held, left): (Vec<BatchRow>, Vec<BatchRow>) =
+            rows.into_iter().partition(|row| match &row.result {
+                RowResult::Event { event, .. } => {
+                    event.timestamp_ms.is_some()
+                        && delivered.holds(&event.topic, &event.idempotency_key)
+                }
+                RowResult::Unmappable { .. } => false,
+            });
+        if held.is_empty() {
+            return Ok(left);
+        }
+        for row in &mut held {
+            if let RowResult::Event { delivery, .. } = &mut row.result {
+                *delivery = poller::Delivery::Acked;
+            }
+        }
+        self.write(&held, &[], summary).await?;
+        summary.already_delivered += held.len() as u64;
+        tracing::info!(
+            rows = held.len(),
+            "resync: rows the topic already held (delivered before the slot was lost) marked sent, not published again"
+        );
+        Ok(left)
     }
 
     /// Publishes one window in rounds until every row is acked, poisoned, parked or

@@ -279,8 +279,8 @@ pub(super) async fn delivery(publisher: &Publisher, config: &Config) -> Check {
             format!(
                 "exactly-once: read_committed consumers see each event once; progress in \
                  {topic:?} (transactions are tried by `run` at start; a resync after a \
-                 lost slot publishes again the events streamed since the last delivered \
-                 checkpoint, about the relay's lag plus one position save)"
+                 lost slot marks sent, without publishing them again, the rows whose \
+                 records the topic already holds)"
             ),
         ),
         Ok(_) => Check::problem(
