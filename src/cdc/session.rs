@@ -929,15 +929,16 @@ impl Relay {
                     .await?
             }
         };
-        if fresh_core {
-            // A cutover's or a resync's backlog may have parked keys meanwhile.
+        if fresh_core || first {
+            // A cutover's or a resync's backlog may have parked keys meanwhile, and
+            // so may the relay that streamed while this one waited for the slot.
             self.policy = PoisonPolicy::new(
                 self.config.relay.on_poison,
                 crate::cdc::poison_policy::parked_keys(&metadata, &self.config).await?,
             );
         }
         self.reset_core(history, start, fresh_core);
-        self.recorded = self.recorded_poison(&metadata, start, server.wal_end).await;
+        self.recorded = self.recorded_poison(&mut metadata, start).await;
         self.server_started = server.started;
         self.confirmation.start_session(
             &self.conninfo,
@@ -985,17 +986,20 @@ impl Relay {
         Ok(stream)
     }
 
-    /// The poison rows of events this session may stream again (`start..=wal_end`):
-    /// a failed read costs duplicates, never a loss, so it does not stop the start.
+    /// The poison rows of events this session may stream again (from `start` to the
+    /// WAL end now, after any wait for the slot): a failed read costs duplicates,
+    /// never a loss, so it does not stop the start.
     async fn recorded_poison(
         &self,
-        metadata: &tokio_postgres::Client,
+        metadata: &mut tokio_postgres::Client,
         start: Lsn,
-        wal_end: Lsn,
     ) -> RecordedPoison {
         let copy_limit = self.config.relay.poison_copy_limit_bytes;
-        RecordedPoison::read(metadata, &self.config.outbox, copy_limit, start, wal_end)
-            .await
+        let read = async {
+            let wal_end = crate::postgres::wal_end(&*metadata).await?;
+            RecordedPoison::read(metadata, &self.config.outbox, copy_limit, start, wal_end).await
+        };
+        read.await
             .unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "cannot read the poison rows of this session's stretch of WAL: events an earlier process poisoned may be produced again");
                 RecordedPoison::default()
@@ -1312,46 +1316,50 @@ impl Relay {
         })
     }
 
-    /// The receive timeout (`relay.receive_timeout_secs`): a server silent for half
-    /// of it is asked for a keepalive (the last status again, with `reply_requested`,
-    /// which every walsender answers at once) and `/readyz` turns 503; silent for all
-    /// of it, the session is lost. A server that stops answering without closing the
-    /// connection (a network partition drops packets, sends no RST) is noticed
-    /// within the timeout, whatever TCP does.
+    /// The receive timeout (`relay.receive_timeout_secs`): from half of it without a
+    /// message the server is asked for a keepalive at every watchdog tick (the last
+    /// status again, with `reply_requested`) and `/readyz` turns 503; after all of it
+    /// the session is lost. A server that stops answering without closing the
+    /// connection (a network partition drops packets, sends no RST) is noticed within
+    /// the timeout, whatever TCP does.
+    ///
+    /// The timeout is never below twice the server's `wal_sender_timeout`: a
+    /// walsender replaying a large transaction it filters out reads its client's
+    /// messages only every half of that, so an answer can take that long; with the
+    /// server's timeout off it promises nothing, and the check is off too.
     async fn watch_server(
         &mut self,
         stream: &mut ReplicationStream,
         hearing: &mut Hearing,
     ) -> Option<Lost> {
-        // A walsender answers a reply request at once, also while it decodes a large
-        // transaction (else its own wal_sender_timeout would end it); with that
-        // timeout off it promises nothing, and the check is off too.
         let configured = Duration::from_secs(self.config.relay.receive_timeout_secs);
         if configured.is_zero() || self.wal_sender_timeout.is_zero() {
             return None;
         }
-        let timeout = configured.max(self.wal_sender_timeout);
+        let timeout = configured.max(self.wal_sender_timeout * 2);
         let silent = hearing.heard_at.elapsed();
         if silent >= timeout {
             return Some(Lost::ServerSilent {
                 silent_secs: silent.as_secs(),
             });
         }
-        if silent < timeout / 2 || hearing.asked {
+        if silent < timeout / 2 {
             return None;
         }
-        hearing.asked = true;
-        tracing::warn!(
-            silent_secs = silent.as_secs(),
-            "no message from PostgreSQL; asking for a keepalive"
-        );
-        self.health.set_alert(
-            "replication",
-            Some(format!(
-                "no message from PostgreSQL for {}s on the replication connection",
-                silent.as_secs()
-            )),
-        );
+        if !hearing.asked {
+            hearing.asked = true;
+            tracing::warn!(
+                silent_secs = silent.as_secs(),
+                "no message from PostgreSQL; asking for keepalives"
+            );
+            self.health.set_alert(
+                "replication",
+                Some(format!(
+                    "no message from PostgreSQL for {}s on the replication connection",
+                    silent.as_secs()
+                )),
+            );
+        }
         let status = self.last_status?;
         let ask = StatusUpdate {
             reply_requested: true,
@@ -1686,9 +1694,10 @@ impl Relay {
     }
 
     fn produce(&mut self, id: EventId, attempt: u32) {
-        if attempt == 1 && self.recorded_before(id) {
-            // Resolved as poisoned without an insert (`request_poison`).
-            self.core.park(id, Instant::now());
+        if self.recorded_before(id) {
+            // Resolved as poisoned without an insert (`request_poison`). Any attempt:
+            // a produce handed out again after an abort may never have been sent.
+            self.core.refuse(id, Instant::now());
             return;
         }
         let Some(InFlight::Event { event, parked, .. }) = self.pending.get_mut(&id) else {
@@ -1766,22 +1775,31 @@ impl Relay {
         if self.recorded.is_empty() {
             return false;
         }
-        let (Some(pending @ InFlight::Event { .. }), Some(origin)) =
-            (self.pending.get_mut(&id), self.core.origin(id))
+        let (Some(pending), Some(origin)) = (self.pending.get_mut(&id), self.core.origin(id))
         else {
             return false;
         };
-        let row = pending.poison_row(1, Parking::None, origin);
-        if !self.recorded.take(origin.commit, origin.ordinal, &row) {
+        match pending {
+            InFlight::Event {
+                recorded_before: true,
+                ..
+            } => return true,
+            InFlight::Event { .. } => {}
+            InFlight::Unmappable { .. } => return false,
+        }
+        let row = || pending.poison_row(1, Parking::None, origin);
+        if !self.recorded.take(origin.commit, origin.ordinal, row) {
             return false;
         }
-        tracing::info!(%id, commit = %origin.commit, ordinal = origin.ordinal,
-            idempotency_key = row.fields.idempotency_key.as_deref().unwrap_or(""),
-            "an earlier process recorded this event in the poison table: not produced again");
         if let InFlight::Event {
-            recorded_before, ..
+            event,
+            recorded_before,
+            ..
         } = pending
         {
+            tracing::info!(%id, commit = %origin.commit, ordinal = origin.ordinal,
+                idempotency_key = %String::from_utf8_lossy(&event.idempotency_key),
+                "an earlier process recorded this event in the poison table: not produced again");
             *recorded_before = true;
         }
         true

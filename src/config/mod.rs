@@ -358,7 +358,8 @@ pub struct RelayConfig {
     /// Seconds without any message from the server while the relay reads the
     /// replication stream after which the session is taken as lost (a silent network
     /// partition); from half of it the relay asks the server for a keepalive and
-    /// `/readyz` turns 503. 0 turns the check off.
+    /// `/readyz` turns 503. Never below twice the server's `wal_sender_timeout`.
+    /// 0 turns the check off.
     pub receive_timeout_secs: u64,
     /// Least milliseconds between two writes of the relay's position table while
     /// events flow (idle progress is written once per status interval).

@@ -37,14 +37,17 @@
 
 use std::collections::HashMap;
 
-use tokio_postgres::GenericClient;
-
 use super::table::{PoisonRow, StoredRow};
 use crate::config::{OutboxConfig, quote_qualified};
 use crate::lsn::Lsn;
 
 /// Most rows read at a session start.
 pub(crate) const MAX_ROWS: i64 = 100_000;
+
+/// The read's `statement_timeout`: the column it filters on has no index, and a
+/// read that takes longer is given up (duplicates, never a loss) rather than
+/// delaying every session start.
+const READ_TIMEOUT: &str = "5s";
 
 /// The occurrence key of a poison row as the unique index holds it: whether the
 /// outbox row had no id, and its id (or the content hash when it had none).
@@ -86,7 +89,7 @@ impl RecordedPoison {
     ///
     /// The query failed (the session start is retried).
     pub(crate) async fn read(
-        client: &impl GenericClient,
+        client: &mut tokio_postgres::Client,
         outbox: &OutboxConfig,
         copy_limit: usize,
         from: Lsn,
@@ -109,9 +112,13 @@ impl RecordedPoison {
               LIMIT $3",
             quote_qualified(&outbox.poison_table)
         );
-        let rows = client
+        let tx = client.transaction().await?;
+        tx.batch_execute(&format!("SET LOCAL statement_timeout = '{READ_TIMEOUT}'"))
+            .await?;
+        let rows = tx
             .query(&sql, &[&from.to_string(), &to.to_string(), &MAX_ROWS])
             .await?;
+        tx.commit().await?;
         for row in &rows {
             let (Ok(lsn), Ok(position), Ok(no_id), Ok(key)) = (
                 row.try_get::<_, String>(0),
@@ -139,13 +146,19 @@ impl RecordedPoison {
         Ok(recorded)
     }
 
-    /// Whether the event named `(commit, ordinal)`, whose poison row would be `row`,
-    /// is recorded; a recorded one is forgotten (it is resolved once).
-    pub(crate) fn take(&mut self, commit: Lsn, ordinal: u32, row: &PoisonRow) -> bool {
+    /// Whether the event named `(commit, ordinal)`, whose poison row `row` makes,
+    /// is recorded; a recorded one is forgotten (it is resolved once). The row is
+    /// made only for a name that is recorded.
+    pub(crate) fn take(
+        &mut self,
+        commit: Lsn,
+        ordinal: u32,
+        row: impl FnOnce() -> PoisonRow,
+    ) -> bool {
         let Some(occurrence) = self.rows.get(&(commit, ordinal)) else {
             return false;
         };
-        if *occurrence != Occurrence::of(row, self.copy_limit) {
+        if *occurrence != Occurrence::of(&row(), self.copy_limit) {
             return false;
         }
         self.rows.remove(&(commit, ordinal));
@@ -191,13 +204,13 @@ mod tests {
         let poisoned = row(Some("17"), "a");
         let mut r = recorded(&[((100, 0), &poisoned)]);
         // Same name, another outbox row (a backlog's row at the consistent point).
-        assert!(!r.take(Lsn(100), 0, &row(Some("18"), "a")));
+        assert!(!r.take(Lsn(100), 0, || row(Some("18"), "a")));
         // Same row, another name.
-        assert!(!r.take(Lsn(100), 1, &poisoned));
-        assert!(!r.take(Lsn(101), 0, &poisoned));
-        assert!(r.take(Lsn(100), 0, &poisoned));
+        assert!(!r.take(Lsn(100), 1, || poisoned.clone()));
+        assert!(!r.take(Lsn(101), 0, || poisoned.clone()));
+        assert!(r.take(Lsn(100), 0, || poisoned.clone()));
         // Resolved once.
-        assert!(!r.take(Lsn(100), 0, &poisoned));
+        assert!(!r.take(Lsn(100), 0, || poisoned.clone()));
         assert!(r.is_empty());
     }
 
@@ -205,9 +218,9 @@ mod tests {
     fn a_row_without_an_id_is_matched_by_its_content() {
         let poisoned = row(None, "a");
         let mut r = recorded(&[((100, 0), &poisoned)]);
-        assert!(!r.take(Lsn(100), 0, &row(None, "b")));
+        assert!(!r.take(Lsn(100), 0, || row(None, "b")));
         // An id never meets a hash.
-        assert!(!r.take(Lsn(100), 0, &row(Some("a"), "a")));
-        assert!(r.take(Lsn(100), 0, &poisoned));
+        assert!(!r.take(Lsn(100), 0, || row(Some("a"), "a")));
+        assert!(r.take(Lsn(100), 0, || poisoned.clone()));
     }
 }

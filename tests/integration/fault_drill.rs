@@ -97,7 +97,7 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "--net-partitions",
         partitions,
         "--partition-secs",
-        "14-18",
+        "25-28",
         "--seed",
         seed_text.as_str(),
         "--cycles",

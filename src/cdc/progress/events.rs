@@ -222,7 +222,8 @@ impl Core {
     }
 
     /// The shell refuses to produce `id` at all (a record larger than the producer
-    /// accepts, which no retry can change): it is poisoned at once. Ignored unless a
+    /// accepts, which no retry can change, or an event an earlier process already
+    /// recorded in the poison table): it is poisoned at once. Ignored unless a
     /// produce of `id` is requested or outstanding.
     pub fn refuse(&mut self, id: EventId, now: Instant) {
         if self.producing(id) {
@@ -244,10 +245,9 @@ impl Core {
     }
 
     /// The shell parks `id` instead of producing it (its key is parked,
-    /// `relay.on_poison = "park-key"`, or an earlier process already recorded it in
-    /// the poison table): it is written to the poison table, which resolves it like a
-    /// poisoned event. Ignored unless the first produce of `id` is requested (an
-    /// event produced before cannot be taken back).
+    /// `relay.on_poison = "park-key"`): it is written to the poison table as parked,
+    /// which resolves it like a poisoned event. Ignored unless the first produce of
+    /// `id` is requested (an event produced before cannot be taken back).
     pub fn park(&mut self, id: EventId, now: Instant) {
         if let Some(event) = self.events.get_mut(&id)
             && event.state == (EventState::Producing { attempt: 1 })
