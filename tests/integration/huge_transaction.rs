@@ -65,6 +65,9 @@ async fn small_writer(url: String, stop: Arc<AtomicBool>, written: Arc<AtomicI64
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_transaction_goes_through_in_bounded_memory_and_commit_order() {
+    // Every walsender of the suite decodes this transaction's WAL: one at a time with
+    // the other heavy tests.
+    let _heavy = harness::heavy().await;
     let rows: i64 = std::env::var("OUTBOX_RELAY_HUGE_TX_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())

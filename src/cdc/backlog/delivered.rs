@@ -15,22 +15,26 @@
 //! The topic itself says what was delivered. Before a window of the resync is
 //! published, the idempotency keys of the records each of its topics holds from the
 //! window's oldest record timestamp on are read (`read_committed`, from the offset
-//! `ListOffsets` gives for that timestamp, to the end), and a row whose record's key
-//! is among them is marked sent without being produced again. A record's timestamp
+//! `ListOffsets` gives for that timestamp, to the end), and a row whose record is
+//! among them is marked sent without being produced again. A record stands for a
+//! row when its idempotency key, its record key and its value are the row's: after
+//! a restore or a failover a sequence may hand a delivered row's id (the default
+//! idempotency key) to a new row, which must not be taken for the old one. A record's timestamp
 //! is its row's `created_at` (`outbox::record`), so every record of the window's
 //! rows lies at or after that offset. Nothing else writes to the topics of a slot
 //! during its resync, so what was read stays the truth while the window is published.
 //!
 //! # What it cannot lose
 //!
-//! A key found in the topic is a delivery: skipping its row loses nothing. What is
-//! not found (a read cut short by [`READ_LIMIT`] or [`MAX_KEYS`], a broker that
-//! cannot look offsets up by time, a row without a timestamp) is published as
-//! before: a possible duplicate, never a gap. Two rows sharing an idempotency key are
-//! one event to the relay's consumers, who drop the second by its key; here the
-//! second is not published either.
+//! A record found in the topic is a delivery: skipping its row loses nothing. What
+//! is not found (a read cut short by [`READ_LIMIT`], [`MAX_KEYS`] or [`BUDGET`], a
+//! broker that cannot look offsets up by time, a row without a timestamp) is
+//! published as before: a possible duplicate, never a gap. Two rows with the same
+//! idempotency key, record key and value are one event to the relay's consumers,
+//! who drop the second by its key; here the second is not published either.
 
 use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -49,8 +53,12 @@ const READER_CLIENT_ID: &str = "outbox-relay-resync";
 /// How long one topic is read before what was read is taken as it is.
 const READ_LIMIT: Duration = Duration::from_secs(60);
 
-/// Keys kept per topic at most: the read stops there.
+/// Records kept per topic at most: the read stops there.
 const MAX_KEYS: usize = 2_000_000;
+
+/// Time all the reads of one resync may take: past it, the rows of topics not read
+/// yet are published (duplicates possible) rather than holding the stream back.
+const BUDGET: Duration = Duration::from_secs(300);
 
 /// Timeout of one metadata, watermark or offset lookup.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -63,13 +71,36 @@ const CONTEXT: ReaderContext = ReaderContext {
 pub(super) struct DeliveredKeys {
     reader: ClientConfig,
     topics: HashMap<String, Tail>,
+    /// Time spent reading so far (see [`BUDGET`]).
+    spent: Duration,
 }
 
-/// One topic's keys from `since_ms` on.
+/// One topic's records from `since_ms` on.
 #[derive(Default)]
 struct Tail {
     since_ms: Option<i64>,
-    keys: HashSet<Bytes>,
+    records: HashSet<Fingerprint>,
+}
+
+/// A record as a row would make it: its idempotency key, and a hash of its record
+/// key and value.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Fingerprint {
+    idempotency_key: Bytes,
+    content: u64,
+}
+
+impl Fingerprint {
+    fn of(idempotency_key: &[u8], key: Option<&[u8]>, value: Option<&[u8]>) -> Fingerprint {
+        // SipHash with fixed keys: the same in the reader and the resync.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        value.hash(&mut h);
+        Fingerprint {
+            idempotency_key: Bytes::copy_from_slice(idempotency_key),
+            content: h.finish(),
+        }
+    }
 }
 
 impl DeliveredKeys {
@@ -83,6 +114,7 @@ impl DeliveredKeys {
         Ok(DeliveredKeys {
             reader,
             topics: HashMap::new(),
+            spent: Duration::ZERO,
         })
     }
 
@@ -94,45 +126,59 @@ impl DeliveredKeys {
             if tail.since_ms.is_some_and(|s| s <= since_ms) {
                 continue;
             }
+            if self.spent >= BUDGET {
+                tracing::warn!(topic = %topic, spent_secs = self.spent.as_secs(),
+                    "resync: the time for reading the topics is spent; this topic's rows are published again");
+                continue;
+            }
             tail.since_ms = Some(since_ms);
+            let started = Instant::now();
             let reader = self.reader.clone();
             let read_topic = topic.clone();
             let read =
                 tokio::task::spawn_blocking(move || read_keys(&reader, &read_topic, since_ms))
                     .await;
             match read {
-                Ok(Ok((keys, complete))) => {
+                Ok(Ok((records, complete))) => {
                     if !complete {
-                        tracing::warn!(topic = %topic, keys = keys.len(),
+                        tracing::warn!(topic = %topic, records = records.len(),
                             "resync: the topic could not be read to its end; rows not found in what was read are published again");
                     }
                     let tail = self.topics.entry(topic).or_default();
-                    tail.keys.extend(keys);
+                    tail.records.extend(records);
                 }
                 Ok(Err(e)) => tracing::warn!(topic = %topic, error = %e,
                     "resync: cannot read what the topic holds; its rows are published again (duplicates possible)"),
                 Err(e) => tracing::warn!(topic = %topic, error = %e,
                     "resync: the topic reader failed; its rows are published again"),
             }
+            self.spent += started.elapsed();
         }
     }
 
-    /// Whether `topic` holds a record with idempotency key `key`.
-    pub(super) fn holds(&self, topic: &str, key: &[u8]) -> bool {
-        self.topics
-            .get(topic)
-            .is_some_and(|tail| tail.keys.contains(key))
+    /// Whether `topic` holds the record of `event` (its idempotency key, record key
+    /// and value).
+    pub(super) fn holds(&self, event: &crate::outbox::OutboxEvent) -> bool {
+        let Some(tail) = self.topics.get(&event.topic) else {
+            return false;
+        };
+        tail.records.contains(&Fingerprint::of(
+            &event.idempotency_key,
+            Some(&event.key),
+            Some(&event.payload),
+        ))
     }
 }
 
-/// The idempotency keys of `topic`'s committed records with a timestamp at or after
-/// `since_ms` (from the offset `ListOffsets` gives for it, to the high watermark),
-/// and whether every partition was read to its end. Blocking.
+/// The fingerprints of `topic`'s committed records with a timestamp at or after
+/// `since_ms` (from the offset `ListOffsets` gives for it, to the end a
+/// `read_committed` reader sees), and whether every partition was read to its end.
+/// Blocking.
 fn read_keys(
     reader: &ClientConfig,
     topic: &str,
     since_ms: i64,
-) -> Result<(HashSet<Bytes>, bool), KafkaError> {
+) -> Result<(HashSet<Fingerprint>, bool), KafkaError> {
     let consumer: BaseConsumer<ReaderContext> = reader.create_with_context(CONTEXT)?;
     let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
     let partitions: Vec<i32> = metadata
@@ -168,12 +214,12 @@ fn read_keys(
     while !ends.is_empty() && Instant::now() < deadline && keys.len() < MAX_KEYS {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
-                if let Some(key) = m.headers().and_then(|h| {
+                if let Some(idempotency_key) = m.headers().and_then(|h| {
                     h.iter()
                         .find(|h| h.key == HEADER_IDEMPOTENCY_KEY)
                         .and_then(|h| h.value)
                 }) {
-                    keys.insert(Bytes::copy_from_slice(key));
+                    keys.insert(Fingerprint::of(idempotency_key, m.key(), m.payload()));
                 }
                 if ends
                     .get(&m.partition())
@@ -192,8 +238,37 @@ fn read_keys(
                         .is_none_or(|e| !matches!(e.offset(), Offset::Offset(o) if o >= *end))
                 });
             }
-            Some(Err(e)) => return Err(e),
+            // What was read stays true: the rest is published again.
+            Some(Err(e)) => {
+                tracing::debug!(topic, error = %e, "resync: reading the topic stopped");
+                return Ok((keys, false));
+            }
         }
     }
     Ok((keys, ends.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_stands_for_a_row_only_with_its_key_and_value() {
+        let record = Fingerprint::of(b"1001", Some(b"order-7"), Some(b"{\"seq\":1}"));
+        assert_eq!(
+            record,
+            Fingerprint::of(b"1001", Some(b"order-7"), Some(b"{\"seq\":1}"))
+        );
+        // A new row that got a delivered row's id after a restore: same key, other
+        // content.
+        assert_ne!(
+            record,
+            Fingerprint::of(b"1001", Some(b"order-9"), Some(b"{\"seq\":1}"))
+        );
+        assert_ne!(
+            record,
+            Fingerprint::of(b"1001", Some(b"order-7"), Some(b"{\"seq\":2}"))
+        );
+        assert_ne!(record, Fingerprint::of(b"1001", None, Some(b"{\"seq\":1}")));
+    }
 }

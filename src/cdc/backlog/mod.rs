@@ -255,7 +255,10 @@ impl<'a> Backlog<'a> {
             .map_err(poller::pg_error)?;
         let window = i32::try_from(self.window).unwrap_or(i32::MAX);
         let mut delivered = match query {
-            BacklogQuery::Undelivered { .. } => Some(DeliveredKeys::new(self.config)?),
+            // Without a reader every row is published, as before.
+            BacklogQuery::Undelivered { .. } => DeliveredKeys::new(self.config)
+                .inspect_err(|e| tracing::warn!(error = %e, "resync: cannot read the topics; rows delivered before the loss are published again"))
+                .ok(),
             BacklogQuery::Unsent => None,
         };
         loop {
@@ -323,8 +326,7 @@ impl<'a> Backlog<'a> {
         let (mut held, left): (Vec<BatchRow>, Vec<BatchRow>) =
             rows.into_iter().partition(|row| match &row.result {
                 RowResult::Event { event, .. } => {
-                    event.timestamp_ms.is_some()
-                        && delivered.holds(&event.topic, &event.idempotency_key)
+                    event.timestamp_ms.is_some() && delivered.holds(event)
                 }
                 RowResult::Unmappable { .. } => false,
             });
