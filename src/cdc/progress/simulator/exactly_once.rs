@@ -230,11 +230,13 @@ impl Sim {
     fn drain_actions(&mut self) {
         while let Some(action) = self.core.next_action() {
             match action {
-                Action::Produce { id, attempt: 1 } if self.recorded_before(id) => {
+                Action::Produce { id, .. } if self.recorded_before(id) => {
                     self.log(|| format!("recorded before {id} {:?}", self.ids.get(&id)));
                     self.stats.recorded_skips += 1;
-                    // The shell resolves it as poisoned without an insert.
-                    self.core.park(id, self.now);
+                    // The shell refuses it, on any attempt (a produce handed out
+                    // again after an abort may never have been sent), and resolves
+                    // it as poisoned without an insert.
+                    self.core.refuse(id, self.now);
                 }
                 Action::InsertPoison { id, .. } if self.recorded_before(id) => {
                     self.core.poison_committed(id, self.now);
