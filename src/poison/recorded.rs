@@ -15,14 +15,15 @@
 //!
 //! # What is read, and how an event is matched
 //!
-//! At each session start the shell reads the poison rows whose commit LSN lies
-//! between where the session starts and the server's WAL end then: no earlier
-//! process can have poisoned an event committed later, and an event committed
-//! earlier is not streamed again. A stream row carries its transaction's commit LSN
-//! (`Begin.final_lsn`) and its ordinal among the transaction's outbox rows
+//! At each session start, after any wait for the slot, the shell reads the poison
+//! rows whose commit LSN lies between where the session starts and the server's WAL
+//! end then: no earlier process can have poisoned an event committed later, and an
+//! event committed earlier is not streamed again. A stream row carries its
+//! transaction's commit LSN (`Begin.final_lsn`) and its ordinal among the transaction's outbox rows
 //! (`tx_position`), the event's name in the core (`cdc::progress::Origin`); when the
-//! session is about to produce an event of that name for the first time, the shell
-//! also compares the row's occurrence key, the one the table's unique index holds
+//! session is about to produce an event of that name (on any attempt: a produce
+//! handed out again after a Kafka abort may never have been sent), the shell also
+//! compares the row's occurrence key, the one the table's unique index holds
 //! (`outbox_id`, or the content hash for a row without one: `table.rs`). Only when
 //! all three agree is the event taken as recorded: a cutover's or a resync's rows
 //! carry the slot's consistent point as their LSN and their backlog ordinal, which a
