@@ -83,7 +83,7 @@
 use tokio_postgres::Client;
 
 use crate::cdc::backlog::{Backlog, BacklogQuery, BacklogSummary};
-use crate::config::{Config, ConfigError, CutoverMode, qualified_name, quote_ident};
+use crate::config::{Config, ConfigError, CutoverMode, quote_ident};
 use crate::error::{Error, Result};
 use crate::lifecycle::Shutdown;
 use crate::lsn::Lsn;
@@ -291,19 +291,27 @@ async fn prepare_locked(
         }
         Decision::CutOver => false,
     };
-    if !restarted
-        && trigger == Trigger::Run(CutoverMode::Auto)
-        && !has_poller_columns(metadata, config).await?
-    {
-        // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
-        tracing::warn!(
-            table = %config.outbox.table,
-            "the outbox has no sent_at/attempts columns, so no polling relay to cut over from: \
-             the new slot streams what commits after it"
-        );
-        return Ok(Outcome::Stream);
+    let mut views = config.per_outbox();
+    if !restarted && trigger == Trigger::Run(CutoverMode::Auto) {
+        let mut drained = Vec::with_capacity(views.len());
+        for view in views {
+            if has_poller_columns(metadata, &view).await? {
+                drained.push(view);
+            } else {
+                // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
+                tracing::warn!(
+                    table = %view.outbox.table,
+                    "the outbox has no sent_at/attempts columns, so no polling relay to cut over \
+                     from: the new slot streams what commits after it"
+                );
+            }
+        }
+        if drained.is_empty() {
+            return Ok(Outcome::Stream);
+        }
+        views = drained;
     }
-    let mut summary = cut_over(config, conninfo, conn, metadata, marker_table, history).await?;
+    let mut summary = cut_over(&views, conninfo, conn, metadata, marker_table, history).await?;
     summary.restarted = restarted;
     Ok(Outcome::CutOver(summary))
 }
@@ -327,19 +335,29 @@ async fn drop_unfinished_slot(
 }
 
 /// Steps 1–6 of the module docs.
+///
+/// `views` are the outboxes to publish the unsent rows of ([`Config::per_outbox`]),
+/// one after the other in the same snapshot; each after the first is opened before
+/// the slot exists only to refuse early, and again once the first is done.
 async fn cut_over(
-    config: &Config,
+    views: &[Config],
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
     metadata: &mut Client,
     marker_table: &str,
     history: ServerHistory,
 ) -> Result<CutoverSummary> {
+    let Some((config, other_views)) = views.split_first() else {
+        return Err(ConfigError::Invalid("no outbox to cut over".into()).into());
+    };
     let slot_name = &config.postgres.slot_name();
     // Everything that can fail for lack of a column, a connection or the broker is
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
+    for view in other_views {
+        Backlog::open(view, metadata, Some(marker_table), history).await?;
+    }
     let mut backlog = Backlog::open(config, metadata, Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata(), marker_table, slot_name).await?;
@@ -360,7 +378,7 @@ async fn cut_over(
         snapshot = %snapshot,
         "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
     );
-    let published = backlog
+    let mut published = backlog
         .publish(
             &mut reader,
             &snapshot,
@@ -368,9 +386,21 @@ async fn cut_over(
             BacklogQuery::Unsent,
         )
         .await?;
+    drop(backlog);
+    for view in other_views {
+        let mut backlog = Backlog::open(view, metadata, Some(marker_table), history).await?;
+        let more = backlog
+            .publish(
+                &mut reader,
+                &snapshot,
+                consistent_point,
+                BacklogQuery::Unsent,
+            )
+            .await?;
+        published.add(&more);
+    }
     let summary = CutoverSummary::of(consistent_point, published);
-    backlog
-        .metadata()
+    metadata
         .execute(
             &format!(
                 "UPDATE {marker_table} SET completed_at = clock_timestamp(), published = $2, poisoned = $3
@@ -417,7 +447,8 @@ pub(super) async fn create_exported_slot(
 /// The marker table, qualified with the outbox's schema and quoted.
 fn marker_table(config: &Config) -> Result<String> {
     // Validated when the configuration was loaded; the same message if not.
-    let (schema, _) = qualified_name(&config.outbox.table)
+    let schema = config
+        .relay_schema()
         .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
     Ok(format!(
         "{}.{}",

@@ -55,7 +55,18 @@ pub(crate) async fn resync(
     // saves fail), and an outbox without the columns a resync needs, a connection or
     // the broker failing must leave the position row as it was.
     ensure_idle(metadata, slot_name).await?;
-    let mut backlog = Backlog::open(config, metadata, None, history)
+    // One backlog per outbox table, published one after the other in the same
+    // snapshot. Each after the first is opened here only to refuse early, and opened
+    // again once the first is done with the metadata connection.
+    let mut views = config.per_outbox().into_iter();
+    let first_view = views.next().unwrap_or_else(|| config.clone());
+    let other_views: Vec<Config> = views.collect();
+    for view in &other_views {
+        Backlog::open(view, metadata, None, history)
+            .await
+            .map_err(|e| impossible(e, loss))?;
+    }
+    let mut backlog = Backlog::open(&first_view, metadata, None, history)
         .await
         .map_err(|e| impossible(e, loss))?;
     let mut reader = poller::session(conninfo).await?;
@@ -71,25 +82,24 @@ pub(crate) async fn resync(
         delivered_xmin,
         "resync: slot created again with an exported snapshot; publishing the rows committed since the recorded position"
     );
-    let published = backlog
-        .publish(
-            &mut reader,
-            &snapshot,
-            consistent_point,
-            BacklogQuery::Undelivered {
-                delivered_xmin: delivered_xmin.unwrap_or(0),
-            },
-        )
+    let query = BacklogQuery::Undelivered {
+        delivered_xmin: delivered_xmin.unwrap_or(0),
+    };
+    let mut published = backlog
+        .publish(&mut reader, &snapshot, consistent_point, query)
         .await?;
+    drop(backlog);
+    for view in &other_views {
+        let mut backlog = Backlog::open(view, metadata, None, history).await?;
+        let more = backlog
+            .publish(&mut reader, &snapshot, consistent_point, query)
+            .await?;
+        published.add(&more);
+    }
     let already_delivered = published.already_delivered;
     let summary = CutoverSummary::of(consistent_point, published);
     positions
-        .resynced(
-            backlog.metadata(),
-            history,
-            consistent_point,
-            summary.snapshot_xmin,
-        )
+        .resynced(metadata, history, consistent_point, summary.snapshot_xmin)
         .await?;
     ::metrics::counter!(crate::cdc::metrics::RESYNCED_ROWS)
         .increment(summary.published + summary.poisoned);

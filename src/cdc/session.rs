@@ -299,7 +299,7 @@ pub async fn run_checked(
 
     tracing::info!(brokers = %config.kafka.brokers, "connected to Kafka");
 
-    let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
+    let mapper = OutboxMapper::for_config(&config)?;
 
     let (poison_tx, poison_rx) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let (outcome_tx, outcomes) = mpsc::channel(config.relay.max_in_flight_events.max(1));
@@ -997,7 +997,8 @@ impl Relay {
         let copy_limit = self.config.relay.poison_copy_limit_bytes;
         let read = async {
             let wal_end = crate::postgres::wal_end(&*metadata).await?;
-            RecordedPoison::read(metadata, &self.config.outbox, copy_limit, start, wal_end).await
+            let outboxes: Vec<_> = self.config.outboxes().collect();
+            RecordedPoison::read(metadata, &outboxes, copy_limit, start, wal_end).await
         };
         read.await
             .unwrap_or_else(|e| {

@@ -49,8 +49,18 @@ const REQUIRED: [(&str, &str); 2] = [
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub postgres: PostgresConfig,
+    /// The outbox (`[outbox]`), or the first of several (`[[outbox]]`).
     #[serde(default)]
     pub outbox: OutboxConfig,
+    /// The outboxes after the first when the file has several `[[outbox]]`
+    /// entries: one relay, slot and publication for all of them (see
+    /// [`Config::outboxes`] and [`Config::per_outbox`]).
+    #[serde(skip)]
+    pub more_outboxes: Vec<OutboxConfig>,
+    /// In a view of one outbox ([`Config::per_outbox`]): the first outbox's table,
+    /// whose schema holds the relay's own tables ([`Config::relay_schema`]).
+    #[serde(skip)]
+    home_outbox: Option<String>,
     pub kafka: KafkaConfig,
     #[serde(default)]
     pub relay: RelayConfig,
@@ -128,6 +138,10 @@ pub struct OutboxConfig {
     pub table: String,
     /// Side table for undeliverable rows.
     pub poison_table: String,
+    /// This outbox's topic template, in place of `kafka.topic_template` (for
+    /// several `[[outbox]]` entries whose events go to different topics).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topic_template: Option<String>,
     /// Create the outbox partitioned by `created_at` range (`migrate`), so that
     /// retention drops whole partitions instead of deleting rows.
     pub partitioned: bool,
@@ -520,6 +534,7 @@ impl Default for OutboxConfig {
         OutboxConfig {
             table: "public.outbox".into(),
             poison_table: "public.poison_outbox".into(),
+            topic_template: None,
             partitioned: false,
             partition_interval: PartitionInterval::Day,
             partitions_ahead: 3,
@@ -673,8 +688,11 @@ impl Config {
                 overlay_env(&mut doc, &name, rest, &value)?;
             }
         }
-        apply_preset(&mut doc)?;
-        let config: Config = match doc.clone().try_into() {
+        let more = split_outboxes(&mut doc)?;
+        if let Some(outbox) = doc.get_mut("outbox").and_then(toml::Value::as_table_mut) {
+            apply_preset(outbox)?;
+        }
+        let mut config: Config = match doc.clone().try_into() {
             Ok(config) => config,
             // Serde would only say "missing field `url`": name the key and its
             // variable instead. Other errors (an unknown key) come first as they are.
@@ -684,8 +702,80 @@ impl Config {
             }
             Err(e) => return Err(parse_error(e)),
         };
+        for (i, mut outbox) in more.into_iter().enumerate() {
+            apply_preset(&mut outbox)?;
+            let entry = OutboxConfig::deserialize(toml::Value::Table(outbox))
+                .map_err(|e| ConfigError::Invalid(format!("[[outbox]] entry {}: {e}", i + 2)))?;
+            config.more_outboxes.push(entry);
+        }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Every outbox this relay serves: `outbox`, then `more_outboxes`.
+    pub fn outboxes(&self) -> impl Iterator<Item = &OutboxConfig> {
+        std::iter::once(&self.outbox).chain(&self.more_outboxes)
+    }
+
+    /// Whether the config names more than one outbox table.
+    #[must_use]
+    pub fn has_several_outboxes(&self) -> bool {
+        !self.more_outboxes.is_empty()
+    }
+
+    /// One config per outbox, each naming only that outbox as `outbox` and its topic
+    /// template as `kafka.topic_template`: what the commands that work on one table
+    /// at a time (`migrate`, `audit`, `retention`, `replay`, a resync) run on.
+    #[must_use]
+    pub fn per_outbox(&self) -> Vec<Config> {
+        self.outboxes()
+            .map(|outbox| {
+                let mut view = self.clone();
+                view.outbox = outbox.clone();
+                view.more_outboxes.clear();
+                view.home_outbox = Some(self.outbox.table.clone());
+                if let Some(template) = &outbox.topic_template {
+                    view.kafka.topic_template.clone_from(template);
+                }
+                view
+            })
+            .collect()
+    }
+
+    /// The schema of the relay's own tables (its position, checkpoints, cutover
+    /// marker): the first outbox's, in a view of another outbox too.
+    ///
+    /// # Errors
+    ///
+    /// The table name is malformed (a validated config never has one).
+    pub fn relay_schema(&self) -> Result<String, TableNameError> {
+        qualified_name(self.home_outbox.as_deref().unwrap_or(&self.outbox.table))
+            .map(|(schema, _)| schema)
+    }
+
+    /// In a view of an outbox after the first: the first one's table.
+    #[must_use]
+    pub fn home_outbox_table(&self) -> Option<&str> {
+        self.home_outbox.as_deref()
+    }
+
+    /// Whether `outbox` is the first outbox (also in a view of it): the one whose
+    /// schema holds the relay's own tables and whose migrations are recorded in
+    /// `outbox_relay_migrations`.
+    #[must_use]
+    pub fn is_first_outbox(&self) -> bool {
+        self.home_outbox
+            .as_deref()
+            .is_none_or(|home| home == self.outbox.table)
+    }
+
+    /// The topic template of `outbox`: its own, else `kafka.topic_template`.
+    #[must_use]
+    pub fn topic_template_of<'a>(&'a self, outbox: &'a OutboxConfig) -> &'a str {
+        outbox
+            .topic_template
+            .as_deref()
+            .unwrap_or(&self.kafka.topic_template)
     }
 
     /// Checks what serde cannot: names, ranges, conflicting producer settings.
@@ -722,10 +812,7 @@ impl Config {
                 ));
             }
         }
-        qualified_name(&self.outbox.table)
-            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
-        qualified_name(&self.outbox.poison_table)
-            .map_err(|m| ConfigError::Invalid(format!("outbox.poison_table: {m}")))?;
+        self.validate_outboxes()?;
         if self.kafka.brokers.trim().is_empty() {
             return invalid("kafka.brokers is empty".into());
         }
@@ -765,10 +852,53 @@ impl Config {
         if self.retention.batch_size == 0 || self.retention.batch_size > 1_000_000 {
             return invalid("retention.batch_size must be 1..=1000000".into());
         }
-        if self.outbox.partitions_ahead > 1000 {
-            return invalid("outbox.partitions_ahead must be at most 1000".into());
+        Ok(())
+    }
+
+    /// Each outbox's names and columns; with several, that their tables differ and
+    /// what they cannot be combined with yet.
+    fn validate_outboxes(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        let mut tables: Vec<(String, String)> = Vec::new();
+        for outbox in self.outboxes() {
+            let table = qualified_name(&outbox.table)
+                .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
+            let poison = qualified_name(&outbox.poison_table)
+                .map_err(|m| ConfigError::Invalid(format!("outbox.poison_table: {m}")))?;
+            if outbox.partitions_ahead > 1000 {
+                return invalid("outbox.partitions_ahead must be at most 1000".into());
+            }
+            outbox.columns.validate()?;
+            if !self.has_several_outboxes() {
+                break;
+            }
+            for name in [table, poison] {
+                if tables.contains(&name) {
+                    return invalid(format!(
+                        "table {}.{} is named twice in [[outbox]]: each outbox needs its own \
+                         table and poison table",
+                        name.0, name.1
+                    ));
+                }
+                tables.push(name);
+            }
         }
-        self.outbox.columns.validate()?;
+        if self.has_several_outboxes() {
+            if self.postgres.shards > 1 {
+                return invalid(
+                    "postgres.shards > 1 with several [[outbox]] entries: shard one outbox \
+                     per relay"
+                        .into(),
+                );
+            }
+            if self.relay.on_poison == PoisonKeyMode::ParkKey {
+                return invalid(
+                    "relay.on_poison = \"park-key\" with several [[outbox]] entries: parked \
+                     keys are kept per outbox schema; run one relay per outbox to park keys"
+                        .into(),
+                );
+            }
+        }
         Ok(())
     }
 }
@@ -808,13 +938,34 @@ fn is_topic_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
+/// Takes the entries after the first out of an `[[outbox]]` array, leaving the
+/// first as `outbox`; a single `[outbox]` section gives none.
+fn split_outboxes(doc: &mut toml::Table) -> Result<Vec<toml::Table>, ConfigError> {
+    let Some(toml::Value::Array(entries)) = doc.get("outbox") else {
+        return Ok(Vec::new());
+    };
+    let mut tables = entries
+        .iter()
+        .map(|entry| {
+            entry.as_table().cloned().ok_or_else(|| {
+                ConfigError::Invalid("outbox: use [outbox] or [[outbox]] sections".into())
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if tables.is_empty() {
+        return Err(ConfigError::Invalid(
+            "outbox: an empty list; name at least one [[outbox]]".into(),
+        ));
+    }
+    let first = tables.remove(0);
+    doc.insert("outbox".into(), toml::Value::Table(first));
+    Ok(tables)
+}
+
 /// Fills the `[outbox.columns]` keys that no source set from `outbox.preset`.
 /// Done on the document, before defaults, so "set" means set by the file, the
 /// environment or `--set`, even to the default name.
-fn apply_preset(doc: &mut toml::Table) -> Result<(), ConfigError> {
-    let Some(outbox) = doc.get_mut("outbox").and_then(toml::Value::as_table_mut) else {
-        return Ok(());
-    };
+fn apply_preset(outbox: &mut toml::Table) -> Result<(), ConfigError> {
     let preset = match outbox.get("preset") {
         None => return Ok(()),
         Some(value) => OutboxPreset::deserialize(value.clone()).map_err(|e| {
@@ -905,6 +1056,11 @@ fn overlay_env(
         let entry = table
             .entry(section.clone())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if entry.is_array() {
+            return Err(env_err(&format!(
+                "{section} has several [[{section}]] entries: set their keys in the file"
+            )));
+        }
         table = entry
             .as_table_mut()
             .ok_or_else(|| env_err(&format!("{section} is not a section")))?;
@@ -1185,6 +1341,85 @@ mod tests {
         let err = read_file(Some(&missing)).unwrap_err();
         assert!(matches!(err, ConfigError::Read { .. }), "{err}");
         assert!(err.to_string().contains("no-such-dir"), "{err}");
+    }
+
+    #[test]
+    fn several_outboxes_are_a_list_with_their_own_settings() {
+        let text = format!(
+            "{MINIMAL}\n[[outbox]]\ntable = \"billing.outbox\"\npoison_table = \"billing.poison\"\n\
+             [[outbox]]\ntable = \"shipping.events\"\npreset = \"debezium\"\n\
+             poison_table = \"shipping.poison\"\ntopic_template = \"ship.{{event_type}}\"\n"
+        );
+        let c = load(&text, &[]).unwrap();
+        assert!(c.has_several_outboxes());
+        let tables: Vec<&str> = c.outboxes().map(|o| o.table.as_str()).collect();
+        assert_eq!(tables, ["billing.outbox", "shipping.events"]);
+        // The preset applies to its own entry only.
+        assert_eq!(c.outbox.columns.aggregate_id, "aggregate_id");
+        assert_eq!(c.more_outboxes[0].columns.aggregate_id, "aggregateid");
+        let views = c.per_outbox();
+        assert_eq!(views[0].kafka.topic_template, c.kafka.topic_template);
+        assert_eq!(views[1].kafka.topic_template, "ship.{event_type}");
+        assert_eq!(views[1].outbox.table, "shipping.events");
+        assert!(!views[1].has_several_outboxes());
+        // The relay's own tables stay in the first outbox's schema.
+        assert_eq!(views[1].relay_schema().unwrap(), "billing");
+        assert!(views[0].is_first_outbox() && !views[1].is_first_outbox());
+
+        // One [outbox] section is one outbox, as before.
+        let one = load(
+            &format!("{MINIMAL}\n[outbox]\ntable = \"app.events\"\n"),
+            &[],
+        )
+        .unwrap();
+        assert!(!one.has_several_outboxes());
+        assert_eq!(one.per_outbox().len(), 1);
+        assert!(one.is_first_outbox());
+
+        let two = "[[outbox]]\ntable = \"a.t\"\npoison_table = \"a.p\"\n\
+                   [[outbox]]\ntable = \"b.t\"\npoison_table = \"b.p\"\n";
+        for (extra, env, expected) in [
+            (
+                "[[outbox]]\ntable = \"a.t\"\npoison_table = \"a.p\"\n\
+                 [[outbox]]\ntable = \"a.t\"\npoison_table = \"b.p\"\n",
+                None,
+                "named twice",
+            ),
+            (
+                "[[outbox]]\ntable = \"a.t\"\npoison_table = \"a.p\"\n\
+                 [[outbox]]\ntable = \"b.t\"\npoison_table = \"a.p\"\n",
+                None,
+                "named twice",
+            ),
+            (
+                two,
+                Some(("OUTBOX_RELAY__POSTGRES__SHARDS", "2")),
+                "postgres.shards",
+            ),
+            (
+                two,
+                Some(("OUTBOX_RELAY__RELAY__ON_POISON", "park-key")),
+                "park-key",
+            ),
+            (
+                "[[outbox]]\ntable = \"a.t\"\nbogus = 1\n[[outbox]]\ntable = \"b.t\"\n",
+                None,
+                "bogus",
+            ),
+        ] {
+            let env: Vec<(&str, &str)> = env.into_iter().collect();
+            let err = match load(&format!("{MINIMAL}\n{extra}"), &env) {
+                Ok(_) => panic!("accepted: {extra}"),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains(expected), "{extra}: {err}");
+        }
+        // An environment variable cannot say which of several entries it sets.
+        let err = load(&text, &[("OUTBOX_RELAY__OUTBOX__TABLE", "x.y")]).unwrap_err();
+        assert!(
+            err.to_string().contains("set their keys in the file"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -119,6 +119,9 @@ pub struct CycleReport {
     /// Partitions created ahead.
     pub created_partitions: i32,
     pub dry_run: bool,
+    /// The outbox table, with several `[[outbox]]` entries (one report each).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table: Option<String>,
 }
 
 impl CycleReport {
@@ -130,8 +133,12 @@ impl CycleReport {
         } else {
             "deleted"
         };
+        let table = self
+            .table
+            .as_deref()
+            .map_or_else(String::new, |t| format!(" {t}"));
         format!(
-            "retention: {verb} {} rows, {} partitions ({} kept, {} created); checkpoint used {}, slot confirmed {}",
+            "retention{table}: {verb} {} rows, {} partitions ({} kept, {} created); checkpoint used {}, slot confirmed {}",
             self.deleted_rows,
             self.dropped_partitions.len(),
             self.kept_partitions.len(),
@@ -225,18 +232,20 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
     let interval = config.retention.interval()?;
     let mut client = crate::postgres::connect(&config.postgres.url).await?;
     loop {
-        match cycle(&mut client, config, args.dry_run).await {
-            Ok(report) => {
-                if args.json {
-                    println!(
-                        "{}",
-                        serde_json::to_string(&report)
-                            .map_err(crate::Error::RetentionReportJson)?
-                    );
-                } else {
-                    info!("{}", report.render());
-                    if args.once {
-                        println!("{}", report.render());
+        match cycle_all(&mut client, config, args.dry_run).await {
+            Ok(reports) => {
+                for report in reports {
+                    if args.json {
+                        println!(
+                            "{}",
+                            serde_json::to_string(&report)
+                                .map_err(crate::Error::RetentionReportJson)?
+                        );
+                    } else {
+                        info!("{}", report.render());
+                        if args.once {
+                            println!("{}", report.render());
+                        }
                     }
                 }
             }
@@ -261,8 +270,46 @@ pub async fn run(config: &Config, args: &RetentionArgs, mut shutdown: Shutdown) 
     }
 }
 
+/// One cycle of every outbox, one after the other (each report names its table
+/// when there are several).
+///
+/// # Errors
+///
+/// The first outbox's cycle that failed.
+pub async fn cycle_all(
+    client: &mut Client,
+    config: &Config,
+    dry_run: bool,
+) -> Result<Vec<CycleReport>> {
+    if !config.has_several_outboxes() {
+        return Ok(vec![cycle(client, config, dry_run).await?]);
+    }
+    let mut reports = Vec::new();
+    for view in config.per_outbox() {
+        if view.outbox.columns.created_at.is_empty() {
+            warn!(
+                table = %view.outbox.table,
+                "no created_at column: retention leaves this outbox alone"
+            );
+            continue;
+        }
+        let mut report = cycle(client, &view, dry_run).await?;
+        report.table = Some(view.outbox.table.clone());
+        reports.push(report);
+    }
+    Ok(reports)
+}
+
 /// One cycle: partitions ahead, checkpoint, delete or drop. See the module doc.
 pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Result<CycleReport> {
+    if config.outbox.columns.created_at.is_empty() {
+        return Err(crate::config::ConfigError::Invalid(format!(
+            "outbox {} has no created_at column (outbox.columns.created_at is empty): retention \
+             tells old rows by it",
+            config.outbox.table
+        ))
+        .into());
+    }
     let sql = RetentionSql::new(config)?;
     let period = config.retention.period()?.as_secs_f64();
     check_table_kind(client, config).await?;

@@ -54,6 +54,19 @@ pub struct Status {
     /// outbox is not sharded.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shards: Vec<ShardStatus>,
+    /// With several `[[outbox]]` entries, each one's poison rows (the counts above
+    /// are their sums); empty, and left out of the JSON, with one outbox.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub outboxes: Vec<OutboxStatus>,
+}
+
+/// One outbox's poison rows, in `status` of a relay serving several.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutboxStatus {
+    pub table: String,
+    pub poison_table: String,
+    pub poison_pending: i64,
+    pub poison_total: i64,
 }
 
 /// One shard's slot, in `status` of a sharded outbox.
@@ -104,6 +117,12 @@ impl Status {
             "poison rows       {} pending replay, {} in all\n",
             self.poison_pending, self.poison_total
         ));
+        for outbox in &self.outboxes {
+            out.push_str(&format!(
+                "  {:<15} {} pending replay, {} in all ({})\n",
+                outbox.table, outbox.poison_pending, outbox.poison_total, outbox.poison_table
+            ));
+        }
         if self.parked_keys > 0 || self.parked_events > 0 {
             out.push_str(&format!(
                 "parked            {} keys, {} events (outbox-relay replay releases them)\n",
@@ -164,15 +183,25 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         .await
         .map_err(|e| err("cannot read pg_replication_slots", e))?;
     let poison_table = quote_qualified(&config.outbox.poison_table);
-    let counts = client
-        .query_one(
-            &format!(
-                "SELECT count(*) FILTER (WHERE replayed_at IS NULL), count(*) FROM {poison_table}"
-            ),
-            &[],
-        )
-        .await
-        .map_err(|e| err("cannot count poison rows (run `outbox-relay migrate`?)", e))?;
+    let mut outboxes = Vec::new();
+    for outbox in config.outboxes() {
+        let counts = client
+            .query_one(
+                &format!(
+                    "SELECT count(*) FILTER (WHERE replayed_at IS NULL), count(*) FROM {}",
+                    quote_qualified(&outbox.poison_table)
+                ),
+                &[],
+            )
+            .await
+            .map_err(|e| err("cannot count poison rows (run `outbox-relay migrate`?)", e))?;
+        outboxes.push(OutboxStatus {
+            table: outbox.table.clone(),
+            poison_table: outbox.poison_table.clone(),
+            poison_pending: counts.get(0),
+            poison_total: counts.get(1),
+        });
+    }
     let mut status = Status {
         slot: slot.clone(),
         slot_exists: row.is_some(),
@@ -183,14 +212,19 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         lag_bytes: None,
         retained_wal_bytes: None,
         wal_status: None,
-        poison_pending: counts.get(0),
-        poison_total: counts.get(1),
+        poison_pending: outboxes.iter().map(|o| o.poison_pending).sum(),
+        poison_total: outboxes.iter().map(|o| o.poison_total).sum(),
         parked_keys: 0,
         parked_events: 0,
         relay_position: None,
         slot_lost: None,
         resyncs: 0,
         shards: Vec::new(),
+        outboxes: if config.has_several_outboxes() {
+            outboxes
+        } else {
+            Vec::new()
+        },
     };
     if config.postgres.shards > 1 {
         status.shards = shards(client, config)
@@ -295,8 +329,18 @@ mod tests {
                 confirmed_flush_lsn: Some("0/16B0000".into()),
                 lag_bytes: Some(10),
             }],
+            outboxes: vec![OutboxStatus {
+                table: "billing.outbox".into(),
+                poison_table: "billing.poison_outbox".into(),
+                poison_pending: 2,
+                poison_total: 3,
+            }],
         };
         let text = s.render();
+        assert!(
+            text.contains("  billing.outbox  2 pending replay, 3 in all (billing.poison_outbox)"),
+            "{text}"
+        );
         assert!(text.contains("does not exist yet"), "{text}");
         assert!(text.contains("0/16B0000 (1 lost slots healed)"), "{text}");
         assert!(text.contains("SLOT LOST"), "{text}");

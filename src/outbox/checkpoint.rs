@@ -121,7 +121,7 @@ pub struct SlotProgress {
 
 /// `"schema".outbox_relay_checkpoint` for the configured outbox.
 fn table(cfg: &Config) -> Result<String> {
-    let (schema, _) = config::qualified_name(&cfg.outbox.table)?;
+    let schema = cfg.relay_schema()?;
     Ok(format!(
         "{}.{}",
         quote_ident(&schema),

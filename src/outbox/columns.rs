@@ -161,6 +161,9 @@ impl Field {
 pub(super) struct FieldNames {
     pub(super) names: [String; FIELD_COUNT],
     pub(super) present: [bool; FIELD_COUNT],
+    /// Which of the config's outboxes the table is (its place in
+    /// `Config::outboxes`): where its events' poison rows go.
+    pub(super) outbox: usize,
 }
 
 impl FieldNames {

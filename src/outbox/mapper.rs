@@ -42,7 +42,9 @@ use super::relation::{
 };
 use super::timestamp::{RFC3339_LEN, parse_pg_timestamp, put_rfc3339};
 use super::topic::{TopicTemplate, validate_topic_name};
-use crate::config::{ConfigError, EnvelopeConfig, KafkaConfig, OutboxConfig, qualified_name};
+use crate::config::{
+    Config, ConfigError, EnvelopeConfig, KafkaConfig, OutboxConfig, qualified_name,
+};
 use crate::lsn::Lsn;
 use crate::postgres::pgoutput::{Insert, Relation};
 
@@ -50,14 +52,49 @@ use crate::postgres::pgoutput::{Insert, Relation};
 /// replication session.
 #[derive(Debug)]
 pub struct OutboxMapper {
+    /// One per outbox table, in the config's order (the first is the one
+    /// [`OutboxMapper::map_row`] maps).
+    outboxes: Vec<Binding>,
+    envelope: Option<Envelope>,
+    relations: RelationCache,
+}
+
+/// One outbox table the mapper recognises, with its own columns and topic template.
+#[derive(Debug)]
+struct Binding {
     outbox: OutboxConfig,
     schema: String,
     table: String,
     template: TopicTemplate,
-    envelope: Option<Envelope>,
     /// Field names as configured, for [`OutboxMapper::map_row`].
     configured_names: Arc<FieldNames>,
-    relations: RelationCache,
+}
+
+impl Binding {
+    fn new(outbox: &OutboxConfig, topic_template: &str, index: usize) -> Result<Self, ConfigError> {
+        let (schema, table) = qualified_name(&outbox.table)
+            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
+        let template = TopicTemplate::parse(topic_template).map_err(|m| {
+            let key = if outbox.topic_template.is_some() {
+                "outbox.topic_template"
+            } else {
+                "kafka.topic_template"
+            };
+            ConfigError::Invalid(format!("{key} {topic_template:?} {m}"))
+        })?;
+        let configured_names = Arc::new(FieldNames {
+            names: Field::ALL.map(|f| f.configured(outbox).to_owned()),
+            present: [true; FIELD_COUNT],
+            outbox: index,
+        });
+        Ok(Binding {
+            outbox: outbox.clone(),
+            schema,
+            table,
+            template,
+            configured_names,
+        })
+    }
 }
 
 impl OutboxMapper {
@@ -77,6 +114,26 @@ impl OutboxMapper {
         Self::with_template(outbox, &kafka.topic_template, envelope)
     }
 
+    /// A mapper for every outbox of `config` (`[[outbox]]`), each with its own
+    /// columns and topic template: what one replication stream of several outbox
+    /// tables needs. [`OutboxMapper::map_row`] maps rows of the first.
+    ///
+    /// # Errors
+    ///
+    /// As [`OutboxMapper::new`], for any of the outboxes.
+    pub fn for_config(config: &Config) -> Result<Self, ConfigError> {
+        let outboxes = config
+            .outboxes()
+            .enumerate()
+            .map(|(i, outbox)| Binding::new(outbox, config.topic_template_of(outbox), i))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(OutboxMapper {
+            outboxes,
+            envelope: config.kafka.envelope.as_ref().map(Envelope::new),
+            relations: RelationCache::default(),
+        })
+    }
+
     /// Like [`OutboxMapper::new`], with the topic template given directly.
     ///
     /// # Errors
@@ -87,23 +144,9 @@ impl OutboxMapper {
         topic_template: &str,
         envelope: Option<EnvelopeConfig>,
     ) -> Result<Self, ConfigError> {
-        let (schema, table) = qualified_name(&outbox.table)
-            .map_err(|m| ConfigError::Invalid(format!("outbox.table: {m}")))?;
-        let template = TopicTemplate::parse(topic_template).map_err(|m| {
-            ConfigError::Invalid(format!("kafka.topic_template {topic_template:?} {m}"))
-        })?;
-        let envelope = envelope.as_ref().map(Envelope::new);
-        let configured_names = Arc::new(FieldNames {
-            names: Field::ALL.map(|f| f.configured(outbox).to_owned()),
-            present: [true; FIELD_COUNT],
-        });
         Ok(OutboxMapper {
-            outbox: outbox.clone(),
-            schema,
-            table,
-            template,
-            envelope,
-            configured_names,
+            outboxes: vec![Binding::new(outbox, topic_template, 0)?],
+            envelope: envelope.as_ref().map(Envelope::new),
             relations: RelationCache::default(),
         })
     }
@@ -118,10 +161,17 @@ impl OutboxMapper {
     /// `ALTER TABLE`, or a new session) replaces the first, so later inserts use
     /// the new column positions and types.
     pub fn on_relation(&mut self, rel: &Relation) -> RelationStatus<'_> {
-        let entry = if rel.namespace == self.schema && rel.name == self.table {
-            RelationEntry::Outbox(Box::new(OutboxRelation::resolve(rel, &self.outbox)))
-        } else {
-            RelationEntry::NotOutbox
+        let binding = self
+            .outboxes
+            .iter()
+            .position(|b| rel.namespace == b.schema && rel.name == b.table);
+        let entry = match binding {
+            Some(i) => RelationEntry::Outbox(Box::new(OutboxRelation::resolve(
+                rel,
+                &self.outboxes[i].outbox,
+                i,
+            ))),
+            None => RelationEntry::NotOutbox,
         };
         status_of(self.relations.insert(rel.id, entry))
     }
@@ -182,12 +232,13 @@ impl OutboxMapper {
         row: &OutboxRow,
         source_lsn: Option<Lsn>,
     ) -> Result<OutboxEvent, Box<UnmappableRow>> {
-        self.build(RowRef::of(row), &self.configured_names, source_lsn)
+        let names = &self.outboxes[0].configured_names;
+        self.build(RowRef::of(row), names, source_lsn)
             .map_err(|reject| {
                 Box::new(UnmappableRow {
                     reason: reject.reason,
                     error_kind: reject.kind,
-                    fields: poison_from_row(&self.configured_names, row, source_lsn),
+                    fields: poison_from_row(names, row, source_lsn),
                 })
             })
     }
@@ -306,7 +357,7 @@ impl OutboxMapper {
                     )
                 })?
             }
-            _ => self
+            _ => self.outboxes[names.outbox]
                 .template
                 .render(
                     aggregate_type.as_deref().map(|b| &b[..]),
@@ -447,6 +498,7 @@ fn poison_from_row(names: &FieldNames, row: &OutboxRow, lsn: Option<Lsn>) -> Poi
             .map(|(f, v)| (names.get(f).to_owned(), v))
             .collect(),
         lsn,
+        outbox: names.outbox,
     }
 }
 

@@ -45,7 +45,7 @@
 use tokio_postgres::GenericClient;
 
 use super::checkpoint_error::{CheckpointError, parse_lsn};
-use crate::config::{self, Config, quote_ident};
+use crate::config::{Config, quote_ident};
 use crate::lsn::Lsn;
 
 /// Name of the position table (in the outbox's schema).
@@ -119,7 +119,7 @@ impl PositionTable {
     ///
     /// As for [`PositionTable::new`].
     pub fn for_slot(cfg: &Config, slot: String) -> Result<PositionTable> {
-        let (schema, _) = config::qualified_name(&cfg.outbox.table)?;
+        let schema = cfg.relay_schema()?;
         Ok(PositionTable {
             table: format!("{}.{}", quote_ident(&schema), quote_ident(TABLE_NAME)),
             slot,

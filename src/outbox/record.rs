@@ -307,6 +307,7 @@ impl OutboxEvent {
             created_at,
             columns,
             lsn: self.source_lsn,
+            outbox: s.names.outbox,
         }
     }
 }
@@ -342,6 +343,9 @@ pub struct PoisonFields {
     pub columns: Vec<(String, Option<String>)>,
     /// The commit LSN, when the row came from the replication stream.
     pub lsn: Option<Lsn>,
+    /// Which of the config's outboxes the row is from (its place in
+    /// `Config::outboxes`): the poison table it goes to.
+    pub outbox: usize,
 }
 
 /// An outbox row that cannot become a Kafka record.

@@ -77,7 +77,7 @@ impl OutboxRelation {
     /// Binds the configured fields to the columns of a Relation message of the
     /// outbox table (configured name first, then the Debezium alias) and checks
     /// that the required ones are present and every bound one is well typed.
-    pub(super) fn resolve(rel: &Relation, outbox: &OutboxConfig) -> Self {
+    pub(super) fn resolve(rel: &Relation, outbox: &OutboxConfig, index: usize) -> Self {
         let find = |name: &str| rel.columns.iter().position(|c| c.name == name);
         let mut positions = [None; FIELD_COUNT];
         let mut names = Field::ALL.map(|f| f.configured(outbox).to_owned());
@@ -94,7 +94,11 @@ impl OutboxRelation {
             positions[field as usize] = pos;
         }
         let present = positions.map(|p| p.is_some());
-        let names = Arc::new(FieldNames { names, present });
+        let names = Arc::new(FieldNames {
+            names,
+            present,
+            outbox: index,
+        });
         let type_oids: Vec<u32> = rel.columns.iter().map(|c| c.type_oid).collect();
 
         let mut missing = Vec::new();
@@ -413,5 +417,6 @@ pub(super) fn poison_from_tuple(rel: &OutboxRelation, tuple: &TupleData, lsn: Ls
         created_at,
         columns,
         lsn: Some(lsn),
+        outbox: rel.names.outbox,
     }
 }

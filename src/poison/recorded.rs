@@ -91,7 +91,7 @@ impl RecordedPoison {
     /// The query failed (the session start is retried).
     pub(crate) async fn read(
         client: &mut tokio_postgres::Client,
-        outbox: &OutboxConfig,
+        outboxes: &[&OutboxConfig],
         copy_limit: usize,
         from: Lsn,
         to: Lsn,
@@ -103,15 +103,27 @@ impl RecordedPoison {
         if to < from {
             return Ok(recorded);
         }
+        // Ordinals count the outbox rows of a transaction over every outbox table,
+        // so one (commit, ordinal) names one event whichever poison table holds it.
+        let selects: Vec<String> = outboxes
+            .iter()
+            .map(|outbox| {
+                format!(
+                    "SELECT lsn, tx_position, outbox_id IS NULL AS no_id,
+                            COALESCE(outbox_id, row_sha256) AS occurrence
+                       FROM {}
+                      WHERE lsn >= $1::text::pg_lsn AND lsn <= $2::text::pg_lsn
+                        AND tx_position IS NOT NULL AND duplicate_of IS NULL
+                        AND COALESCE(outbox_id, row_sha256) IS NOT NULL",
+                    quote_qualified(&outbox.poison_table)
+                )
+            })
+            .collect();
         let sql = format!(
-            "SELECT lsn::text, tx_position, outbox_id IS NULL, COALESCE(outbox_id, row_sha256)
-               FROM {}
-              WHERE lsn >= $1::text::pg_lsn AND lsn <= $2::text::pg_lsn
-                AND tx_position IS NOT NULL AND duplicate_of IS NULL
-                AND COALESCE(outbox_id, row_sha256) IS NOT NULL
+            "SELECT lsn::text, tx_position, no_id, occurrence FROM ({}) AS recorded
               ORDER BY lsn, tx_position
               LIMIT $3",
-            quote_qualified(&outbox.poison_table)
+            selects.join(" UNION ALL ")
         );
         let tx = client.transaction().await?;
         tx.batch_execute(&format!("SET LOCAL statement_timeout = '{READ_TIMEOUT}'"))

@@ -82,20 +82,24 @@ const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 #[derive(Debug)]
 pub(crate) struct PoisonWriter {
     conninfo: ConnInfo,
-    statement: String,
+    /// The insert of each outbox's poison table, in the config's order
+    /// ([`PoisonFields::outbox`](crate::outbox::PoisonFields::outbox) picks one).
+    statements: Vec<String>,
+    /// Parking is refused with several outboxes (config validation), so the
+    /// statements are the first outbox's.
     parking: WriterStatements,
     copy_limit: usize,
     client: Option<Client>,
 }
 
 impl PoisonWriter {
-    /// Writes to the configured `outbox.poison_table`, values cut to
+    /// Writes to each outbox's `poison_table`, values cut to
     /// `relay.poison_copy_limit_bytes`.
     #[must_use]
     pub(crate) fn new(conninfo: ConnInfo, config: &Config) -> PoisonWriter {
         PoisonWriter {
             conninfo,
-            statement: insert_statement(&config.outbox),
+            statements: config.outboxes().map(insert_statement).collect(),
             parking: WriterStatements::new(&config.outbox),
             copy_limit: config.relay.poison_copy_limit_bytes,
             client: None,
@@ -118,6 +122,16 @@ impl PoisonWriter {
         }
     }
 
+    /// The insert into the poison table of the outbox `rows` come from (a batch is
+    /// always of one outbox, see [`run_writer`]).
+    fn statement_for(&self, rows: &[&PoisonRow]) -> &str {
+        let outbox = rows.first().map_or(0, |r| r.fields.outbox);
+        self.statements
+            .get(outbox)
+            .or_else(|| self.statements.first())
+            .map_or("", String::as_str)
+    }
+
     /// Inserts (or finds already inserted) `rows`, all committed together; the
     /// connection is dropped on error so the next call reconnects. Rows that park
     /// keys or are parked go through the parking transaction (`parking.rs`).
@@ -126,17 +140,18 @@ impl PoisonWriter {
         rows: &[&PoisonRow],
     ) -> Result<Vec<Parked>, PoisonInsertError> {
         let mut client = self.client().await?;
+        let statement = self.statement_for(rows).to_owned();
         let answers = if needs_parking(rows) {
             insert_parking(
                 &mut client,
                 &self.parking,
-                &self.statement,
+                &statement,
                 rows,
                 self.copy_limit,
             )
             .await
         } else {
-            insert_rows(&client, self.statement.as_str(), rows, self.copy_limit)
+            insert_rows(&client, &statement, rows, self.copy_limit)
                 .await
                 .map(|_| vec![Parked::Recorded; rows.len()])
         }
@@ -152,7 +167,7 @@ impl PoisonWriter {
             return self.insert(&rows).await;
         }
         let client = self.client().await?;
-        insert_batch(&client, self.statement.as_str(), &batch.rows)
+        insert_batch(&client, self.statement_for(&rows), &batch.rows)
             .await
             .map_err(PoisonInsertError::Insert)?;
         self.client = Some(client);
@@ -213,11 +228,25 @@ pub(crate) async fn run_writer(
     // One batch waits while another is inserted: enough to keep both sides busy.
     let (prepared, ready) = mpsc::channel(1);
     let inserter = tokio::spawn(insert_batches(writer, ready, outcomes));
-    while let Some(first) = requests.recv().await {
+    // A request of another outbox than the batch's starts the next batch.
+    let mut held: Option<PoisonRequest> = None;
+    loop {
+        let first = match held.take() {
+            Some(request) => request,
+            None => match requests.recv().await {
+                Some(request) => request,
+                None => break,
+            },
+        };
+        let outbox = first.row.fields.outbox;
         let mut bytes = first.row.approximate_size();
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH_ROWS && bytes < MAX_BATCH_BYTES {
             let Ok(next) = requests.try_recv() else { break };
+            if next.row.fields.outbox != outbox {
+                held = Some(next);
+                break;
+            }
             bytes += next.row.approximate_size();
             batch.push(next);
         }
@@ -295,8 +324,30 @@ mod tests {
             Vec::new(),
         )
         .unwrap();
-        let w = PoisonWriter::new(info, &config);
-        assert!(w.statement.contains("\"app\".\"dead_letters\""));
+        let w = PoisonWriter::new(info.clone(), &config);
+        assert!(w.statements[0].contains("\"app\".\"dead_letters\""));
         assert_eq!(w.copy_limit, 4096);
+
+        // Several outboxes: a statement each, picked by the rows' outbox.
+        let config = crate::config::test_config(
+            "[[outbox]]\ntable = \"a.outbox\"\npoison_table = \"a.poison\"\n\
+             [[outbox]]\ntable = \"b.outbox\"\npoison_table = \"b.poison\"\n",
+        );
+        let w = PoisonWriter::new(info, &config);
+        let mut row = PoisonRow::default();
+        row.fields.outbox = 1;
+        assert!(
+            w.statement_for(&[&row])
+                .contains("INSERT INTO \"b\".\"poison\"")
+        );
+        assert!(
+            w.statement_for(&[&row])
+                .contains("\"b\".outbox_relay_try_jsonb")
+        );
+        row.fields.outbox = 0;
+        assert!(
+            w.statement_for(&[&row])
+                .contains("INSERT INTO \"a\".\"poison\"")
+        );
     }
 }

@@ -84,23 +84,28 @@ impl PollSummary {
 pub async fn run(config: Config, args: &PollArgs, shutdown: Shutdown) -> Result<PollSummary> {
     let settings = Settings::new(&config, args)?;
     let mut pollers = Vec::new();
-    for _ in 0..settings.workers {
-        pollers.push(Poller::with_settings(&config, settings).await?);
-    }
     let mut summary = PollSummary::default();
-    if let Some(first) = pollers.first_mut() {
-        if args.after_cdc {
-            // Before any worker polls: rows the relay delivered are not sent again.
-            let marked = crate::outbox::checkpoint::mark_confirmed_sent(
-                &first.client,
-                &config,
-                settings.batch_size,
-            )
-            .await?;
-            summary.marked_after_cdc = marked.rows;
+    // Each outbox table has its own workers (`[[outbox]]`).
+    for view in config.per_outbox() {
+        let mut group = Vec::new();
+        for _ in 0..settings.workers {
+            group.push(Poller::with_settings(&view, settings).await?);
         }
-        // Before any worker polls, so no two sweeps race for the same row.
-        summary.poisoned += first.poison_exhausted().await?;
+        if let Some(first) = group.first_mut() {
+            if args.after_cdc {
+                // Before any worker polls: rows the relay delivered are not sent again.
+                let marked = crate::outbox::checkpoint::mark_confirmed_sent(
+                    &first.client,
+                    &view,
+                    settings.batch_size,
+                )
+                .await?;
+                summary.marked_after_cdc += marked.rows;
+            }
+            // Before any worker polls, so no two sweeps race for the same row.
+            summary.poisoned += first.poison_exhausted().await?;
+        }
+        pollers.extend(group);
     }
     if settings.workers > 1 {
         warn!(

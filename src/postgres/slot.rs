@@ -72,7 +72,28 @@ pub async fn check_prerequisites(
         return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
     let publication = &config.postgres.publication_name();
-    let (schema, table) = qualified_name(&config.outbox.table)?;
+    for outbox in config.outboxes() {
+        check_outbox_tables(client, publication, outbox).await?;
+    }
+    super::shard_publication::verify(client, config).await?;
+    let wal_sender_timeout =
+        Duration::from_millis(u64::try_from(timeout_ms.unwrap_or(60_000)).unwrap_or(0));
+    Ok(Prerequisites {
+        server_version,
+        server_version_num,
+        wal_sender_timeout,
+    })
+}
+
+/// One outbox's tables: the outbox exists and is in the publication, its poison
+/// table exists and is upgraded.
+async fn check_outbox_tables(
+    client: &Client,
+    publication: &str,
+    outbox: &crate::config::OutboxConfig,
+) -> Result<(), PgError> {
+    let publication = &publication.to_owned();
+    let (schema, table) = qualified_name(&outbox.table)?;
     let row = client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
@@ -86,8 +107,8 @@ pub async fn check_prerequisites(
                 publication,
                 &schema,
                 &table,
-                &crate::config::quote_qualified(&config.outbox.table),
-                &crate::config::quote_qualified(&config.outbox.poison_table),
+                &crate::config::quote_qualified(&outbox.table),
+                &crate::config::quote_qualified(&outbox.poison_table),
             ],
         )
         .await
@@ -104,44 +125,37 @@ pub async fn check_prerequisites(
     ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     if !has_outbox {
         return Err(Prerequisite::OutboxTableMissing {
-            table: config.outbox.table.clone(),
+            table: outbox.table.clone(),
         }
         .into());
     }
     if !has_publication {
         return Err(Prerequisite::PublicationMissing {
             publication: publication.clone(),
-            table: config.outbox.table.clone(),
+            table: outbox.table.clone(),
         }
         .into());
     }
     if !covers_outbox {
         return Err(Prerequisite::PublicationLacksTable {
             publication: publication.clone(),
-            table: config.outbox.table.clone(),
+            table: outbox.table.clone(),
         }
         .into());
     }
-    super::shard_publication::verify(client, config).await?;
     if !has_poison {
         return Err(Prerequisite::PoisonTableMissing {
-            table: config.outbox.poison_table.clone(),
+            table: outbox.poison_table.clone(),
         }
         .into());
     }
     if !poison_upgraded {
         return Err(Prerequisite::PoisonTableOutdated {
-            table: config.outbox.poison_table.clone(),
+            table: outbox.poison_table.clone(),
         }
         .into());
     }
-    let wal_sender_timeout =
-        Duration::from_millis(u64::try_from(timeout_ms.unwrap_or(60_000)).unwrap_or(0));
-    Ok(Prerequisites {
-        server_version,
-        server_version_num,
-        wal_sender_timeout,
-    })
+    Ok(())
 }
 
 /// The slot, ready to stream from.

@@ -35,6 +35,7 @@ mod replication_connection;
 mod resync;
 mod retention;
 mod secrets;
+mod several_outboxes;
 mod shards;
 mod sizes;
 mod tls_proxy;

@@ -99,6 +99,17 @@ pub(crate) struct BacklogSummary {
     pub(crate) snapshot_xmin: i64,
 }
 
+impl BacklogSummary {
+    /// Adds the counts of another outbox's backlog read in the same snapshot.
+    pub(crate) fn add(&mut self, other: &BacklogSummary) {
+        self.rows += other.rows;
+        self.published += other.published;
+        self.poisoned += other.poisoned;
+        self.already_delivered += other.already_delivered;
+        self.snapshot_xmin = self.snapshot_xmin.max(other.snapshot_xmin);
+    }
+}
+
 /// A row halted under `relay.on_poison = "halt"`.
 #[derive(Debug, Clone)]
 struct HaltedRow {

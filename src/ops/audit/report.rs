@@ -72,6 +72,46 @@ pub struct AuditReport {
 }
 
 impl AuditReport {
+    /// Names the table this report is about in its range and notes (the first of
+    /// several outboxes, see [`AuditReport::add`]).
+    pub fn label_by(&mut self, table: &str) {
+        self.range = format!("{table}: {}", self.range);
+        for note in &mut self.notes {
+            *note = format!("{table}: {note}");
+        }
+    }
+
+    /// Adds the report of another outbox table: counts add up (each event is a row
+    /// of one table), topics, samples and notes are joined.
+    pub fn add(&mut self, mut other: AuditReport, table: &str) {
+        other.label_by(table);
+        self.expected += other.expected;
+        self.delivered += other.delivered;
+        self.lost += other.lost;
+        self.duplicates += other.duplicates;
+        self.out_of_order_keys += other.out_of_order_keys;
+        self.poisoned += other.poisoned;
+        self.duplicated_events += other.duplicated_events;
+        self.parked += other.parked;
+        self.replayed += other.replayed;
+        self.out_of_order_records += other.out_of_order_records;
+        self.records_read += other.records_read;
+        self.outside_range += other.outside_range;
+        self.without_key += other.without_key;
+        self.unmappable_rows += other.unmappable_rows;
+        self.shared_keys += other.shared_keys;
+        self.range = format!("{}; {}", self.range, other.range);
+        for topic in other.topics {
+            if !self.topics.contains(&topic) {
+                self.topics.push(topic);
+            }
+        }
+        self.lost_sample.extend(other.lost_sample);
+        self.lost_sample.truncate(super::load::LOST_SAMPLE);
+        self.notes.extend(other.notes);
+        self.state_bytes = self.state_bytes.max(other.state_bytes);
+    }
+
     /// `{"expected","delivered","lost","duplicates","out_of_order_keys","poisoned"}`.
     #[must_use]
     pub fn to_json(&self) -> serde_json::Value {

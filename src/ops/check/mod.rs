@@ -265,8 +265,13 @@ pub async fn run(config: Result<Config, ConfigError>) -> Report {
     let broker_ok = broker_checks.iter().all(|c| c.status != Status::Problem);
     checks.extend(broker_checks);
     if let (Some(publisher), true) = (&publisher, broker_ok) {
-        let sample = kafka::Sample::Recent(client.as_ref());
-        checks.push(kafka::topics(publisher, &config, sample).await);
+        let client = client.as_ref();
+        checks.push(
+            per_outbox(&config, |view| async move {
+                kafka::topics(publisher, &view, kafka::Sample::Recent(client)).await
+            })
+            .await,
+        );
         checks.push(kafka::delivery(publisher, &config).await);
     }
     Report::new(checks)
@@ -284,11 +289,7 @@ fn config_checks(config: &Config) -> (Vec<Check>, Option<rdkafka::ClientConfig>)
             None
         }
     };
-    if let Err(e) = crate::outbox::OutboxMapper::new(
-        &config.outbox,
-        &config.kafka,
-        config.kafka.envelope.clone(),
-    ) {
+    if let Err(e) = crate::outbox::OutboxMapper::for_config(config) {
         problems.push(e.to_string());
     }
     let check = if problems.is_empty() {
@@ -296,7 +297,11 @@ fn config_checks(config: &Config) -> (Vec<Check>, Option<rdkafka::ClientConfig>)
             "config",
             format!(
                 "loaded: outbox {}, publication {}, slot {}, brokers {}",
-                config.outbox.table,
+                config
+                    .outboxes()
+                    .map(|o| o.table.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 config.postgres.publication_name(),
                 config.postgres.slot_name(),
                 config.kafka.brokers
@@ -341,12 +346,21 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         server::free_slots(client, config),
         server::free_senders(client, config),
         privileges::role(client),
-        privileges::tables(client, config),
-        publication::check(client, config),
+        per_outbox(config, |view| async move {
+            privileges::tables(client, &view).await
+        }),
+        per_outbox(config, |view| async move {
+            publication::check(client, &view).await
+        }),
         server::slot(client, config),
         server::max_slot_wal_keep_size(client, config),
-        migrations::check(client, config),
-        resync::check(client, config),
+        per_outbox(config, |view| async move {
+            migrations::check(client, &view).await
+        }),
+        per_outbox(
+            config,
+            |view| async move { resync::check(client, &view).await }
+        ),
     );
     vec![
         tls,
@@ -361,6 +375,53 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         migrations,
         resync,
     ]
+}
+
+/// A check of one outbox table, made for each of several `[[outbox]]` entries and
+/// reported as one: the worst status, each table's detail, the fixes of those not
+/// ok (just the check itself with one outbox).
+async fn per_outbox<F, Fut>(config: &Config, check: F) -> Check
+where
+    F: Fn(Config) -> Fut,
+    Fut: std::future::Future<Output = Check>,
+{
+    // Boxed: each future holds a whole config.
+    if !config.has_several_outboxes() {
+        return Box::pin(check(config.clone())).await;
+    }
+    let mut checks = Vec::new();
+    for view in config.per_outbox() {
+        let table = view.outbox.table.clone();
+        checks.push((table, Box::pin(check(view)).await));
+    }
+    merge_checks(checks)
+}
+
+/// One check out of the same check of several outbox tables (see [`per_outbox`]).
+fn merge_checks(checks: Vec<(String, Check)>) -> Check {
+    let rank = |s: Status| match s {
+        Status::Ok => 0,
+        Status::Warn => 1,
+        Status::Problem => 2,
+    };
+    let mut merged: Option<Check> = None;
+    let mut details = Vec::new();
+    let mut fixes = Vec::new();
+    for (table, check) in checks {
+        details.push(format!("{table}: {}", check.detail));
+        if let Some(fix) = &check.fix {
+            fixes.push(format!("{table}: {fix}"));
+        }
+        match &mut merged {
+            Some(m) if rank(check.status) > rank(m.status) => m.status = check.status,
+            Some(_) => {}
+            None => merged = Some(check),
+        }
+    }
+    let mut merged = merged.unwrap_or_else(|| Check::ok("config", "no outbox"));
+    merged.detail = details.join("; ");
+    merged.fix = (!fixes.is_empty()).then(|| fixes.join("; "));
+    merged
 }
 
 /// The checks of `outbox-relay check`, made by `run` at start: on the connection
@@ -386,7 +447,12 @@ impl RunChecks {
         let broker_ok = broker.status != Status::Problem;
         checks.push(broker);
         if broker_ok {
-            checks.push(kafka::topics(publisher, config, kafka::Sample::TemplateOnly).await);
+            checks.push(
+                per_outbox(config, |view| async move {
+                    kafka::topics(publisher, &view, kafka::Sample::TemplateOnly).await
+                })
+                .await,
+            );
             checks.push(kafka::delivery(publisher, config).await);
         }
         Report::new(checks)

@@ -140,18 +140,36 @@ pub struct Applied {
     /// Shard publications created (`postgres.shards > 1`, see
     /// `crate::postgres::shard_publication`).
     pub shard_publications: Vec<String>,
+    /// With several `[[outbox]]` entries: what was done for each table (the lists
+    /// above are then empty).
+    pub per_outbox: Vec<(String, Applied)>,
+    /// Outbox tables added to an existing publication (every outbox after the
+    /// first: the publication migration creates it for the first).
+    pub published_tables: Vec<String>,
 }
 
 impl Applied {
     /// The lines `migrate` prints: the counts, then each adaptation and skip.
     #[must_use]
     pub fn render(&self) -> String {
-        let mut out = format!(
+        let mut out = String::new();
+        for (table, applied) in &self.per_outbox {
+            for line in applied.render().lines() {
+                out.push_str(&format!("outbox {table}: {line}\n"));
+            }
+        }
+        for table in &self.published_tables {
+            out.push_str(&format!("outbox {table} added to the publication\n"));
+        }
+        if !self.per_outbox.is_empty() {
+            return out;
+        }
+        out.push_str(&format!(
             "migrations: {} applied, {} already present, {} skipped\n",
             self.applied.len(),
             self.already.len(),
             self.skipped.len()
-        );
+        ));
         for (name, note) in &self.adapted {
             out.push_str(&format!("migration {name} adapted: {note}\n"));
         }
@@ -271,17 +289,164 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-/// Applies every migration not yet recorded. Idempotent.
+/// Where the migrations of one outbox are recorded: the first outbox's in
+/// `outbox_relay_migrations` (as before there could be several), every other's in
+/// `outbox_relay_outbox_migrations`, by table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Ledger {
+    First,
+    Other { table: String },
+}
+
+impl Ledger {
+    fn of(cfg: &Config) -> Ledger {
+        if cfg.is_first_outbox() {
+            Ledger::First
+        } else {
+            Ledger::Other {
+                table: cfg.outbox.table.clone(),
+            }
+        }
+    }
+
+    fn create_sql(&self) -> &'static str {
+        match self {
+            Ledger::First => {
+                "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
+                     version    integer PRIMARY KEY,
+                     name       text NOT NULL,
+                     checksum   bigint NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now())"
+            }
+            Ledger::Other { .. } => {
+                "CREATE TABLE IF NOT EXISTS outbox_relay_outbox_migrations (
+                     outbox     text NOT NULL,
+                     version    integer NOT NULL,
+                     name       text NOT NULL,
+                     checksum   bigint NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now(),
+                     PRIMARY KEY (outbox, version))"
+            }
+        }
+    }
+
+    /// `params`, then the outbox's table for an outbox after the first (the last
+    /// parameter of its statements).
+    fn params<'a>(
+        &'a self,
+        mut params: Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)>,
+    ) -> Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)> {
+        if let Ledger::Other { table } = self {
+            params.push(table);
+        }
+        params
+    }
+
+    fn checksum_sql(&self) -> &'static str {
+        match self {
+            Ledger::First => "SELECT checksum FROM outbox_relay_migrations WHERE version = $1",
+            Ledger::Other { .. } => {
+                "SELECT checksum FROM outbox_relay_outbox_migrations
+                  WHERE version = $1 AND outbox = $2"
+            }
+        }
+    }
+
+    fn insert_sql(&self) -> &'static str {
+        match self {
+            Ledger::First => {
+                "INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES ($1, $2, $3)"
+            }
+            Ledger::Other { .. } => {
+                "INSERT INTO outbox_relay_outbox_migrations (version, name, checksum, outbox)
+                 VALUES ($1, $2, $3, $4)"
+            }
+        }
+    }
+
+    fn versions_sql(&self) -> &'static str {
+        match self {
+            Ledger::First => "SELECT version FROM outbox_relay_migrations",
+            Ledger::Other { .. } => {
+                "SELECT version FROM outbox_relay_outbox_migrations WHERE outbox = $1"
+            }
+        }
+    }
+}
+
+/// Applies every migration not yet recorded, for every outbox. Idempotent.
 pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
-    client
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
-                 version    integer PRIMARY KEY,
-                 name       text NOT NULL,
-                 checksum   bigint NOT NULL,
-                 applied_at timestamptz NOT NULL DEFAULT now())",
+    if !cfg.has_several_outboxes() {
+        return apply_one(client, cfg).await;
+    }
+    let mut result = Applied::default();
+    let views = cfg.per_outbox();
+    for view in &views {
+        let applied = Box::pin(apply_one(client, view)).await?;
+        result.per_outbox.push((view.outbox.table.clone(), applied));
+    }
+    for view in views.iter().skip(1) {
+        if add_to_publication(client, view).await? {
+            result.published_tables.push(view.outbox.table.clone());
+        }
+    }
+    Ok(result)
+}
+
+/// Adds an outbox after the first to the publication the first one's migration
+/// created, unless it is there already; whether it added it.
+async fn add_to_publication(client: &Client, view: &Config) -> Result<bool> {
+    let (schema, table) = config::qualified_name(&view.outbox.table)?;
+    let publication = &view.postgres.publication;
+    let member = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables
+                             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3)",
+            &[publication, &schema, &table],
         )
+        .await?
+        .try_get::<_, bool>(0)?;
+    if view.outbox.partitioned {
+        // Inserts into its partitions are then published under the outbox's name,
+        // as the first outbox's migration does for a partitioned first outbox.
+        client
+            .batch_execute(&format!(
+                "ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true)",
+                quote_ident(publication)
+            ))
+            .await?;
+    }
+    if member {
+        return Ok(false);
+    }
+    client
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {} ADD TABLE {}",
+            quote_ident(publication),
+            quote_qualified(&view.outbox.table)
+        ))
         .await?;
+    tracing::info!(publication = %publication, table = %view.outbox.table, "outbox added to the publication");
+    Ok(true)
+}
+
+/// Whether an outbox before this one lives in the same schema: its migrations made
+/// the schema's `outbox_enqueue`, which writes to that outbox, so this one's must
+/// not replace it.
+fn shares_enqueue_schema(cfg: &Config) -> Option<String> {
+    if cfg.is_first_outbox() {
+        return None;
+    }
+    let (schema, _) = config::qualified_name(&cfg.outbox.table).ok()?;
+    let home = cfg.home_outbox_table()?;
+    let (home_schema, _) = config::qualified_name(home).ok()?;
+    (home_schema == schema).then(|| home.to_owned())
+}
+
+/// Applies every migration of one outbox not yet recorded. Idempotent.
+async fn apply_one(client: &mut Client, cfg: &Config) -> Result<Applied> {
+    let ledger = Ledger::of(cfg);
+    client.batch_execute(ledger.create_sql()).await?;
     let mut result = Applied::default();
     let existing = adopt::inspect(client, cfg).await?;
     for m in MIGRATIONS {
@@ -289,7 +454,14 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
         let standard = m.sql_for(cfg);
         let step = match m.version {
             1 => adopt::outbox_table(cfg, existing.as_ref(), standard)?,
-            4 => adopt::enqueue(cfg, existing.as_ref()),
+            4 => match shares_enqueue_schema(cfg) {
+                Some(first) => adopt::Step::Skipped(format!(
+                    "outbox_enqueue in this schema writes to {first}; write events to {} \
+                     with INSERT",
+                    cfg.outbox.table
+                )),
+                None => adopt::enqueue(cfg, existing.as_ref()),
+            },
             _ => adopt::Step::Standard,
         };
         let (template, adapted) = match step {
@@ -306,10 +478,7 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
             .await?;
         let done = tx
-            .query_opt(
-                "SELECT checksum FROM outbox_relay_migrations WHERE version = $1",
-                &[&m.version],
-            )
+            .query_opt(ledger.checksum_sql(), &ledger.params(vec![&m.version]))
             .await?;
         if let Some(row) = done {
             let recorded: i64 = row.try_get(0)?;
@@ -332,8 +501,8 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
                 source,
             })?;
         tx.execute(
-            "INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-            &[&m.version, &m.name, &checksum(&sql)],
+            ledger.insert_sql(),
+            &ledger.params(vec![&m.version, &m.name, &checksum(&sql)]),
         )
         .await?;
         tx.commit().await?;
@@ -358,8 +527,18 @@ pub async fn apply(client: &mut Client, cfg: &Config) -> Result<Applied> {
 /// A failed query (a role without `SELECT` on `outbox_relay_migrations` gets
 /// SQLSTATE 42501), or an existing outbox the config cannot describe.
 pub async fn pending(client: &Client, cfg: &Config) -> Result<Vec<String>> {
+    if cfg.has_several_outboxes() {
+        let mut out = Vec::new();
+        for view in cfg.per_outbox() {
+            for label in Box::pin(pending(client, &view)).await? {
+                out.push(format!("{label} ({})", view.outbox.table));
+            }
+        }
+        return Ok(out);
+    }
+    let ledger = Ledger::of(cfg);
     let recorded: Vec<i32> = match client
-        .query("SELECT version FROM outbox_relay_migrations", &[])
+        .query(ledger.versions_sql(), &ledger.params(Vec::new()))
         .await
     {
         Ok(rows) => rows
@@ -374,6 +553,7 @@ pub async fn pending(client: &Client, cfg: &Config) -> Result<Vec<String>> {
     for m in MIGRATIONS.iter().filter(|m| !recorded.contains(&m.version)) {
         let step = match m.version {
             1 => adopt::outbox_table(cfg, existing.as_ref(), m.sql_for(cfg))?,
+            4 if shares_enqueue_schema(cfg).is_some() => adopt::Step::Skipped(String::new()),
             4 => adopt::enqueue(cfg, existing.as_ref()),
             _ => adopt::Step::Standard,
         };

@@ -17,7 +17,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::ConfigError;
+use crate::config::{Config, ConfigError, qualified_name};
 
 /// Arguments of `outbox-relay replay` (the config file comes from the CLI wiring).
 #[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
@@ -35,6 +35,53 @@ pub struct ReplayArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// The outbox whose poison table to replay from (its `table`), required when the
+    /// config has several `[[outbox]]` entries.
+    #[arg(long, value_name = "TABLE")]
+    pub outbox: Option<String>,
+}
+
+/// The config of the outbox `replay` works on: the only one, or the one `--outbox`
+/// names.
+///
+/// # Errors
+///
+/// [`ConfigError::Invalid`] when several outboxes leave it open or `--outbox` names
+/// none of them.
+pub(super) fn replayed_outbox(config: &Config, args: &ReplayArgs) -> Result<Config, ConfigError> {
+    let tables = || {
+        config
+            .outboxes()
+            .map(|o| o.table.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match &args.outbox {
+        None if config.has_several_outboxes() => Err(ConfigError::Invalid(format!(
+            "the config has several outboxes: say which one's poison rows to replay with \
+             --outbox TABLE (one of {})",
+            tables()
+        ))),
+        None => Ok(config.clone()),
+        Some(name) => config
+            .per_outbox()
+            .into_iter()
+            .find(|view| same_table(&view.outbox.table, name))
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "--outbox {name:?} is not an outbox of the config (one of {})",
+                    tables()
+                ))
+            }),
+    }
+}
+
+/// `app.events` and `events` name the same table when the schema is `public`.
+fn same_table(configured: &str, named: &str) -> bool {
+    match (qualified_name(configured), qualified_name(named)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => configured == named,
+    }
 }
 
 /// Which rows to replay, checked.

@@ -72,6 +72,7 @@ pub(crate) const PROGRESS_MIN_ROWS: u64 = 1000;
 /// PostgreSQL errors (exit 1). Row failures are not errors: they are in the report.
 pub async fn run(config: &Config, args: &ReplayArgs) -> Result<ReplayReport, Error> {
     let selection = Selection::from_args(args)?;
+    let config = &args::replayed_outbox(config, args)?;
     let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
     let client = crate::postgres::connect(&config.postgres.url).await?;
     let store = PoisonStore {

@@ -1390,3 +1390,57 @@ fn mapping_cost() {
     }
     println!("map_insert (envelope): {:?} per event", start.elapsed() / n);
 }
+
+/// `[[outbox]]`: each table is mapped with its own columns and topic template, its
+/// events and unmappable rows name their outbox (for the poison table), and a table
+/// of neither is not an outbox.
+#[test]
+fn several_outboxes_map_each_table_with_its_own_layout() {
+    let config = crate::config::test_config(
+        "[[outbox]]\ntable = \"public.outbox\"\n\
+         [[outbox]]\ntable = \"shipping.events\"\npreset = \"debezium\"\n\
+         poison_table = \"shipping.poison\"\ntopic_template = \"ship.{event_type}\"\n",
+    );
+    let mut m = OutboxMapper::for_config(&config).unwrap();
+    assert_eq!(m.on_relation(&outbox_relation()), RelationStatus::Outbox);
+    let debezium = relation(
+        REL + 1,
+        "shipping",
+        "events",
+        vec![
+            col("id", OID_UUID),
+            col("aggregatetype", OID_VARCHAR),
+            col("aggregateid", OID_VARCHAR),
+            col("type", OID_VARCHAR),
+            col("payload", OID_JSONB),
+        ],
+    );
+    assert_eq!(m.on_relation(&debezium), RelationStatus::Outbox);
+    let other = relation(REL + 2, "public", "events", migration_columns());
+    assert_eq!(m.on_relation(&other), RelationStatus::NotOutbox);
+
+    let first = event(map(&m, &good_values()));
+    assert_eq!(first.topic, "outbox.event.Order");
+    assert_eq!(first.poison_fields().outbox, 0);
+
+    let values = [
+        ("id", text(ID)),
+        ("aggregatetype", text("parcel")),
+        ("aggregateid", text("p-1")),
+        ("type", text("ParcelMoved")),
+        ("payload", text("{}")),
+    ];
+    let second = event(m.map_insert(&insert(&debezium, &values), LSN).unwrap());
+    assert_eq!(second.topic, "ship.ParcelMoved");
+    assert_eq!(&second.key[..], b"p-1");
+    assert_eq!(&second.idempotency_key[..], ID.as_bytes());
+    assert_eq!(second.poison_fields().outbox, 1);
+
+    let no_payload = &values[..4];
+    let refused = unmappable(m.map_insert(&insert(&debezium, no_payload), LSN).unwrap());
+    assert_eq!(refused.fields.outbox, 1);
+    assert!(
+        m.map_insert(&insert(&other, &good_values()), LSN)
+            .is_ok_and(|mapped| matches!(mapped, Mapped::NotOutbox))
+    );
+}
