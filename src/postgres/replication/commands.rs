@@ -14,6 +14,12 @@
 //! keywords are gone from newer servers, so [`create_slot_command`] picks the
 //! spelling by the server's major version.
 //!
+//! From PostgreSQL 17 on, a permanent slot is created with `FAILOVER true`: a
+//! standby with `sync_replication_slots = on` keeps a copy of it, so the relay
+//! resumes from the slot on a promoted standby instead of losing it. Without that
+//! setting on any standby the option changes nothing. A temporary slot cannot be a
+//! failover slot (the server refuses the option), and older servers do not know it.
+//!
 //! The answers come back as one text row of the simple query protocol; the helpers
 //! here check the row's shape and parse its fields, a malformed answer being a
 //! [`ReplicationError::Protocol`].
@@ -125,8 +131,21 @@ pub(crate) fn publication_names_option(names: &[&str]) -> String {
         .join(",")
 }
 
+/// The first server major version with failover slots (`FAILOVER` in
+/// `CREATE_REPLICATION_SLOT`, `sync_replication_slots` on standbys).
+const FAILOVER_SLOTS_SINCE: u32 = 17;
+
+/// Whether a slot created on a server of `server_major` is a failover slot: a
+/// permanent slot on PostgreSQL 17 or later. An unknown version gets no
+/// `FAILOVER` (a 15 or 16 server would refuse the option).
+#[must_use]
+pub(crate) fn creates_failover_slot(temporary: bool, server_major: Option<u32>) -> bool {
+    !temporary && server_major.is_some_and(|v| v >= FAILOVER_SLOTS_SINCE)
+}
+
 /// The `CREATE_REPLICATION_SLOT` command for a server major version (`None`:
-/// assume a current server).
+/// assume a current server, without failover). A permanent slot on PostgreSQL 17
+/// or later is a failover slot ([`creates_failover_slot`]).
 #[must_use]
 pub fn create_slot_command(
     name: &str,
@@ -142,10 +161,14 @@ pub fn create_slot_command(
     command.push_str(OUTPUT_PLUGIN);
     if server_major.is_none_or(|v| v >= 15) {
         command.push_str(match snapshot {
-            SnapshotAction::Export => " (SNAPSHOT 'export')",
-            SnapshotAction::NoExport => " (SNAPSHOT 'nothing')",
-            SnapshotAction::Use => " (SNAPSHOT 'use')",
+            SnapshotAction::Export => " (SNAPSHOT 'export'",
+            SnapshotAction::NoExport => " (SNAPSHOT 'nothing'",
+            SnapshotAction::Use => " (SNAPSHOT 'use'",
         });
+        if creates_failover_slot(temporary, server_major) {
+            command.push_str(", FAILOVER true");
+        }
+        command.push(')');
     } else {
         command.push_str(match snapshot {
             SnapshotAction::Export => " EXPORT_SNAPSHOT",

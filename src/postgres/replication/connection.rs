@@ -194,8 +194,10 @@ impl ReplicationConnection {
     /// `CREATE_REPLICATION_SLOT "name" [TEMPORARY] LOGICAL pgoutput …`.
     ///
     /// Uses the option-list syntax on PostgreSQL 15+ and the keyword syntax
-    /// (`NOEXPORT_SNAPSHOT`, …) before. A temporary slot is dropped when this
-    /// connection ends (including after streaming from it).
+    /// (`NOEXPORT_SNAPSHOT`, …) before. A permanent slot on PostgreSQL 17+ is a
+    /// failover slot (`FAILOVER true`): standbys with `sync_replication_slots` keep
+    /// a copy that a promoted standby resumes from. A temporary slot is dropped
+    /// when this connection ends (including after streaming from it).
     ///
     /// # Errors
     ///

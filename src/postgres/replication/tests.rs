@@ -10,8 +10,8 @@ use postgres_protocol::authentication::md5_hash;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 use super::commands::{
-    TimelineSwitch, create_slot_command, parse_major_version, parse_timeline_history,
-    publication_names_option, quote_literal, start_replication_command,
+    TimelineSwitch, create_slot_command, creates_failover_slot, parse_major_version,
+    parse_timeline_history, publication_names_option, quote_literal, start_replication_command,
 };
 use super::frames::{PRIMARY_KEEPALIVE, ServerFrame, StandbyStatus, XLOG_DATA};
 use super::messages::{
@@ -123,6 +123,45 @@ fn builds_create_slot_for_each_server_generation() {
         create_slot_command("s", false, SnapshotAction::Use, Some(13)),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput USE_SNAPSHOT"
     );
+}
+
+#[test]
+fn a_permanent_slot_on_postgres_17_is_a_failover_slot() {
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(17)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing', FAILOVER true)"
+    );
+    assert_eq!(
+        create_slot_command("o'brien", false, SnapshotAction::Export, Some(18)),
+        "CREATE_REPLICATION_SLOT \"o'brien\" LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"
+    );
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::Use, Some(17)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'use', FAILOVER true)"
+    );
+    // The server refuses FAILOVER for a temporary slot.
+    assert_eq!(
+        create_slot_command("s", true, SnapshotAction::NoExport, Some(17)),
+        "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput (SNAPSHOT 'nothing')"
+    );
+    // 15 and 16 do not know the option; an unknown version gets none either.
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::Export, Some(16)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
+    );
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::NoExport, None),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
+    );
+    // Before 15 the keyword syntax is unchanged.
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(14)),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput NOEXPORT_SNAPSHOT"
+    );
+    assert!(creates_failover_slot(false, Some(17)));
+    assert!(!creates_failover_slot(true, Some(17)));
+    assert!(!creates_failover_slot(false, Some(16)));
+    assert!(!creates_failover_slot(false, None));
 }
 
 #[test]
