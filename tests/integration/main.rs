@@ -26,6 +26,7 @@ mod kafka_security;
 mod migrate_names;
 mod operations;
 mod parking;
+mod pg17_failover;
 mod poison;
 mod poller;
 mod progress;
