@@ -145,7 +145,7 @@ pub(crate) fn creates_failover_slot(temporary: bool, server_major: Option<u32>) 
 
 /// The `CREATE_REPLICATION_SLOT` command for a server major version (`None`:
 /// assume a current server, without failover). A permanent slot on PostgreSQL 17
-/// or later is a failover slot ([`creates_failover_slot`]).
+/// or later is a failover slot (`FAILOVER true`).
 #[must_use]
 pub fn create_slot_command(
     name: &str,
