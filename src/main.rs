@@ -243,7 +243,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Bench { config, args } => {
             let config = config.load()?;
             init_tracing(&config.log);
-            let report = outbox_relay::tools::bench::run(&config, &args).await?;
+            let report = Box::pin(outbox_relay::tools::bench::run(&config, &args)).await?;
             if let Some(path) = &args.plot {
                 report.plot(path)?;
             }

@@ -292,11 +292,15 @@ async fn prepare_locked(
         Decision::CutOver => false,
     };
     let mut views = config.per_outbox();
-    if !restarted && trigger == Trigger::Run(CutoverMode::Auto) {
+    let streams_without = !restarted && trigger == Trigger::Run(CutoverMode::Auto);
+    // With several outboxes, those no poller drained have nothing unsent, however the
+    // cutover was started; one such outbox alone is refused by `Backlog::open`
+    // (naming its missing columns) unless `run` just streams.
+    if streams_without || config.has_several_outboxes() {
         let mut drained = Vec::with_capacity(views.len());
-        for view in views {
-            if has_poller_columns(metadata, &view).await? {
-                drained.push(view);
+        for view in &views {
+            if has_poller_columns(metadata, view).await? {
+                drained.push(view.clone());
             } else {
                 // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
                 tracing::warn!(
@@ -306,10 +310,12 @@ async fn prepare_locked(
                 );
             }
         }
-        if drained.is_empty() {
+        if drained.is_empty() && streams_without {
             return Ok(Outcome::Stream);
         }
-        views = drained;
+        if !drained.is_empty() {
+            views = drained;
+        }
     }
     let mut summary = cut_over(&views, conninfo, conn, metadata, marker_table, history).await?;
     summary.restarted = restarted;

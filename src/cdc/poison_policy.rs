@@ -23,6 +23,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::metrics as m;
+use crate::config::ConfigError;
 use crate::config::{Config, PoisonKeyMode};
 use crate::error::Result;
 use crate::outbox::OutboxEvent;
@@ -138,6 +139,26 @@ pub(crate) async fn parked_keys(
     client: &tokio_postgres::Client,
     config: &Config,
 ) -> Result<HashSet<crate::poison::ParkedKey>> {
+    if config.serves_several_outboxes() {
+        // Parking is refused with several outboxes; keys an earlier `park-key` run
+        // left parked would hold back the events of every table on their topic.
+        for outbox in config.outboxes() {
+            let table = crate::poison::parked_key_table(outbox);
+            if crate::postgres::table_exists(client, &table).await?
+                && !crate::poison::load_parked_keys(client, &table)
+                    .await?
+                    .is_empty()
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "{table} holds keys an earlier relay.on_poison = \"park-key\" run parked; \
+                     with several [[outbox]] entries no key is parked: release them first \
+                     (`outbox-relay replay --all` with the config of that run)"
+                ))
+                .into());
+            }
+        }
+        return Ok(HashSet::new());
+    }
     let table = crate::poison::parked_key_table(&config.outbox);
     if crate::postgres::table_exists(client, &table).await? {
         return Ok(crate::poison::load_parked_keys(client, &table).await?);

@@ -98,6 +98,9 @@ pub struct BacklogSent {
     pub consistent_point: Lsn,
     /// The outbox ids (as text) of the rows, in the order they were published.
     pub sent: Vec<String>,
+    /// The outbox table the rows are from, with several `[[outbox]]` entries (ids
+    /// of one table say nothing about another's); `None`: the first outbox.
+    pub outbox: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -123,6 +126,8 @@ struct JsonBacklog {
     server_started: Option<i64>,
     consistent_point: String,
     sent: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    outbox: Option<String>,
 }
 
 fn zero_lsn() -> String {
@@ -204,6 +209,7 @@ impl ProgressRecord {
                 server_started: b.server_started,
                 consistent_point: b.consistent_point.to_string(),
                 sent: b.sent.clone(),
+                outbox: b.outbox.clone(),
             }),
         };
         // Serializing these plain fields cannot fail.
@@ -286,6 +292,7 @@ impl ProgressRecord {
                     server_started: b.server_started,
                     consistent_point: lsn("backlog.consistent_point", &b.consistent_point)?,
                     sent: b.sent,
+                    outbox: b.outbox,
                 }),
                 None => None,
             },
@@ -485,6 +492,7 @@ mod tests {
             server_started: Some(1_796_371_200_000_000),
             consistent_point: Lsn(0xB000_0060),
             sent: vec!["17".into(), "3f2c".into()],
+            outbox: None,
         });
         let value = with_rows.encode();
         let text = String::from_utf8(value.clone()).unwrap();

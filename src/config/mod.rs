@@ -61,6 +61,9 @@ pub struct Config {
     /// whose schema holds the relay's own tables ([`Config::relay_schema`]).
     #[serde(skip)]
     home_outbox: Option<String>,
+    /// In a view of one of several outboxes: the tables of the outboxes before it.
+    #[serde(skip)]
+    earlier_outboxes: Vec<String>,
     pub kafka: KafkaConfig,
     #[serde(default)]
     pub relay: RelayConfig,
@@ -291,6 +294,9 @@ pub struct KafkaConfig {
     /// When present, the record value is an envelope around the payload.
     #[serde(default)]
     pub envelope: Option<EnvelopeConfig>,
+    /// When present, every record is a CloudEvent (`[kafka.cloudevents]`).
+    #[serde(default)]
+    pub cloudevents: Option<CloudEventsConfig>,
     /// `at-least-once` (the default: every event is acked, a crash may re-send a
     /// window) or `exactly-once` (Kafka transactions: a `read_committed` consumer sees
     /// each event once; see `docs/architecture.md#exactly-once`).
@@ -406,6 +412,29 @@ pub struct EnvelopeConfig {
     pub producer: String,
     /// Written as `"schema_version"`.
     pub schema_version: String,
+}
+
+/// `[kafka.cloudevents]`: records as CloudEvents 1.0 in a mode of the Kafka protocol
+/// binding (see `crate::outbox` and docs/architecture.md#cloudevents).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CloudEventsConfig {
+    /// `binary` (attributes in `ce_*` headers, the payload untouched) or
+    /// `structured` (the JSON event format as the value).
+    #[serde(default)]
+    pub mode: CloudEventsMode,
+    /// The `source` attribute: a URI-reference naming the producer, e.g.
+    /// `"/services/orders"` or `"urn:example:orders"`.
+    pub source: String,
+}
+
+/// `kafka.cloudevents.mode`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CloudEventsMode {
+    #[default]
+    Binary,
+    Structured,
 }
 
 /// `relay.cutover`: whether `run` cuts over from a polling relay when it creates the
@@ -729,11 +758,15 @@ impl Config {
     #[must_use]
     pub fn per_outbox(&self) -> Vec<Config> {
         self.outboxes()
-            .map(|outbox| {
+            .enumerate()
+            .map(|(i, outbox)| {
                 let mut view = self.clone();
+                view.earlier_outboxes = self.outboxes().take(i).map(|o| o.table.clone()).collect();
                 view.outbox = outbox.clone();
                 view.more_outboxes.clear();
-                view.home_outbox = Some(self.outbox.table.clone());
+                if self.has_several_outboxes() {
+                    view.home_outbox = Some(self.outbox.table.clone());
+                }
                 if let Some(template) = &outbox.topic_template {
                     view.kafka.topic_template.clone_from(template);
                 }
@@ -753,10 +786,16 @@ impl Config {
             .map(|(schema, _)| schema)
     }
 
-    /// In a view of an outbox after the first: the first one's table.
+    /// In a view of one of several outboxes: the tables of the outboxes before it.
     #[must_use]
-    pub fn home_outbox_table(&self) -> Option<&str> {
-        self.home_outbox.as_deref()
+    pub fn earlier_outboxes(&self) -> &[String] {
+        &self.earlier_outboxes
+    }
+
+    /// Whether this config names several outboxes, or is a view of one of several.
+    #[must_use]
+    pub fn serves_several_outboxes(&self) -> bool {
+        self.has_several_outboxes() || self.home_outbox.is_some()
     }
 
     /// Whether `outbox` is the first outbox (also in a view of it): the one whose
@@ -908,6 +947,22 @@ impl Config {
     fn validate_delivery(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         let kafka = &self.kafka;
+        if let Some(ce) = &kafka.cloudevents {
+            if ce.source.trim().is_empty() {
+                return invalid(
+                    "kafka.cloudevents.source is empty: a CloudEvent needs a source (a \
+                     URI-reference naming the producer, e.g. \"/services/orders\")"
+                        .into(),
+                );
+            }
+            if kafka.envelope.is_some() {
+                return invalid(
+                    "[kafka.envelope] and [kafka.cloudevents] are both set: choose one form \
+                     of record"
+                        .into(),
+                );
+            }
+        }
         if kafka.transaction_max_events == 0 {
             return invalid("kafka.transaction_max_events must be at least 1".into());
         }
@@ -1219,6 +1274,7 @@ impl fmt::Debug for KafkaConfig {
             .field("partitioner", &self.partitioner)
             .field("producer", &producer)
             .field("envelope", &self.envelope)
+            .field("cloudevents", &self.cloudevents)
             .field("delivery", &self.delivery)
             .field("transaction_max_events", &self.transaction_max_events)
             .field("transaction_interval_ms", &self.transaction_interval_ms)
@@ -1232,6 +1288,7 @@ impl fmt::Debug for Config {
         f.debug_struct("Config")
             .field("postgres", &self.postgres)
             .field("outbox", &self.outbox)
+            .field("more_outboxes", &self.more_outboxes)
             .field("kafka", &self.kafka)
             .field("relay", &self.relay)
             .field("log", &self.log)

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::bytea::decode_bytea_text;
+use super::cloudevents::{CloudEvents, is_cloudevents_header};
 use super::columns::{FIELD_COUNT, Field, FieldNames};
 use super::envelope::{Envelope, build_envelope};
 use super::headers::parse_header_object;
@@ -56,6 +57,8 @@ pub struct OutboxMapper {
     /// [`OutboxMapper::map_row`] maps).
     outboxes: Vec<Binding>,
     envelope: Option<Envelope>,
+    /// `[kafka.cloudevents]` (never together with `envelope`).
+    cloudevents: Option<CloudEvents>,
     relations: RelationCache,
 }
 
@@ -111,7 +114,13 @@ impl OutboxMapper {
         kafka: &KafkaConfig,
         envelope: Option<EnvelopeConfig>,
     ) -> Result<Self, ConfigError> {
-        Self::with_template(outbox, &kafka.topic_template, envelope)
+        let template = outbox
+            .topic_template
+            .as_deref()
+            .unwrap_or(&kafka.topic_template);
+        let mut mapper = Self::with_template(outbox, template, envelope)?;
+        mapper.cloudevents = kafka.cloudevents.as_ref().map(CloudEvents::new);
+        Ok(mapper)
     }
 
     /// A mapper for every outbox of `config` (`[[outbox]]`), each with its own
@@ -130,6 +139,7 @@ impl OutboxMapper {
         Ok(OutboxMapper {
             outboxes,
             envelope: config.kafka.envelope.as_ref().map(Envelope::new),
+            cloudevents: config.kafka.cloudevents.as_ref().map(CloudEvents::new),
             relations: RelationCache::default(),
         })
     }
@@ -147,6 +157,7 @@ impl OutboxMapper {
         Ok(OutboxMapper {
             outboxes: vec![Binding::new(outbox, topic_template, 0)?],
             envelope: envelope.as_ref().map(Envelope::new),
+            cloudevents: None,
             relations: RelationCache::default(),
         })
     }
@@ -388,9 +399,25 @@ impl OutboxMapper {
             None => idempotency_key.clone(),
         };
 
-        let (payload, raw_payload) = match &self.envelope {
-            None => (value, None),
-            Some(envelope) => {
+        let mut cloudevent_headers = Vec::new();
+        let (payload, raw_payload) = match (&self.envelope, &self.cloudevents) {
+            (None, Some(cloudevents)) => {
+                let formed = cloudevents
+                    .form(
+                        &idempotency_key,
+                        event_type.as_deref(),
+                        occurred_at.as_ref(),
+                        value.clone(),
+                        payload_format,
+                    )
+                    .map_err(|e| Reject::new(error_kind::BAD_VALUE, e.to_string()))?;
+                cloudevent_headers = formed.headers;
+                // Structured mode wraps the payload; the poison row keeps it bare.
+                let raw = (formed.value != value).then_some(value);
+                (formed.value, raw)
+            }
+            (None, None) => (value, None),
+            (Some(envelope), _) => {
                 let wrapped = build_envelope(
                     envelope,
                     &event_id,
@@ -430,6 +457,7 @@ impl OutboxMapper {
             put_lsn(&mut buf, lsn);
             headers.push((Cow::Borrowed(HEADER_SOURCE_LSN), Bytes::from(buf)));
         }
+        let relay_headers = headers.len();
         if let Some(text) = &row_headers {
             parse_header_object(text, &mut headers).map_err(|e| {
                 Reject::new(
@@ -437,6 +465,21 @@ impl OutboxMapper {
                     format!("{}: {e}", names.describe(Field::Headers)),
                 )
             })?;
+        }
+        if !cloudevent_headers.is_empty() {
+            if let Some((name, _)) = headers[relay_headers..]
+                .iter()
+                .find(|(name, _)| is_cloudevents_header(name))
+            {
+                return Err(Reject::new(
+                    error_kind::BAD_HEADERS,
+                    format!(
+                        "{} has a {name:?} entry, which would shadow the CloudEvents header",
+                        names.describe(Field::Headers)
+                    ),
+                ));
+            }
+            headers.splice(relay_headers..relay_headers, cloudevent_headers);
         }
 
         let timestamp_ms = created_at_micros

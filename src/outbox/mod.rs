@@ -28,6 +28,7 @@
 mod bytea;
 pub mod checkpoint;
 mod checkpoint_error;
+mod cloudevents;
 mod columns;
 pub mod enqueue;
 mod envelope;

@@ -204,12 +204,12 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let relay_config = config.clone();
     let relay = tokio::spawn(async move {
-        crate::cdc::session::run(
+        Box::pin(crate::cdc::session::run(
             relay_config,
             Box::pin(async move {
                 let _ = stop_rx.await;
             }),
-        )
+        ))
         .await
     });
     wait_for_slot(&client).await?;

@@ -11,6 +11,7 @@ mod adopt;
 mod audit;
 mod bench;
 mod check;
+mod cloudevents;
 mod cutover;
 mod demo;
 mod deploy;

@@ -237,6 +237,33 @@ async fn one_relay_serves_two_outbox_tables_of_different_layouts() {
     let replay: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(replay["selected"], 1, "{replay}");
 
+    // A third outbox cannot join the publication under the existing slot: its
+    // earlier rows would never be streamed. migrate refuses, naming the slot.
+    db.client
+        .batch_execute("CREATE TABLE shipping.late_outbox (LIKE public.outbox INCLUDING ALL)")
+        .await
+        .unwrap();
+    db.append_config(
+        "\n[[outbox]]\ntable = \"shipping.late_outbox\"\npoison_table = \"shipping.late_poison\"\n",
+    );
+    let out = harness::run_cli(&["migrate", "--config", &config]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is not in publication") && stderr.contains(&db.slot),
+        "{stderr}"
+    );
+    let published: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_publication_tables WHERE tablename = 'late_outbox'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(published, 0);
+
     println!(
         "two outboxes: {order_events} order events ({order_dups} duplicates), \
          {parcel_events} parcel events ({parcel_dups} duplicates) after a kill -9; \

@@ -89,6 +89,9 @@ pub(super) struct BacklogTransactions {
     carried: ProgressRecord,
     /// Bytes of ids a round may list ([`SENT_IDS_BUDGET`], halved by refusals).
     budget: usize,
+    /// The outbox table of the rows, named in the record when it is not the first
+    /// of several (`BacklogSent::outbox`).
+    outbox: Option<String>,
 }
 
 impl BacklogTransactions {
@@ -126,8 +129,17 @@ impl BacklogTransactions {
             backlog: None,
         });
         let server_started = crate::postgres::postmaster_started(metadata).await?;
+        let outbox = (!config.is_first_outbox()).then(|| config.outbox.table.clone());
         if let Some(sent) = carried.backlog.take() {
-            finish_marks(metadata, sql, history, server_started, &sent).await?;
+            if sent.outbox == outbox {
+                finish_marks(metadata, sql, history, server_started, &sent).await?;
+            } else {
+                // Another outbox's rows: its own backlog writes their marks (or,
+                // when it ran before this one, wrote them already).
+                tracing::debug!(rows = sent.sent.len(), outbox = ?sent.outbox,
+                    "the last backlog transaction's rows are another outbox's");
+                carried.backlog = Some(sent);
+            }
         }
         Ok(BacklogTransactions {
             id,
@@ -136,6 +148,7 @@ impl BacklogTransactions {
             server_started,
             carried,
             budget: SENT_IDS_BUDGET,
+            outbox,
         })
     }
 
@@ -170,6 +183,7 @@ impl BacklogTransactions {
             server_started: self.server_started,
             consistent_point,
             sent,
+            outbox: self.outbox.clone(),
         });
         let value = record.encode_within(MAX_RECORD_BYTES);
         let queued = send_progress(publisher, &self.topic, &record.slot, &value);

@@ -98,11 +98,11 @@ pub(super) async fn broker(publisher: &Publisher, config: &Config) -> Check {
 /// `kafka.topics`: the topics of the module doc exist; their size limits.
 pub(super) async fn topics(publisher: &Publisher, config: &Config, sample: Sample<'_>) -> Check {
     const NAME: &str = "kafka.topics";
-    let template = &config.kafka.topic_template;
+    let template = config.topic_template_of(&config.outbox);
     let is_static = !template.contains('{');
     let mut wanted: Vec<String> = Vec::new();
     if is_static {
-        wanted.push(template.clone());
+        wanted.push(template.to_owned());
     }
     let mut notes = Vec::new();
     match sample {
@@ -254,7 +254,8 @@ async fn recent_topics(
         quote_qualified(&config.outbox.table),
         MAX_TOPICS + 1
     );
-    let rows = client.query(&sql, &[&config.kafka.topic_template]).await?;
+    let template = config.topic_template_of(&config.outbox);
+    let rows = client.query(&sql, &[&template]).await?;
     let mut topics: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
     let more = topics.len() > MAX_TOPICS;
     topics.truncate(MAX_TOPICS);

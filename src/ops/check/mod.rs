@@ -467,7 +467,7 @@ impl StartChecks for RunChecks {
         config: &'a Config,
     ) -> CheckFuture<'a> {
         Box::pin(async move {
-            let report = RunChecks::report(client, publisher, config).await;
+            let report = Box::pin(RunChecks::report(client, publisher, config)).await;
             let mut failed = Vec::new();
             let mut exit_code = 0;
             for c in report.checks {

@@ -419,6 +419,32 @@ async fn add_to_publication(client: &Client, view: &Config) -> Result<bool> {
     if member {
         return Ok(false);
     }
+    // The publication decides what a change is decoded as when it is decoded, so a
+    // table added under an existing slot has its earlier rows outside the stream, and
+    // a relay streaming without it skips its new rows while confirming past them.
+    let slots = view.postgres.all_slot_names();
+    let existing: Vec<String> = client
+        .query(
+            "SELECT slot_name::text FROM pg_replication_slots
+              WHERE slot_name = ANY($1::text[]) AND database = current_database()",
+            &[&slots],
+        )
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<std::result::Result<_, _>>()?;
+    if !existing.is_empty() {
+        return Err(crate::config::ConfigError::Invalid(format!(
+            "outbox {} is not in publication {publication}, whose slot {} exists: its rows \
+             committed so far would never be streamed, and a relay running now would skip \
+             its new ones. Serve it with a relay of its own (its own postgres.slot and \
+             postgres.publication), or add it when the relay's slot is created \
+             (docs/configuration.md#several-outbox-tables-outbox)",
+            view.outbox.table,
+            existing.join(", ")
+        ))
+        .into());
+    }
     client
         .batch_execute(&format!(
             "ALTER PUBLICATION {} ADD TABLE {}",
@@ -430,17 +456,14 @@ async fn add_to_publication(client: &Client, view: &Config) -> Result<bool> {
     Ok(true)
 }
 
-/// Whether an outbox before this one lives in the same schema: its migrations made
-/// the schema's `outbox_enqueue`, which writes to that outbox, so this one's must
-/// not replace it.
+/// The earlier outbox in the same schema, if any: its migrations made the schema's
+/// `outbox_enqueue`, which writes to that outbox, so this one's must not replace it.
 fn shares_enqueue_schema(cfg: &Config) -> Option<String> {
-    if cfg.is_first_outbox() {
-        return None;
-    }
     let (schema, _) = config::qualified_name(&cfg.outbox.table).ok()?;
-    let home = cfg.home_outbox_table()?;
-    let (home_schema, _) = config::qualified_name(home).ok()?;
-    (home_schema == schema).then(|| home.to_owned())
+    cfg.earlier_outboxes()
+        .iter()
+        .find(|earlier| config::qualified_name(earlier).is_ok_and(|(s, _)| s == schema))
+        .cloned()
 }
 
 /// Applies every migration of one outbox not yet recorded. Idempotent.
