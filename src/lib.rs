@@ -31,6 +31,7 @@ pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod error;
+pub mod inbox;
 pub mod kafka;
 pub mod lifecycle;
 pub mod lsn;

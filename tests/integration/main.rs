@@ -22,6 +22,7 @@ mod exactly_once;
 mod fault_drill;
 mod harness;
 mod huge_transaction;
+mod inbox;
 mod kafka_publisher;
 mod kafka_security;
 mod migrate_names;
