@@ -132,6 +132,23 @@ fn key_text(key: &[u8]) -> Cow<'_, str> {
     String::from_utf8_lossy(key)
 }
 
+/// Whether `parked_keys` holds an unreleased key with an unreplayed parked (or
+/// parking) row in `poison_table`.
+async fn holds_parked_keys(
+    client: &tokio_postgres::Client,
+    parked_keys: &str,
+    poison_table: &str,
+) -> Result<bool> {
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {parked_keys} k WHERE k.released_at IS NULL
+            AND EXISTS (SELECT 1 FROM {} p WHERE p.topic = k.topic
+                         AND p.aggregate_id = k.record_key AND p.replayed_at IS NULL
+                         AND (p.parked OR p.holds_key)))",
+        crate::config::quote_qualified(poison_table)
+    );
+    Ok(client.query_one(&sql, &[]).await?.try_get(0)?)
+}
+
 /// The keys parked now (loaded when the relay starts, and after a backlog, which
 /// may park keys). Without the
 /// parked-key table (migration `0009`) there are none, unless `park-key` needs it.
@@ -142,12 +159,12 @@ pub(crate) async fn parked_keys(
     if config.serves_several_outboxes() {
         // Parking is refused with several outboxes; keys an earlier `park-key` run
         // left parked would hold back the events of every table on their topic.
+        // Only keys whose parked or parking rows are in this relay's poison tables:
+        // the parked-key table is per schema, and another relay may park its own.
         for outbox in config.outboxes() {
             let table = crate::poison::parked_key_table(outbox);
             if crate::postgres::table_exists(client, &table).await?
-                && !crate::poison::load_parked_keys(client, &table)
-                    .await?
-                    .is_empty()
+                && holds_parked_keys(client, &table, &outbox.poison_table).await?
             {
                 return Err(ConfigError::Invalid(format!(
                     "{table} holds keys an earlier relay.on_poison = \"park-key\" run parked; \

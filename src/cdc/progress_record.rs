@@ -99,7 +99,7 @@ pub struct BacklogSent {
     /// The outbox ids (as text) of the rows, in the order they were published.
     pub sent: Vec<String>,
     /// The outbox table the rows are from, with several `[[outbox]]` entries (ids
-    /// of one table say nothing about another's); `None`: the first outbox.
+    /// of one table say nothing about another's); `None`: a single-outbox relay's.
     pub outbox: Option<String>,
 }
 
@@ -505,6 +505,18 @@ mod tests {
         assert_eq!(ProgressRecord::decode(&value).unwrap(), with_rows);
         let bad = text.replace("0/B0000060", "nope");
         assert!(ProgressRecord::decode(bad.as_bytes()).is_err());
+
+        // With several outboxes the rows' table is named, and read back.
+        if let Some(backlog) = with_rows.backlog.as_mut() {
+            backlog.outbox = Some("billing.outbox".into());
+        }
+        let value = with_rows.encode();
+        let text = String::from_utf8(value.clone()).unwrap();
+        assert!(
+            text.ends_with(r#""sent":["17","3f2c"],"outbox":"billing.outbox"}}"#),
+            "{text}"
+        );
+        assert_eq!(ProgressRecord::decode(&value).unwrap(), with_rows);
     }
 
     #[test]

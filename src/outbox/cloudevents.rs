@@ -208,10 +208,13 @@ fn content_type(format: PayloadFormat) -> &'static str {
     }
 }
 
-/// Whether a row's own header would shadow a CloudEvents header (`ce_*`,
-/// `content-type`), which a consumer's SDK would then read twice.
+/// Whether a row's own header would shadow a CloudEvents header (`ce_*` in any case,
+/// `content-type`), which a consumer's SDK would then read twice (or, in structured
+/// mode, take for a binary-mode record).
 pub(super) fn is_cloudevents_header(name: &str) -> bool {
-    name.starts_with("ce_") || name.eq_ignore_ascii_case(HEADER_CONTENT_TYPE)
+    // SDKs compare header names case-insensitively (the Python SDK lowercases them).
+    name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+        || name.eq_ignore_ascii_case(HEADER_CONTENT_TYPE)
 }
 
 #[cfg(test)]
@@ -333,6 +336,8 @@ mod tests {
     #[test]
     fn cloudevents_headers_are_recognised() {
         assert!(is_cloudevents_header("ce_id"));
+        assert!(is_cloudevents_header("CE_Type"));
+        assert!(!is_cloudevents_header("ce"));
         assert!(is_cloudevents_header("Content-Type"));
         assert!(!is_cloudevents_header("trace_id"));
     }

@@ -84,6 +84,19 @@ pub enum Prerequisite {
          ALTER PUBLICATION {publication} ADD TABLE {table}"
     )]
     PublicationLacksTable { publication: String, table: String },
+    /// The publication does not publish an outbox table, and its slot exists: adding
+    /// the table now would leave its earlier rows out of the stream.
+    #[error(
+        "publication {publication} does not include {table}, and slot {slot} exists: \
+         added now, the table's rows committed so far would never be streamed. Serve \
+         {table} with a relay of its own (its own postgres.slot and postgres.publication), \
+         or list it when the slot is created (docs/configuration.md#adding-an-outbox-later)"
+    )]
+    PublicationLacksTableUnderSlot {
+        publication: String,
+        table: String,
+        slot: String,
+    },
     /// `CREATE_REPLICATION_SLOT` was refused (no free slot, no privilege, …).
     #[error("cannot create replication slot {slot}: {reason}")]
     SlotNotCreated { slot: String, reason: String },

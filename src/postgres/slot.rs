@@ -72,8 +72,11 @@ pub async fn check_prerequisites(
         return Err(Prerequisite::WalLevel { actual: wal_level }.into());
     }
     let publication = &config.postgres.publication_name();
+    let slot_name = config.postgres.slot_name();
+    let slot_exists = slot_info(client, &slot_name).await?.is_some();
     for outbox in config.outboxes() {
-        check_outbox_tables(client, publication, outbox).await?;
+        let slot_under = slot_exists.then_some(slot_name.as_str());
+        check_outbox_tables(client, publication, outbox, slot_under).await?;
     }
     super::shard_publication::verify(client, config).await?;
     let wal_sender_timeout =
@@ -86,11 +89,12 @@ pub async fn check_prerequisites(
 }
 
 /// One outbox's tables: the outbox exists and is in the publication, its poison
-/// table exists and is upgraded.
+/// table exists and is upgraded. `slot_under`: the relay's slot, when it exists.
 async fn check_outbox_tables(
     client: &Client,
     publication: &str,
     outbox: &crate::config::OutboxConfig,
+    slot_under: Option<&str>,
 ) -> Result<(), PgError> {
     let publication = &publication.to_owned();
     let (schema, table) = qualified_name(&outbox.table)?;
@@ -137,6 +141,14 @@ async fn check_outbox_tables(
         .into());
     }
     if !covers_outbox {
+        if let Some(slot) = slot_under.map(str::to_owned) {
+            return Err(Prerequisite::PublicationLacksTableUnderSlot {
+                publication: publication.clone(),
+                table: outbox.table.clone(),
+                slot,
+            }
+            .into());
+        }
         return Err(Prerequisite::PublicationLacksTable {
             publication: publication.clone(),
             table: outbox.table.clone(),

@@ -263,6 +263,27 @@ async fn one_relay_serves_two_outbox_tables_of_different_layouts() {
         .unwrap()
         .get(0);
     assert_eq!(published, 0);
+    // check names the same problem, without suggesting ALTER PUBLICATION.
+    let out = harness::run_cli(&["check", "--json", "--config", &config]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let publication = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "postgres.publication")
+        .unwrap()
+        .clone();
+    assert_eq!(publication["status"], "problem", "{publication}");
+    let detail = publication["detail"].as_str().unwrap();
+    assert!(detail.contains("shipping.late_outbox: publication"), "{detail}");
+    assert!(detail.contains("exists"), "{detail}");
+    assert!(
+        !publication["fix"]
+            .as_str()
+            .unwrap()
+            .contains("ADD TABLE \"shipping\".\"late_outbox\""),
+        "{publication}"
+    );
 
     println!(
         "two outboxes: {order_events} order events ({order_dups} duplicates), \

@@ -129,9 +129,18 @@ impl BacklogTransactions {
             backlog: None,
         });
         let server_started = crate::postgres::postmaster_started(metadata).await?;
-        let outbox = (!config.is_first_outbox()).then(|| config.outbox.table.clone());
+        // Several outboxes: the record names its table, and a record that names none
+        // is from a single-outbox run (its marks are left: rows published again).
+        let outbox = config
+            .serves_several_outboxes()
+            .then(|| config.outbox.table.clone());
         if let Some(sent) = carried.backlog.take() {
-            if sent.outbox == outbox {
+            let ours = match (&sent.outbox, &outbox) {
+                (Some(theirs), Some(ours)) => same_table(theirs, ours),
+                (None, None) => true,
+                _ => false,
+            };
+            if ours {
                 finish_marks(metadata, sql, history, server_started, &sent).await?;
             } else {
                 // Another outbox's rows: its own backlog writes their marks (or,
@@ -218,6 +227,17 @@ impl BacklogTransactions {
     pub(super) async fn abort(&self, publisher: &Publisher) -> Result<()> {
         retrying(|| async { kafka::joined(publisher.start_abort(&self.id).await) }).await?;
         Ok(())
+    }
+}
+
+/// Whether two configured names (`schema.table` or `table`) are one table.
+fn same_table(a: &str, b: &str) -> bool {
+    match (
+        crate::config::qualified_name(a),
+        crate::config::qualified_name(b),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
     }
 }
 

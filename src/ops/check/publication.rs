@@ -28,9 +28,11 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
                                        = to_regclass($2)
                                    OR to_regclass(format('%I.%I', t.schemaname, t.tablename))
                                        IN (SELECT relid FROM pg_partition_tree(to_regclass($2))))),
-                    (SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($2))
+                    (SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($2)),
+                    EXISTS (SELECT 1 FROM pg_replication_slots
+                            WHERE slot_name = $3 AND database = current_database())
              FROM (SELECT 1) one LEFT JOIN pg_publication p ON p.pubname = $1",
-            &[publication, &outbox],
+            &[publication, &outbox, &config.postgres.slot_name()],
         )
         .await
     {
@@ -46,6 +48,7 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
         row.get(5),
     );
     let partitioned: Option<bool> = row.get(6);
+    let slot_exists: bool = row.get(7);
     let quoted = quote_ident(publication);
     if partitioned.is_none() {
         return Check::problem(
@@ -69,7 +72,21 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
     }
     let mut problems = Vec::new();
     let mut fixes = Vec::new();
-    if !covers {
+    if !covers && slot_exists {
+        // Added now, the table's rows committed so far would never be streamed.
+        problems.push(format!(
+            "does not include {}, and slot {} exists",
+            config.outbox.table,
+            config.postgres.slot_name()
+        ));
+        fixes.push(format!(
+            "serve {} with a relay of its own (its own postgres.slot and \
+             postgres.publication), or list it when the slot is created \
+             (docs/configuration.md#adding-an-outbox-later); ALTER PUBLICATION would leave \
+             its earlier rows out of the stream",
+            config.outbox.table
+        ));
+    } else if !covers {
         problems.push(format!("does not include {}", config.outbox.table));
         fixes.push(format!("ALTER PUBLICATION {quoted} ADD TABLE {outbox}"));
     }

@@ -406,16 +406,6 @@ async fn add_to_publication(client: &Client, view: &Config) -> Result<bool> {
         )
         .await?
         .try_get::<_, bool>(0)?;
-    if view.outbox.partitioned {
-        // Inserts into its partitions are then published under the outbox's name,
-        // as the first outbox's migration does for a partitioned first outbox.
-        client
-            .batch_execute(&format!(
-                "ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true)",
-                quote_ident(publication)
-            ))
-            .await?;
-    }
     if member {
         return Ok(false);
     }
@@ -439,11 +429,21 @@ async fn add_to_publication(client: &Client, view: &Config) -> Result<bool> {
              committed so far would never be streamed, and a relay running now would skip \
              its new ones. Serve it with a relay of its own (its own postgres.slot and \
              postgres.publication), or add it when the relay's slot is created \
-             (docs/configuration.md#several-outbox-tables-outbox)",
+             (docs/configuration.md#adding-an-outbox-later)",
             view.outbox.table,
             existing.join(", ")
         ))
         .into());
+    }
+    if view.outbox.partitioned {
+        // Inserts into its partitions are then published under the outbox's name,
+        // as the first outbox's migration does for a partitioned first outbox.
+        client
+            .batch_execute(&format!(
+                "ALTER PUBLICATION {} SET (publish = 'insert', publish_via_partition_root = true)",
+                quote_ident(publication)
+            ))
+            .await?;
     }
     client
         .batch_execute(&format!(
