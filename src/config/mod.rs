@@ -145,6 +145,10 @@ pub struct OutboxConfig {
     /// several `[[outbox]]` entries whose events go to different topics).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topic_template: Option<String>,
+    /// A row whose payload is NULL becomes a record with a null value (a tombstone,
+    /// which log compaction reads as "delete this key") instead of a poison row:
+    /// Debezium's `route.tombstone.on.empty.payload`.
+    pub tombstone_on_empty_payload: bool,
     /// Create the outbox partitioned by `created_at` range (`migrate`), so that
     /// retention drops whole partitions instead of deleting rows.
     pub partitioned: bool,
@@ -564,6 +568,7 @@ impl Default for OutboxConfig {
             table: "public.outbox".into(),
             poison_table: "public.poison_outbox".into(),
             topic_template: None,
+            tombstone_on_empty_payload: false,
             partitioned: false,
             partition_interval: PartitionInterval::Day,
             partitions_ahead: 3,

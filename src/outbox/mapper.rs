@@ -323,14 +323,23 @@ impl OutboxMapper {
             ));
         }
 
-        // Payload, as PostgreSQL gave it.
-        let Some(raw_payload) = payload else {
-            return Err(Reject::new(
-                error_kind::NULL_PAYLOAD,
-                format!("{} is NULL", names.describe(Field::Payload)),
-            ));
+        // Payload, as PostgreSQL gave it; NULL is a tombstone when the outbox says so.
+        let tombstone = payload.is_none()
+            && self.outboxes[names.outbox]
+                .outbox
+                .tombstone_on_empty_payload;
+        let raw_payload = match payload {
+            Some(payload) => payload,
+            None if tombstone => Cow::Owned(Bytes::new()),
+            None => {
+                return Err(Reject::new(
+                    error_kind::NULL_PAYLOAD,
+                    format!("{} is NULL", names.describe(Field::Payload)),
+                ));
+            }
         };
         let (value, payload_format) = match payload_format {
+            _ if tombstone => (Bytes::new(), payload_format),
             PayloadFormat::Json | PayloadFormat::Text | PayloadFormat::Raw => {
                 (raw_payload.into_owned(), payload_format)
             }
@@ -401,6 +410,8 @@ impl OutboxMapper {
 
         let mut cloudevent_headers = Vec::new();
         let (payload, raw_payload) = match (&self.envelope, &self.cloudevents) {
+            // A tombstone has no value to wrap: a compaction marker, not an event.
+            _ if tombstone => (value, None),
             (None, Some(cloudevents)) => {
                 let formed = cloudevents
                     .form(
@@ -490,6 +501,7 @@ impl OutboxMapper {
             key,
             topic,
             payload,
+            tombstone,
             headers,
             timestamp_ms,
             idempotency_key,

@@ -210,6 +210,9 @@ pub struct OutboxEvent {
     pub topic: String,
     /// Record value: the payload bytes as PostgreSQL gave them, or the envelope.
     pub payload: Bytes,
+    /// The value is null (a tombstone: the payload was NULL and the outbox has
+    /// `tombstone_on_empty_payload`); `payload` is then empty.
+    pub tombstone: bool,
     /// Record headers, in contract order (see the module docs).
     pub headers: Vec<(HeaderName, Bytes)>,
     /// CreateTime in Unix milliseconds; `None` without `created_at` or before 1970
@@ -274,10 +277,12 @@ impl OutboxEvent {
         let aggregate_type = text(self.relay_header(HEADER_AGGREGATE_TYPE));
         let event_type = text(self.relay_header(HEADER_EVENT_TYPE));
         let headers = text(s.headers.as_ref());
-        let payload = payload_text(
-            s.raw_payload.as_ref().unwrap_or(&self.payload),
-            s.payload_format,
-        );
+        let payload = (!self.tombstone).then(|| {
+            payload_text(
+                s.raw_payload.as_ref().unwrap_or(&self.payload),
+                s.payload_format,
+            )
+        });
         let created_at = s.created_at_micros.and_then(format_rfc3339);
         let values: [(Field, &Option<String>); FIELD_COUNT] = [
             (Field::Id, &outbox_id),
@@ -287,7 +292,7 @@ impl OutboxEvent {
             (Field::EventType, &event_type),
             (Field::Topic, &Some(self.topic.clone())),
             (Field::Headers, &headers),
-            (Field::Payload, &Some(payload.clone())),
+            (Field::Payload, &payload),
             (Field::CreatedAt, &created_at),
         ];
         let columns = values
@@ -303,7 +308,7 @@ impl OutboxEvent {
             event_type,
             topic: Some(self.topic.clone()),
             headers,
-            payload: Some(payload),
+            payload,
             created_at,
             columns,
             lsn: self.source_lsn,

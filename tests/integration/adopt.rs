@@ -355,3 +355,52 @@ async fn text_id_and_json_payload() {
     )
     .await;
 }
+
+/// Debezium's router turns a row with a NULL payload into a tombstone when
+/// `route.tombstone.on.empty.payload` is set; `outbox.tombstone_on_empty_payload`
+/// does the same: the record has the row's key and a null value (what log
+/// compaction reads as "delete this key"), the row is not poisoned, and the audit
+/// counts it delivered.
+#[tokio::test]
+async fn a_null_payload_is_relayed_as_a_tombstone_with_the_debezium_option() {
+    let (db, _) = adopt(
+        "adopt_tomb",
+        "CREATE TABLE outbox (
+             id uuid PRIMARY KEY,
+             aggregatetype varchar(255) NOT NULL,
+             aggregateid varchar(255) NOT NULL,
+             type varchar(255) NOT NULL,
+             payload jsonb)",
+        "{name}.customers",
+        "[outbox]\npreset = \"debezium\"\ntombstone_on_empty_payload = true\n",
+    )
+    .await;
+    harness::create_topic(&db.topic, 1).await;
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let (created, deleted) = (
+        "0190a5f0-0000-7000-8000-0000000000a1",
+        "0190a5f0-0000-7000-8000-0000000000a2",
+    );
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload)
+                 VALUES ('{created}', 'customer', 'c-1', 'CustomerCreated', '{{\"name\": \"Ada\"}}');
+             INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload)
+                 VALUES ('{deleted}', 'customer', 'c-1', 'CustomerDeleted', NULL);"
+        ))
+        .await
+        .unwrap();
+    let records = harness::consume_exactly(&db.topic, 2, Duration::from_secs(30), &relay).await;
+    let first = by_key(&records, created);
+    assert_eq!(first.payload.as_deref(), Some(&br#"{"name": "Ada"}"#[..]));
+    let tombstone = by_key(&records, deleted);
+    assert_eq!(tombstone.key.as_deref(), Some(&b"c-1"[..]));
+    assert_eq!(tombstone.payload, None, "a null value, not an empty one");
+    assert_eq!(tombstone.header("event_type"), Some("CustomerDeleted"));
+    assert!(tombstone.offset > first.offset);
+    assert_eq!(db.poison_rows().await, 0);
+    assert_audit_clean(&db, 2);
+    relay.terminate(Duration::from_secs(20)).await;
+    db.drop_slot().await;
+}

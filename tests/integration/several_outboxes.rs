@@ -275,7 +275,10 @@ async fn one_relay_serves_two_outbox_tables_of_different_layouts() {
         .clone();
     assert_eq!(publication["status"], "problem", "{publication}");
     let detail = publication["detail"].as_str().unwrap();
-    assert!(detail.contains("shipping.late_outbox: publication"), "{detail}");
+    assert!(
+        detail.contains("shipping.late_outbox: publication"),
+        "{detail}"
+    );
     assert!(detail.contains("exists"), "{detail}");
     assert!(
         !publication["fix"]

@@ -1444,3 +1444,33 @@ fn several_outboxes_map_each_table_with_its_own_layout() {
             .is_ok_and(|mapped| matches!(mapped, Mapped::NotOutbox))
     );
 }
+
+/// `tombstone_on_empty_payload`: a NULL payload is a record with a null value (key
+/// and headers as usual, no envelope around it); without it, a poison row.
+#[test]
+fn a_null_payload_is_a_tombstone_when_the_outbox_says_so() {
+    let values = with(good_values(), "payload", ColumnValue::Null);
+    let refused = unmappable(map(&mapper(), &values));
+    assert_eq!(refused.error_kind, error_kind::NULL_PAYLOAD);
+
+    let outbox = OutboxConfig {
+        tombstone_on_empty_payload: true,
+        ..OutboxConfig::default()
+    };
+    let envelope = EnvelopeConfig {
+        producer: "svc".into(),
+        schema_version: "1".into(),
+    };
+    let mut m = OutboxMapper::with_template(&outbox, "t", Some(envelope)).unwrap();
+    m.on_relation(&outbox_relation());
+    let e = event(map(&m, &values));
+    assert!(e.tombstone);
+    assert!(e.payload.is_empty());
+    assert_eq!(&e.key[..], b"42");
+    assert_eq!(&e.idempotency_key[..], b"order-42-created");
+    assert_eq!(e.poison_fields().payload, None);
+    // A payload that is there is a record as always.
+    let e = event(map(&m, &good_values()));
+    assert!(!e.tombstone);
+    assert!(e.payload.starts_with(b"{\"event_id\""));
+}
