@@ -445,6 +445,8 @@ pub struct Record {
     pub payload: Option<Vec<u8>>,
     pub headers: BTreeMap<String, Vec<u8>>,
     pub timestamp_ms: Option<i64>,
+    /// When this consumer read it (for arrival-time measurements).
+    pub received_at: Instant,
 }
 
 impl Record {
@@ -492,6 +494,34 @@ fn consume_blocking(
     n: usize,
     timeout: Duration,
 ) -> Vec<Record> {
+    let all = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+    consume_until(brokers, settings, topic, n, &all, timeout)
+}
+
+/// Reads `topic` from its start while the relay drains, until `until` (which the
+/// caller may lower once it knows how many records to expect) records arrived or
+/// `timeout` passed; each record keeps the instant it arrived.
+pub async fn consume_while_draining(
+    topic: String,
+    until: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    timeout: Duration,
+) -> Vec<Record> {
+    let brokers = env().brokers.clone();
+    tokio::task::spawn_blocking(move || {
+        consume_until(&brokers, &[], &topic, usize::MAX, &until, timeout)
+    })
+    .await
+    .expect("consumer task")
+}
+
+fn consume_until(
+    brokers: &str,
+    settings: &[(String, String)],
+    topic: &str,
+    n: usize,
+    until: &std::sync::atomic::AtomicUsize,
+    timeout: Duration,
+) -> Vec<Record> {
     let consumer = consumer_with(brokers, settings);
     // A broker that just restarted may drop the first connection, and Tansu on
     // SQLite under the whole suite's load has been seen to time out metadata
@@ -525,7 +555,9 @@ fn consume_blocking(
     // Next offset expected per partition: records before it were read already
     // (re-delivered after an offset reset) and are skipped.
     let mut next: std::collections::HashMap<i32, i64> = std::collections::HashMap::new();
-    while out.len() < n && Instant::now() < deadline {
+    while out.len() < n.min(until.load(std::sync::atomic::Ordering::SeqCst))
+        && Instant::now() < deadline
+    {
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => {
                 let expected = next.entry(m.partition()).or_insert(0);
@@ -548,6 +580,7 @@ fn consume_blocking(
                     payload: m.payload().map(<[u8]>::to_vec),
                     headers,
                     timestamp_ms: m.timestamp().to_millis(),
+                    received_at: Instant::now(),
                 });
             }
             // A broker that just restarted (or a connection it dropped) is

@@ -14,8 +14,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::harness::{self, RelayProcess, TestDb, assert_per_key_order, consume, tally};
 
@@ -39,13 +39,20 @@ fn peak_rss_kib(pid: u32) -> u64 {
 }
 
 /// One-row transactions on keys `s0..s4`, `seq` counting up, until `stop` and then
-/// [`SMALL_AFTER`] more; returns how many it committed.
-async fn small_writer(url: String, stop: Arc<AtomicBool>, written: Arc<AtomicI64>) -> i64 {
+/// [`SMALL_AFTER`] more; returns how many it committed, and when each of those after
+/// `stop` committed (by `seq`).
+async fn small_writer(
+    url: String,
+    stop: Arc<AtomicBool>,
+    written: Arc<AtomicI64>,
+) -> (i64, HashMap<i64, Instant>) {
     let client = harness::connect(&url).await;
     let mut seq = 0_i64;
     let mut after = 0;
+    let mut committed_after = HashMap::new();
     while after < SMALL_AFTER {
-        if stop.load(Ordering::SeqCst) {
+        let stopped = stop.load(Ordering::SeqCst);
+        if stopped {
             after += 1;
         }
         client
@@ -56,11 +63,14 @@ async fn small_writer(url: String, stop: Arc<AtomicBool>, written: Arc<AtomicI64
             )
             .await
             .expect("a small transaction");
+        if stopped {
+            committed_after.insert(seq, Instant::now());
+        }
         seq += 1;
         written.store(seq, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    seq
+    (seq, committed_after)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +102,14 @@ async fn a_huge_transaction_goes_through_in_bounded_memory_and_commit_order() {
         written.load(Ordering::SeqCst) >= 20
     })
     .await;
-    let started = std::time::Instant::now();
+    // Read while the relay drains, so that each record's arrival time is known.
+    let until = Arc::new(AtomicUsize::new(usize::MAX));
+    let reader = tokio::spawn(harness::consume_while_draining(
+        db.topic.clone(),
+        until.clone(),
+        Duration::from_secs(600),
+    ));
+    let started = Instant::now();
     db.client
         .batch_execute(&format!(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -104,10 +121,14 @@ async fn a_huge_transaction_goes_through_in_bounded_memory_and_commit_order() {
         .expect("the big transaction");
     let big_commit = started.elapsed();
     stop.store(true, Ordering::SeqCst);
-    let small_count = small.await.expect("small writer");
+    let (small_count, committed_after) = small.await.expect("small writer");
 
     let expected = usize::try_from(rows + small_count).unwrap();
-    let records = consume(&db.topic, expected, Duration::from_secs(600)).await;
+    until.store(expected, Ordering::SeqCst);
+    let mut records = reader.await.expect("reader");
+    if records.len() < expected {
+        records = consume(&db.topic, expected, Duration::from_secs(60)).await;
+    }
     let peak_mib = peak_rss_kib(relay.pid()) / 1024;
     let (unique, duplicates) = tally(&records);
     assert_eq!(unique, expected, "lost events; relay log:\n{}", relay.log());
@@ -129,6 +150,7 @@ async fn a_huge_transaction_goes_through_in_bounded_memory_and_commit_order() {
          server spilled {} MiB",
         spilled / (1024 * 1024)
     );
+    report_small_delays(&records, &committed_after, started + big_commit);
     assert!(
         spilled > 0,
         "the server did not spill the transaction: the test does not test what it says"
@@ -139,6 +161,54 @@ async fn a_huge_transaction_goes_through_in_bounded_memory_and_commit_order() {
     );
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
+}
+
+/// How long the small transactions committed after the big one waited beyond what
+/// commit order requires: each one's arrival at this consumer after the later of its
+/// own commit and the arrival of the big transaction's last record (printed, not
+/// asserted: a timing on a shared machine). `big_committed` is when the big
+/// transaction's commit returned.
+fn report_small_delays(
+    records: &[harness::Record],
+    committed_after: &HashMap<i64, Instant>,
+    big_committed: Instant,
+) {
+    let big_done = records
+        .iter()
+        .filter(|r| r.key.as_deref().is_some_and(|k| k.starts_with(b"h")))
+        .map(|r| r.received_at)
+        .max();
+    let Some(big_done) = big_done else {
+        return;
+    };
+    let mut delays: Vec<Duration> = records
+        .iter()
+        .filter(|r| r.key.as_deref().is_some_and(|k| k.starts_with(b"s")))
+        .filter_map(|r| {
+            let payload: serde_json::Value = serde_json::from_slice(r.payload.as_deref()?).ok()?;
+            let committed = committed_after.get(&payload["seq"].as_i64()?)?;
+            Some(
+                r.received_at
+                    .saturating_duration_since((*committed).max(big_done)),
+            )
+        })
+        .collect();
+    if delays.is_empty() {
+        return;
+    }
+    delays.sort();
+    // Nearest rank, in integers: `per_mille` of the way through the sorted delays.
+    let at = |per_mille: usize| delays[(delays.len() - 1) * per_mille / 1000];
+    eprintln!(
+        "huge transaction: its last record arrived {:.1?} after its commit; the {} small \
+         transactions committed after it arrived, beyond the later of their commit and that \
+         last record, p50 {:.1?}, p99 {:.1?}, max {:.1?}",
+        big_done.saturating_duration_since(big_committed),
+        delays.len(),
+        at(500),
+        at(990),
+        at(1000)
+    );
 }
 
 /// Commit order as each partition shows it: in offset order, the commit LSNs
