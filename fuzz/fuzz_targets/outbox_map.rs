@@ -179,6 +179,7 @@ fn as_row(insert: &Insert, payload_oid: u32) -> Option<OutboxRow> {
         payload: text[7].clone(),
         payload_format: payload_format_of(payload_oid),
         created_at: text[8].clone(),
+        extra: Vec::new(),
     })
 }
 

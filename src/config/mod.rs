@@ -149,6 +149,11 @@ pub struct OutboxConfig {
     /// which log compaction reads as "delete this key") instead of a poison row:
     /// Debezium's `route.tombstone.on.empty.payload`.
     pub tombstone_on_empty_payload: bool,
+    /// More columns placed in each record, in Debezium's
+    /// `table.fields.additional.placement` syntax: `"column:header[:name]"` (a
+    /// header) or `"column:envelope[:name]"` (a field of `[kafka.envelope]`), e.g.
+    /// `["tenant_id:header", "version:header:schema_version"]`.
+    pub additional_placement: Vec<String>,
     /// Create the outbox partitioned by `created_at` range (`migrate`), so that
     /// retention drops whole partitions instead of deleting rows.
     pub partitioned: bool,
@@ -160,6 +165,68 @@ pub struct OutboxConfig {
     /// the config does not set (applied while loading, see [`OutboxPreset`]).
     pub preset: OutboxPreset,
     pub columns: Columns,
+}
+
+/// One `outbox.additional_placement` entry: a column and where its value goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub column: String,
+    pub target: PlacementTarget,
+    /// The header's or envelope field's name (the column's when not given).
+    pub name: String,
+}
+
+/// Where an additional column is placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlacementTarget {
+    Header,
+    Envelope,
+}
+
+impl OutboxConfig {
+    /// The parsed `additional_placement` entries, in order.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] for an entry that is not `column:header[:name]` or
+    /// `column:envelope[:name]`.
+    pub fn placements(&self) -> Result<Vec<Placement>, ConfigError> {
+        self.additional_placement
+            .iter()
+            .map(|entry| {
+                let parts: Vec<&str> = entry.split(':').map(str::trim).collect();
+                let target = match parts.get(1).copied() {
+                    Some("header") => PlacementTarget::Header,
+                    Some("envelope") => PlacementTarget::Envelope,
+                    Some("partition") => {
+                        return Err(ConfigError::Invalid(format!(
+                            "outbox.additional_placement {entry:?}: the partition placement is \
+                             not supported (records are partitioned by their key, the entity id)"
+                        )));
+                    }
+                    _ => {
+                        return Err(ConfigError::Invalid(format!(
+                            "outbox.additional_placement {entry:?}: use \"column:header[:name]\" \
+                             or \"column:envelope[:name]\""
+                        )));
+                    }
+                };
+                let column = parts.first().copied().unwrap_or_default();
+                let name = parts.get(2).copied().unwrap_or(column);
+                if column.is_empty() || name.is_empty() || parts.len() > 3 {
+                    return Err(ConfigError::Invalid(format!(
+                        "outbox.additional_placement {entry:?}: use \"column:header[:name]\" \
+                         or \"column:envelope[:name]\""
+                    )));
+                }
+                Ok(Placement {
+                    column: column.to_owned(),
+                    target,
+                    name: name.to_owned(),
+                })
+            })
+            .collect()
+    }
 }
 
 /// `outbox.preset`: the column names of a well-known outbox layout, so that
@@ -569,6 +636,7 @@ impl Default for OutboxConfig {
             poison_table: "public.poison_outbox".into(),
             topic_template: None,
             tombstone_on_empty_payload: false,
+            additional_placement: Vec::new(),
             partitioned: false,
             partition_interval: PartitionInterval::Day,
             partitions_ahead: 3,
@@ -913,6 +981,15 @@ impl Config {
                 return invalid("outbox.partitions_ahead must be at most 1000".into());
             }
             outbox.columns.validate()?;
+            for placement in outbox.placements()? {
+                if placement.target == PlacementTarget::Envelope && self.kafka.envelope.is_none() {
+                    return invalid(format!(
+                        "outbox.additional_placement places {:?} in the envelope, and \
+                         [kafka.envelope] is not set",
+                        placement.column
+                    ));
+                }
+            }
             if !self.has_several_outboxes() {
                 break;
             }
@@ -1482,6 +1559,49 @@ mod tests {
             err.to_string().contains("set their keys in the file"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn additional_placement_uses_debeziums_syntax() {
+        let c = load(
+            &format!(
+                "{MINIMAL}\n[kafka.envelope]\nproducer = \"p\"\nschema_version = \"1\"\n\
+                 [outbox]\nadditional_placement = [\"tenant:header\", \"v:header:schema_version\", \"r:envelope\"]\n"
+            ),
+            &[],
+        )
+        .unwrap();
+        let placements = c.outbox.placements().unwrap();
+        assert_eq!(
+            placements,
+            [
+                Placement {
+                    column: "tenant".into(),
+                    target: PlacementTarget::Header,
+                    name: "tenant".into()
+                },
+                Placement {
+                    column: "v".into(),
+                    target: PlacementTarget::Header,
+                    name: "schema_version".into()
+                },
+                Placement {
+                    column: "r".into(),
+                    target: PlacementTarget::Envelope,
+                    name: "r".into()
+                },
+            ]
+        );
+        for (entry, expected) in [
+            ("\"x:partition\"", "partition placement is not supported"),
+            ("\"x\"", "column:header[:name]"),
+            ("\"x:header:a:b\"", "column:header[:name]"),
+            ("\"x:envelope\"", "[kafka.envelope] is not set"),
+        ] {
+            let text = format!("{MINIMAL}\n[outbox]\nadditional_placement = [{entry}]\n");
+            let err = load(&text, &[]).unwrap_err().to_string();
+            assert!(err.contains(expected), "{entry}: {err}");
+        }
     }
 
     #[test]

@@ -63,6 +63,9 @@ pub(super) enum EnvelopeError {
     /// `occurred_at` is not UTF-8 (it is the relay's own RFC 3339 text, so never).
     #[error(transparent)]
     OccurredAt(Utf8Error),
+    /// A column placed in the envelope is not UTF-8.
+    #[error("a column placed in the envelope is not UTF-8: {0}")]
+    Field(#[source] Utf8Error),
     /// A text-like or `bytea` payload that is not UTF-8 cannot be a JSON string.
     #[error("payload is not UTF-8, so the JSON envelope cannot embed it as a string: {0}")]
     Payload(#[source] Utf8Error),
@@ -78,6 +81,7 @@ pub(super) fn build_envelope(
     event_id: &[u8],
     event_type: Option<&[u8]>,
     occurred_at: Option<&[u8]>,
+    fields: &[(&str, Option<&[u8]>)],
     payload: &[u8],
     format: PayloadFormat,
 ) -> Result<Bytes, EnvelopeError> {
@@ -94,6 +98,12 @@ pub(super) fn build_envelope(
     put_json_string_or_null(&mut out, occurred_at).map_err(EnvelopeError::OccurredAt)?;
     out.put_slice(b",\"producer\":");
     out.put_slice(&envelope.producer);
+    for (name, value) in fields {
+        out.put_u8(b',');
+        put_json_string(&mut out, name);
+        out.put_u8(b':');
+        put_json_string_or_null(&mut out, *value).map_err(EnvelopeError::Field)?;
+    }
     out.put_slice(b",\"payload\":");
     match format {
         PayloadFormat::Json => out.put_slice(payload),

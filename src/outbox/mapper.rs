@@ -44,7 +44,8 @@ use super::relation::{
 use super::timestamp::{RFC3339_LEN, parse_pg_timestamp, put_rfc3339};
 use super::topic::{TopicTemplate, validate_topic_name};
 use crate::config::{
-    Config, ConfigError, EnvelopeConfig, KafkaConfig, OutboxConfig, qualified_name,
+    Config, ConfigError, EnvelopeConfig, KafkaConfig, OutboxConfig, Placement, PlacementTarget,
+    qualified_name,
 };
 use crate::lsn::Lsn;
 use crate::postgres::pgoutput::{Insert, Relation};
@@ -71,6 +72,9 @@ struct Binding {
     template: TopicTemplate,
     /// Field names as configured, for [`OutboxMapper::map_row`].
     configured_names: Arc<FieldNames>,
+    /// `outbox.additional_placement`, and its columns in the same order.
+    placements: Vec<Placement>,
+    placed: Vec<Arc<str>>,
 }
 
 impl Binding {
@@ -90,12 +94,27 @@ impl Binding {
             present: [true; FIELD_COUNT],
             outbox: index,
         });
+        let placements = outbox.placements()?;
+        if let Some(p) = placements.iter().find(|p| {
+            p.target == PlacementTarget::Header && RESERVED_HEADERS.contains(&p.name.as_str())
+        }) {
+            return Err(ConfigError::Invalid(format!(
+                "outbox.additional_placement: header {:?} is one of the relay's own",
+                p.name
+            )));
+        }
+        let placed = placements
+            .iter()
+            .map(|p| Arc::from(p.column.as_str()))
+            .collect();
         Ok(Binding {
             outbox: outbox.clone(),
             schema,
             table,
             template,
             configured_names,
+            placements,
+            placed,
         })
     }
 }
@@ -162,6 +181,13 @@ impl OutboxMapper {
         })
     }
 
+    /// The `outbox.additional_placement` columns of the first outbox (the one
+    /// [`OutboxMapper::map_row`] maps), in the order `OutboxRow::extra` holds them.
+    #[must_use]
+    pub fn placed_columns(&self) -> &[Arc<str>] {
+        self.outboxes.first().map_or(&[], |b| &b.placed)
+    }
+
     /// Forgets every relation, for a new replication session (the server describes
     /// each relation again before its first change).
     pub fn reset_session(&mut self) {
@@ -181,6 +207,7 @@ impl OutboxMapper {
                 rel,
                 &self.outboxes[i].outbox,
                 i,
+                &self.outboxes[i].placed,
             ))),
             None => RelationEntry::NotOutbox,
         };
@@ -273,7 +300,9 @@ impl OutboxMapper {
             payload,
             payload_format,
             created_at,
+            extra,
         } = row;
+        let binding = &self.outboxes[names.outbox];
 
         // Key: the entity id.
         let key = match aggregate_id {
@@ -324,10 +353,7 @@ impl OutboxMapper {
         }
 
         // Payload, as PostgreSQL gave it; NULL is a tombstone when the outbox says so.
-        let tombstone = payload.is_none()
-            && self.outboxes[names.outbox]
-                .outbox
-                .tombstone_on_empty_payload;
+        let tombstone = payload.is_none() && binding.outbox.tombstone_on_empty_payload;
         let raw_payload = match payload {
             Some(payload) => payload,
             None if tombstone => Cow::Owned(Bytes::new()),
@@ -377,7 +403,7 @@ impl OutboxMapper {
                     )
                 })?
             }
-            _ => self.outboxes[names.outbox]
+            _ => binding
                 .template
                 .render(
                     aggregate_type.as_deref().map(|b| &b[..]),
@@ -429,11 +455,19 @@ impl OutboxMapper {
             }
             (None, None) => (value, None),
             (Some(envelope), _) => {
+                let fields: Vec<(&str, Option<&[u8]>)> = binding
+                    .placements
+                    .iter()
+                    .zip(&extra)
+                    .filter(|(p, _)| p.target == PlacementTarget::Envelope)
+                    .map(|(p, v)| (p.name.as_str(), v.as_deref().map(|b| &b[..])))
+                    .collect();
                 let wrapped = build_envelope(
                     envelope,
                     &event_id,
                     event_type.as_deref().map(|b| &b[..]),
                     occurred_at.as_deref(),
+                    &fields,
                     &value,
                     payload_format,
                 )
@@ -467,6 +501,12 @@ impl OutboxMapper {
             let mut buf = Vec::with_capacity(17);
             put_lsn(&mut buf, lsn);
             headers.push((Cow::Borrowed(HEADER_SOURCE_LSN), Bytes::from(buf)));
+        }
+        // Columns placed as headers, after the relay's own.
+        for (placement, value) in binding.placements.iter().zip(&extra) {
+            if let (PlacementTarget::Header, Some(value)) = (placement.target, value) {
+                headers.push((Cow::Owned(placement.name.clone()), Bytes::clone(value)));
+            }
         }
         let relay_headers = headers.len();
         if let Some(text) = &row_headers {
@@ -514,6 +554,17 @@ impl OutboxMapper {
                 raw_payload,
                 payload_format,
                 created_at_micros,
+                extra: binding
+                    .placed
+                    .iter()
+                    .zip(
+                        extra
+                            .into_iter()
+                            .map(|v| v.map(Cow::into_owned))
+                            .chain(std::iter::repeat(None)),
+                    )
+                    .map(|(name, value)| (Arc::clone(name), value))
+                    .collect(),
             },
         })
     }

@@ -199,6 +199,9 @@ pub struct OutboxRow {
     pub payload_format: PayloadFormat,
     /// `created_at`, PostgreSQL ISO text (`2026-11-30 14:29:33.123456+00`).
     pub created_at: Option<Bytes>,
+    /// The `outbox.additional_placement` columns, in their order (missing ones
+    /// read as NULL).
+    pub extra: Vec<Option<Bytes>>,
 }
 
 /// One Kafka record for one outbox row.
@@ -243,6 +246,8 @@ pub(super) struct EventSource {
     pub(super) payload_format: PayloadFormat,
     /// `created_at` in Unix microseconds.
     pub(super) created_at_micros: Option<i64>,
+    /// The `outbox.additional_placement` columns (name, value), for `row_data`.
+    pub(super) extra: Vec<(Arc<str>, Option<Bytes>)>,
 }
 
 impl OutboxEvent {
@@ -299,6 +304,11 @@ impl OutboxEvent {
             .iter()
             .filter(|(f, v)| v.is_some() || s.names.present[*f as usize])
             .map(|(f, v)| (s.names.get(*f).to_owned(), (*v).clone()))
+            .chain(
+                s.extra
+                    .iter()
+                    .map(|(name, v)| (name.to_string(), v.as_ref().map(|b| lossy(b)))),
+            )
             .collect();
         PoisonFields {
             outbox_id,

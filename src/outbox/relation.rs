@@ -71,13 +71,20 @@ pub(super) struct OutboxRelation {
     pub(super) names: Arc<FieldNames>,
     /// A table-level problem making every insert unmappable.
     pub(super) problem: Option<Reject>,
+    /// Each `outbox.additional_placement` column and its tuple position.
+    pub(super) extra: Vec<(Arc<str>, Option<usize>)>,
 }
 
 impl OutboxRelation {
     /// Binds the configured fields to the columns of a Relation message of the
     /// outbox table (configured name first, then the Debezium alias) and checks
     /// that the required ones are present and every bound one is well typed.
-    pub(super) fn resolve(rel: &Relation, outbox: &OutboxConfig, index: usize) -> Self {
+    pub(super) fn resolve(
+        rel: &Relation,
+        outbox: &OutboxConfig,
+        index: usize,
+        placed: &[Arc<str>],
+    ) -> Self {
         let find = |name: &str| rel.columns.iter().position(|c| c.name == name);
         let mut positions = [None; FIELD_COUNT];
         let mut names = Field::ALL.map(|f| f.configured(outbox).to_owned());
@@ -114,6 +121,13 @@ impl OutboxRelation {
             if !present[field as usize] {
                 missing.push(describe_missing(field));
             }
+        }
+        let extra: Vec<(Arc<str>, Option<usize>)> = placed
+            .iter()
+            .map(|column| (Arc::clone(column), find(column)))
+            .collect();
+        for (column, _) in extra.iter().filter(|(_, pos)| pos.is_none()) {
+            missing.push(format!("column {column:?} (outbox.additional_placement)"));
         }
         if !present[Field::IdempotencyKey as usize] && !present[Field::Id as usize] {
             missing.push(format!(
@@ -162,6 +176,7 @@ impl OutboxRelation {
             positions,
             names,
             problem,
+            extra,
         }
     }
 
@@ -252,6 +267,8 @@ pub(super) struct RowRef<'a> {
     pub(super) payload: Option<Cow<'a, Bytes>>,
     pub(super) payload_format: PayloadFormat,
     pub(super) created_at: Option<Cow<'a, Bytes>>,
+    /// The `outbox.additional_placement` columns, in their order.
+    pub(super) extra: Vec<Option<Cow<'a, Bytes>>>,
 }
 
 impl<'a> RowRef<'a> {
@@ -269,6 +286,7 @@ impl<'a> RowRef<'a> {
             payload: b(&row.payload),
             payload_format: row.payload_format,
             created_at: b(&row.created_at),
+            extra: row.extra.iter().map(b).collect(),
         }
     }
 }
@@ -282,28 +300,7 @@ pub(super) fn extract_row<'a>(
         let Some(pos) = rel.position(field) else {
             return Ok(None);
         };
-        match tuple.get(pos) {
-            None | Some(ColumnValue::Null) => Ok(None),
-            Some(ColumnValue::UnchangedToast) => Err(Reject::new(
-                error_kind::UNCHANGED_TOAST,
-                format!(
-                    "{} is an unchanged-TOAST marker ('u'), which an INSERT never carries: the value was not sent",
-                    rel.names.describe(field)
-                ),
-            )),
-            Some(ColumnValue::Text(b)) => Ok(Some(Cow::Borrowed(b))),
-            Some(ColumnValue::Binary(b)) => {
-                let oid = rel.type_oids.get(pos).copied().unwrap_or_default();
-                binary_as_text(oid, b)
-                    .map(|b| Some(Cow::Owned(b)))
-                    .map_err(|e| {
-                        Reject::new(
-                            error_kind::BAD_VALUE,
-                            format!("{}: {e}", rel.names.describe(field)),
-                        )
-                    })
-            }
-        }
+        value_at(rel, tuple, pos, &|| rel.names.describe(field))
     };
     let payload_oid = rel.type_of(Field::Payload).unwrap_or(OID_JSONB);
     let (payload, payload_format) = match (
@@ -313,6 +310,14 @@ pub(super) fn extract_row<'a>(
         (Some(ColumnValue::Binary(b)), OID_BYTEA) => (Some(Cow::Borrowed(b)), PayloadFormat::Raw),
         (_, oid) => (get(Field::Payload)?, payload_format_of(oid)),
     };
+    let extra = rel
+        .extra
+        .iter()
+        .map(|(name, pos)| match pos {
+            Some(pos) => value_at(rel, tuple, *pos, &|| format!("column {name:?}")),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(RowRef {
         id: get(Field::Id)?,
         idempotency_key: get(Field::IdempotencyKey)?,
@@ -324,7 +329,35 @@ pub(super) fn extract_row<'a>(
         payload,
         payload_format,
         created_at: get(Field::CreatedAt)?,
+        extra,
     })
+}
+
+/// The text of the value at tuple position `pos` (`None` for NULL); `describe`
+/// names the column in an error.
+fn value_at<'a>(
+    rel: &OutboxRelation,
+    tuple: &'a TupleData,
+    pos: usize,
+    describe: &dyn Fn() -> String,
+) -> Result<Option<Cow<'a, Bytes>>, Reject> {
+    match tuple.get(pos) {
+        None | Some(ColumnValue::Null) => Ok(None),
+        Some(ColumnValue::UnchangedToast) => Err(Reject::new(
+            error_kind::UNCHANGED_TOAST,
+            format!(
+                "{} is an unchanged-TOAST marker ('u'), which an INSERT never carries: the value was not sent",
+                describe()
+            ),
+        )),
+        Some(ColumnValue::Text(b)) => Ok(Some(Cow::Borrowed(b))),
+        Some(ColumnValue::Binary(b)) => {
+            let oid = rel.type_oids.get(pos).copied().unwrap_or_default();
+            binary_as_text(oid, b)
+                .map(|b| Some(Cow::Owned(b)))
+                .map_err(|e| Reject::new(error_kind::BAD_VALUE, format!("{}: {e}", describe())))
+        }
+    }
 }
 
 fn payload_format_of(oid: u32) -> PayloadFormat {

@@ -71,6 +71,14 @@ pub(super) fn resolve_layout(
             missing.push(format!("{name:?}"));
         }
     }
+    for placement in outbox.placements().unwrap_or_default() {
+        if find(&placement.column).is_none() {
+            missing.push(format!(
+                "{:?} (outbox.additional_placement)",
+                placement.column
+            ));
+        }
+    }
     if !missing.is_empty() {
         return Err(Prerequisite::PollerColumnsMissing {
             table: table.to_owned(),

@@ -110,6 +110,10 @@ pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Poll
         payload: text(7)?,
         payload_format,
         created_at: text(8)?,
+        // The `outbox.additional_placement` columns follow the bookkeeping ones.
+        extra: (FIELDS + 2..row.len())
+            .map(text)
+            .collect::<Result<Vec<_>>>()?,
     };
     // The id is the primary key; NULL would be a broken table.
     let id = id.ok_or(Error::NullOutboxId)?;

@@ -106,7 +106,16 @@ impl Sql {
         // `sent_at IS NULL` is the partial index's predicate and (created_at, id) its
         // key, so the scan walks the index in order and stops after the batch.
         let order = format!("ORDER BY o.{created_at}, o.{id} LIMIT $2 FOR UPDATE SKIP LOCKED");
-        let select = format!("SELECT {list}, o.attempts::int4, o.last_error::text FROM {table} o");
+        // The `outbox.additional_placement` columns follow the bookkeeping ones
+        // (`read_row` takes every column after them as one, in order).
+        let placed: String = outbox
+            .placements()
+            .unwrap_or_default()
+            .iter()
+            .map(|p| format!(", o.{}::text", quote_ident(&p.column)))
+            .collect();
+        let select =
+            format!("SELECT {list}, o.attempts::int4, o.last_error::text{placed} FROM {table} o");
         let commit_order = commit_order("o", &id, &created_at);
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),

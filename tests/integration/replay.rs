@@ -426,3 +426,78 @@ async fn a_row_that_still_cannot_be_mapped_is_reported_and_not_marked() {
     assert_eq!(again.already_replayed, 1);
     assert_eq!(topic_records(&db, 1, Duration::from_secs(5)).await.len(), 1);
 }
+
+/// `outbox.additional_placement` (Debezium's `table.fields.additional.placement`):
+/// columns placed as headers arrive on the streamed record, on the record `poll`
+/// publishes, and on the record `replay` publishes from the poison row (which keeps
+/// every column in `row_data`): the three paths agree.
+#[tokio::test]
+async fn placed_columns_arrive_as_headers_from_the_stream_the_poller_and_replay() {
+    let mut db = TestDb::create_configured(
+        "placement",
+        1,
+        "\n[outbox]\nadditional_placement = [\"tenant:header\", \"version:header:schema_version\"]\n",
+    )
+    .await;
+    db.client
+        .batch_execute("ALTER TABLE outbox ADD COLUMN tenant text, ADD COLUMN version int")
+        .await
+        .unwrap();
+    db.append_config("\n[kafka.producer]\n\"message.max.bytes\" = \"100000\"\n");
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let insert = |entity: &'static str, payload: String, tenant: &'static str, version: i32| {
+        let client = &db.client;
+        async move {
+            client
+                .query_one(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, tenant, version)
+                     VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb, $3, $4)
+                     RETURNING idempotency_key",
+                    &[&entity, &payload, &tenant, &version],
+                )
+                .await
+                .unwrap()
+                .get::<_, String>(0)
+        }
+    };
+    let streamed = insert("o-1", r#"{"seq": 1}"#.into(), "acme", 3).await;
+    let big = format!(r#"{{"blob": "{}"}}"#, "x".repeat(200_000));
+    let poisoned = insert("o-2", big, "beta", 4).await;
+    consume_exactly(&db.topic, 1, Duration::from_secs(60), &relay).await;
+    harness::wait_until(Duration::from_secs(60), "the poison row", || async {
+        db.poison_rows().await == 1
+    })
+    .await;
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+
+    // replay, with the size limit back to its default.
+    let mut fixed = db.config();
+    fixed.kafka.producer.remove("message.max.bytes");
+    let report = replay::run(&fixed, &all()).await.unwrap();
+    assert_eq!((report.published, report.failed), (1, 0), "{report:?}");
+
+    // poll: the rows are unsent for the poller (the stream does not mark them).
+    let polled = insert("o-3", r#"{"seq": 3}"#.into(), "gamma", 5).await;
+    db.client
+        .batch_execute("UPDATE outbox SET sent_at = now() WHERE aggregate_id <> 'o-3'")
+        .await
+        .unwrap();
+    let poller = RelayProcess::start_command(&["poll"], &db.config_path, &[]);
+    let records = consume(&db.topic, 3, Duration::from_secs(60)).await;
+    poller.terminate(Duration::from_secs(20)).await;
+    assert_eq!(records.len(), 3, "{records:?}");
+    for (key, tenant, version) in [
+        (&streamed, "acme", "3"),
+        (&poisoned, "beta", "4"),
+        (&polled, "gamma", "5"),
+    ] {
+        let record = records
+            .iter()
+            .find(|r| r.header("idempotency_key") == Some(key.as_str()))
+            .unwrap_or_else(|| panic!("no record {key}: {records:?}"));
+        assert_eq!(record.header("tenant"), Some(tenant), "{record:?}");
+        assert_eq!(record.header("schema_version"), Some(version), "{record:?}");
+    }
+}

@@ -262,6 +262,7 @@ fn outbox_row(row: &Row) -> Result<OutboxRow, Error> {
         payload: (!payload_is_null).then(Bytes::new),
         payload_format: PayloadFormat::Raw,
         created_at: bytes_at(row, 8)?,
+        extra: Vec::new(),
     })
 }
 

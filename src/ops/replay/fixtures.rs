@@ -54,6 +54,7 @@ pub(super) fn poisoned(
         error_kind: "message_size_too_large".into(),
         truncated: false,
         original: None,
+        row_data: None,
         unavailable: None,
     };
     (event, rec)
@@ -71,5 +72,6 @@ pub(super) fn original_row() -> OutboxRow {
         payload: text(r#"{"amount": 1.10, "big": 12345678901234567890}"#),
         payload_format: PayloadFormat::Json,
         created_at: text("2026-11-30 14:29:33.123456+00"),
+        extra: Vec::new(),
     }
 }

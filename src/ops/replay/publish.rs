@@ -115,7 +115,10 @@ impl Sender {
                 rows.push(row);
                 continue;
             }
-            match mapper.map_row(&rec.outbox_row(payload_format), rec.lsn) {
+            match mapper.map_row(
+                &rec.outbox_row_placing(payload_format, mapper.placed_columns()),
+                rec.lsn,
+            ) {
                 Err(unmappable) => row.fail(unmappable.error_kind, unmappable.reason),
                 Ok(event) => {
                     row.set_event(&event);
@@ -190,7 +193,10 @@ pub(super) fn dry_run_page(
                 row.fail(ORIGINAL_UNAVAILABLE, reason.clone());
                 return row;
             }
-            match mapper.map_row(&rec.outbox_row(payload_format), rec.lsn) {
+            match mapper.map_row(
+                &rec.outbox_row_placing(payload_format, mapper.placed_columns()),
+                rec.lsn,
+            ) {
                 Ok(event) => {
                     row.set_event(&event);
                     row.outcome = Outcome::WouldPublish;

@@ -81,6 +81,9 @@ pub(super) struct PoisonRecord {
     pub(super) truncated: bool,
     /// The outbox row of a truncated copy, once read.
     pub(super) original: Option<OutboxRow>,
+    /// `row_data`: every column by name, for the `outbox.additional_placement`
+    /// columns (`None` when it was cut and kept as text).
+    pub(super) row_data: Option<serde_json::Value>,
     /// Why a truncated copy's original could not be read.
     pub(super) unavailable: Option<String>,
 }
@@ -88,7 +91,7 @@ pub(super) struct PoisonRecord {
 /// The columns [`PoisonRecord::from_row`] reads, in order.
 const RECORD_COLUMNS: &str = "poison_id, outbox_id, idempotency_key, aggregate_type, aggregate_id,
      event_type, topic, coalesce(headers::text, headers_text), payload,
-     to_json(created_at) #>> '{}', lsn::text, replay_count, error_kind, truncated";
+     to_json(created_at) #>> '{}', lsn::text, replay_count, error_kind, truncated, row_data";
 
 impl PoisonRecord {
     fn from_row(row: &Row) -> Result<PoisonRecord, tokio_postgres::Error> {
@@ -108,15 +111,39 @@ impl PoisonRecord {
             replay_count: row.try_get(11)?,
             error_kind: row.try_get(12)?,
             truncated: row.try_get(13)?,
+            row_data: row.try_get(14)?,
             original: None,
             unavailable: None,
         })
     }
 
-    /// The outbox row the mapper sees: the stored text forms, unchanged; for a
-    /// truncated copy, the original row with the stored topic and `created_at`.
+    /// [`PoisonRecord::outbox_row_placing`] without placed columns.
+    #[cfg(test)]
     pub(super) fn outbox_row(&self, payload_format: PayloadFormat) -> OutboxRow {
+        self.outbox_row_placing(payload_format, &[])
+    }
+
+    /// The outbox row the mapper sees: the stored text forms, unchanged, and the
+    /// values of the `placed` columns (`outbox.additional_placement`) from the stored
+    /// `row_data`; for a truncated copy, the original row with the stored topic and
+    /// `created_at`.
+    pub(super) fn outbox_row_placing(
+        &self,
+        payload_format: PayloadFormat,
+        placed: &[std::sync::Arc<str>],
+    ) -> OutboxRow {
         let b = |v: &Option<String>| v.clone().map(Bytes::from);
+        let extra = placed
+            .iter()
+            .map(|column| {
+                let value = self.row_data.as_ref()?.get(&**column)?;
+                match value {
+                    serde_json::Value::Null => None,
+                    serde_json::Value::String(s) => Some(Bytes::from(s.clone())),
+                    other => Some(Bytes::from(other.to_string())),
+                }
+            })
+            .collect();
         if let Some(original) = &self.original {
             return OutboxRow {
                 topic: b(&self.topic),
@@ -135,6 +162,7 @@ impl PoisonRecord {
             payload: b(&self.payload),
             payload_format,
             created_at: b(&self.created_at),
+            extra,
         }
     }
 }

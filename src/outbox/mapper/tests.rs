@@ -1136,6 +1136,7 @@ fn map_row_produces_the_same_record_without_source_lsn() {
         payload: b(PAYLOAD),
         payload_format: PayloadFormat::Json,
         created_at: b("2026-11-30 14:29:33.123456+00"),
+        extra: Vec::new(),
     };
     let polled = m.map_row(&row, None).unwrap();
     assert_eq!(polled.key, cdc.key);
@@ -1336,7 +1337,7 @@ proptest! {
         let row = OutboxRow {
             id: v(0), idempotency_key: v(1), aggregate_type: v(2), aggregate_id: v(3),
             event_type: v(4), topic: v(5), headers: v(6), payload: v(7),
-            payload_format: format, created_at: v(8),
+            payload_format: format, created_at: v(8), extra: Vec::new(),
         };
         if let Ok(e) = m.map_row(&row, Some(LSN)) {
             check_event(&e);
@@ -1473,4 +1474,98 @@ fn a_null_payload_is_a_tombstone_when_the_outbox_says_so() {
     let e = event(map(&m, &good_values()));
     assert!(!e.tombstone);
     assert!(e.payload.starts_with(b"{\"event_id\""));
+}
+
+/// `additional_placement`: columns as headers (after the relay's own, before the
+/// row's) and as envelope fields; their values go into `row_data` when poisoned; a
+/// placed column the table lacks makes the table unmappable; `map_row` (poller,
+/// replay) places the same values.
+#[test]
+fn placed_columns_become_headers_and_envelope_fields() {
+    let outbox = OutboxConfig {
+        additional_placement: vec![
+            "tenant:header".into(),
+            "version:header:schema_version".into(),
+            "region:envelope:region".into(),
+        ],
+        ..OutboxConfig::default()
+    };
+    let envelope = EnvelopeConfig {
+        producer: "svc".into(),
+        schema_version: "1".into(),
+    };
+    let mut columns = migration_columns();
+    columns.extend([
+        col("tenant", OID_TEXT),
+        col("version", OID_INT4),
+        col("region", OID_TEXT),
+    ]);
+    let rel = relation(REL, "public", "outbox", columns);
+    let mut m = OutboxMapper::with_template(&outbox, "t", Some(envelope)).unwrap();
+    assert_eq!(m.on_relation(&rel), RelationStatus::Outbox);
+    let mut values = with(good_values(), "headers", text(r#"{"h": "1"}"#));
+    values.extend([
+        ("tenant", text("acme")),
+        ("version", text("3")),
+        ("region", text("eu \"west\"")),
+    ]);
+    let e = event(m.map_insert(&insert(&rel, &values), LSN).unwrap());
+    let names: Vec<String> = header_list(&e).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "idempotency_key",
+            "event_type",
+            "aggregate_type",
+            "occurred_at",
+            "source_lsn",
+            "tenant",
+            "schema_version",
+            "h"
+        ]
+    );
+    assert!(header_list(&e).contains(&("schema_version".into(), "3".into())));
+    let value: serde_json::Value = serde_json::from_slice(&e.payload).unwrap();
+    assert_eq!(value["region"], "eu \"west\"");
+    let poisoned = e.poison_fields();
+    assert!(
+        poisoned
+            .columns
+            .contains(&("tenant".into(), Some("acme".into())))
+    );
+
+    // A NULL placed column: no header, a null envelope field.
+    let values = with(values, "tenant", ColumnValue::Null);
+    let e = event(m.map_insert(&insert(&rel, &values), LSN).unwrap());
+    assert!(!header_list(&e).iter().any(|(n, _)| n == "tenant"));
+
+    // The poller's and replay's row text, with the placed values: the same record.
+    let b = |s: &str| Some(Bytes::copy_from_slice(s.as_bytes()));
+    let row = OutboxRow {
+        id: b(ID),
+        idempotency_key: b("order-42-created"),
+        aggregate_type: b("Order"),
+        aggregate_id: b("42"),
+        event_type: b("OrderCreated"),
+        topic: None,
+        headers: b(r#"{"h": "1"}"#),
+        payload: b(PAYLOAD),
+        payload_format: PayloadFormat::Json,
+        created_at: b("2026-11-30 14:29:33.123456+00"),
+        extra: vec![None, b("3"), b("eu \"west\"")],
+    };
+    let polled = m.map_row(&row, Some(LSN)).unwrap();
+    assert_eq!(polled.headers, e.headers);
+    assert_eq!(polled.payload, e.payload);
+
+    // A placed column the table does not have: every insert is unmappable.
+    let mut without = OutboxMapper::with_template(&outbox, "t", None).unwrap();
+    without.on_relation(&outbox_relation());
+    let refused = unmappable(map(&without, &good_values()));
+    assert_eq!(refused.error_kind, error_kind::MISSING_COLUMN);
+    assert!(
+        refused
+            .reason
+            .contains("\"tenant\" (outbox.additional_placement)")
+    );
 }
