@@ -167,6 +167,16 @@ pub struct OutboxConfig {
     pub columns: Columns,
 }
 
+/// The keys of the `[kafka.envelope]` object, which a placed field may not reuse.
+const ENVELOPE_KEYS: [&str; 6] = [
+    "event_id",
+    "event_type",
+    "schema_version",
+    "occurred_at",
+    "producer",
+    "payload",
+];
+
 /// One `outbox.additional_placement` entry: a column and where its value goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
@@ -967,6 +977,44 @@ impl Config {
         Ok(())
     }
 
+    /// `additional_placement`: the envelope exists for envelope fields, and no placed
+    /// name repeats another, an envelope key, or a header CloudEvents writes.
+    fn validate_placements(&self, outbox: &OutboxConfig) -> Result<(), ConfigError> {
+        let placements = outbox.placements()?;
+        for (i, placement) in placements.iter().enumerate() {
+            let name = placement.name.as_str();
+            let clash = match placement.target {
+                PlacementTarget::Envelope if self.kafka.envelope.is_none() => {
+                    Some("[kafka.envelope] is not set")
+                }
+                PlacementTarget::Envelope if ENVELOPE_KEYS.contains(&name) => {
+                    Some("the envelope has that key already")
+                }
+                PlacementTarget::Header
+                    if self.kafka.cloudevents.is_some()
+                        && (name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+                            || name.eq_ignore_ascii_case("content-type")) =>
+                {
+                    Some("[kafka.cloudevents] writes that header")
+                }
+                _ if placements[..i]
+                    .iter()
+                    .any(|p| p.target == placement.target && p.name == placement.name) =>
+                {
+                    Some("another entry places a value under that name")
+                }
+                _ => None,
+            };
+            if let Some(why) = clash {
+                return Err(ConfigError::Invalid(format!(
+                    "outbox.additional_placement places {:?} as {name:?}: {why}",
+                    placement.column
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Each outbox's names and columns; with several, that their tables differ and
     /// what they cannot be combined with yet.
     fn validate_outboxes(&self) -> Result<(), ConfigError> {
@@ -981,15 +1029,7 @@ impl Config {
                 return invalid("outbox.partitions_ahead must be at most 1000".into());
             }
             outbox.columns.validate()?;
-            for placement in outbox.placements()? {
-                if placement.target == PlacementTarget::Envelope && self.kafka.envelope.is_none() {
-                    return invalid(format!(
-                        "outbox.additional_placement places {:?} in the envelope, and \
-                         [kafka.envelope] is not set",
-                        placement.column
-                    ));
-                }
-            }
+            self.validate_placements(outbox)?;
             if !self.has_several_outboxes() {
                 break;
             }
@@ -1597,10 +1637,31 @@ mod tests {
             ("\"x\"", "column:header[:name]"),
             ("\"x:header:a:b\"", "column:header[:name]"),
             ("\"x:envelope\"", "[kafka.envelope] is not set"),
+            (
+                "\"a:header:t\", \"b:header:t\"",
+                "another entry places a value under that name",
+            ),
         ] {
             let text = format!("{MINIMAL}\n[outbox]\nadditional_placement = [{entry}]\n");
             let err = load(&text, &[]).unwrap_err().to_string();
             assert!(err.contains(expected), "{entry}: {err}");
+        }
+        for (extra, expected) in [
+            (
+                "[kafka.envelope]\nproducer = \"p\"\nschema_version = \"1\"\n\
+                 [outbox]\nadditional_placement = [\"v:envelope:schema_version\"]\n",
+                "the envelope has that key already",
+            ),
+            (
+                "[kafka.cloudevents]\nsource = \"/s\"\n\
+                 [outbox]\nadditional_placement = [\"t:header:CE_type\"]\n",
+                "[kafka.cloudevents] writes that header",
+            ),
+        ] {
+            let err = load(&format!("{MINIMAL}\n{extra}"), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{extra}: {err}");
         }
     }
 

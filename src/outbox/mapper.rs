@@ -276,7 +276,7 @@ impl OutboxMapper {
                 Box::new(UnmappableRow {
                     reason: reject.reason,
                     error_kind: reject.kind,
-                    fields: poison_from_row(names, row, source_lsn),
+                    fields: poison_from_row(names, &self.outboxes[0].placed, row, source_lsn),
                 })
             })
     }
@@ -458,9 +458,14 @@ impl OutboxMapper {
                 let fields: Vec<(&str, Option<&[u8]>)> = binding
                     .placements
                     .iter()
-                    .zip(&extra)
+                    .zip(extra.iter().map(Some).chain(std::iter::repeat(None)))
                     .filter(|(p, _)| p.target == PlacementTarget::Envelope)
-                    .map(|(p, v)| (p.name.as_str(), v.as_deref().map(|b| &b[..])))
+                    .map(|(p, v)| {
+                        (
+                            p.name.as_str(),
+                            v.and_then(|v| v.as_deref()).map(|b| &b[..]),
+                        )
+                    })
                     .collect();
                 let wrapped = build_envelope(
                     envelope,
@@ -517,6 +522,22 @@ impl OutboxMapper {
                 )
             })?;
         }
+        // A row header with a placed header's name would shadow it for readers that
+        // take the last of a name (as reserved names would).
+        if let Some((name, _)) = headers[relay_headers..].iter().find(|(name, _)| {
+            binding
+                .placements
+                .iter()
+                .any(|p| p.target == PlacementTarget::Header && p.name == *name)
+        }) {
+            return Err(Reject::new(
+                error_kind::BAD_HEADERS,
+                format!(
+                    "{} has a {name:?} entry, the name of a column placed as a header",
+                    names.describe(Field::Headers)
+                ),
+            ));
+        }
         if !cloudevent_headers.is_empty() {
             if let Some((name, _)) = headers[relay_headers..]
                 .iter()
@@ -570,8 +591,18 @@ impl OutboxMapper {
     }
 }
 
+/// A row's placed values, NULL past the end (a row read without them).
+fn placed_values(extra: &[Option<Bytes>]) -> impl Iterator<Item = Option<Bytes>> + '_ {
+    extra.iter().cloned().chain(std::iter::repeat(None))
+}
+
 /// Poison data of a row given as text.
-fn poison_from_row(names: &FieldNames, row: &OutboxRow, lsn: Option<Lsn>) -> PoisonFields {
+fn poison_from_row(
+    names: &FieldNames,
+    placed: &[Arc<str>],
+    row: &OutboxRow,
+    lsn: Option<Lsn>,
+) -> PoisonFields {
     let text = |b: &Option<Bytes>| b.as_deref().map(lossy);
     let payload = row.payload.as_ref().map(|p| match row.payload_format {
         PayloadFormat::Raw => payload_text(p, PayloadFormat::Raw),
@@ -602,6 +633,12 @@ fn poison_from_row(names: &FieldNames, row: &OutboxRow, lsn: Option<Lsn>) -> Poi
         columns: values
             .into_iter()
             .map(|(f, v)| (names.get(f).to_owned(), v))
+            .chain(
+                placed
+                    .iter()
+                    .zip(placed_values(&row.extra))
+                    .map(|(name, value)| (name.to_string(), value.map(|v| lossy(&v)))),
+            )
             .collect(),
         lsn,
         outbox: names.outbox,

@@ -112,7 +112,12 @@ impl Sql {
             .placements()
             .unwrap_or_default()
             .iter()
-            .map(|p| format!(", o.{}::text", quote_ident(&p.column)))
+            // The type's output function, as pgoutput sends it (`::text` differs for
+            // a few types: bool, char(n), inet); format('%s', NULL) would be ''.
+            .map(|p| {
+                let c = quote_ident(&p.column);
+                format!(", CASE WHEN o.{c} IS NULL THEN NULL ELSE format('%s', o.{c}) END")
+            })
             .collect();
         let select =
             format!("SELECT {list}, o.attempts::int4, o.last_error::text{placed} FROM {table} o");

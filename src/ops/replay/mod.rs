@@ -74,7 +74,10 @@ pub async fn run(config: &Config, args: &ReplayArgs) -> Result<ReplayReport, Err
     let selection = Selection::from_args(args)?;
     let config = &args::replayed_outbox(config, args)?;
     let mapper = OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
-    let client = crate::postgres::connect(&config.postgres.url).await?;
+    // The relay's session settings (UTC, ISO dates), so that the original of a
+    // truncated copy reads as the stream read it (its placed columns included).
+    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
+    let client = crate::poller::session(&conninfo).await?;
     let store = PoisonStore {
         client,
         table: quote_qualified(&config.outbox.poison_table),

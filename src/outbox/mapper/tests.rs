@@ -1558,6 +1558,24 @@ fn placed_columns_become_headers_and_envelope_fields() {
     assert_eq!(polled.headers, e.headers);
     assert_eq!(polled.payload, e.payload);
 
+    // A row header with a placed header's name is refused (it would shadow it).
+    let values = with(values, "headers", text(r#"{"schema_version": "9"}"#));
+    let refused = unmappable(m.map_insert(&insert(&rel, &values), LSN).unwrap());
+    assert_eq!(refused.error_kind, error_kind::BAD_HEADERS);
+
+    // map_row's unmappable rows keep the placed values in row_data (for replay).
+    let no_payload = OutboxRow {
+        payload: None,
+        ..row.clone()
+    };
+    let refused = m.map_row(&no_payload, None).unwrap_err();
+    assert!(
+        refused
+            .fields
+            .columns
+            .contains(&("version".into(), Some("3".into())))
+    );
+
     // A placed column the table does not have: every insert is unmappable.
     let mut without = OutboxMapper::with_template(&outbox, "t", None).unwrap();
     without.on_relation(&outbox_relation());
