@@ -19,6 +19,8 @@ use crate::harness::{
     self, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique, deliveries, tally,
 };
 
+/// Events written on the primary before the kill, at least (more when the slot took
+/// long to be synced: the kill still comes with events in flight).
 const BEFORE_KILL: i64 = 2_000;
 const AFTER_PROMOTION: i64 = 1_000;
 /// The killed relay's in-flight window (`relay.max_in_flight_events`): what it can
@@ -199,7 +201,8 @@ async fn pg17_failover_resumes_from_the_synced_slot_on_the_promoted_standby() {
         sync_ready.as_millis()
     );
     // More events, and the relay killed while it delivers them.
-    write(&db.client, written..BEFORE_KILL).await;
+    let before_kill = BEFORE_KILL.max(written + 10 * CHUNK);
+    write(&db.client, written..before_kill).await;
     relay.kill9().await;
     let killed_at = started.elapsed();
     let delivered_before = tally(&consume(&db.topic, usize::MAX, Duration::from_secs(2)).await).0;
@@ -279,7 +282,7 @@ async fn pg17_failover_resumes_from_the_synced_slot_on_the_promoted_standby() {
     );
 
     // Writers follow the new primary; so does the relay (its config points there).
-    write(&promoted_client, BEFORE_KILL..BEFORE_KILL + AFTER_PROMOTION).await;
+    write(&promoted_client, before_kill..before_kill + AFTER_PROMOTION).await;
     let config = std::fs::read_to_string(&db.config_path)
         .expect("the test config")
         .replace(&db.url, &promoted_url);
@@ -287,7 +290,7 @@ async fn pg17_failover_resumes_from_the_synced_slot_on_the_promoted_standby() {
     std::fs::write(&promoted_config, config).expect("write the promoted config");
     let resume_start = Instant::now();
     let relay = RelayProcess::start(&promoted_config, &[]);
-    let total = usize::try_from(BEFORE_KILL + AFTER_PROMOTION).unwrap();
+    let total = usize::try_from(before_kill + AFTER_PROMOTION).unwrap();
     consume_unique(&db.topic, total, Duration::from_secs(180), &relay).await;
     let caught_up = resume_start.elapsed();
     // Read a little longer: late duplicates count too.
@@ -295,7 +298,7 @@ async fn pg17_failover_resumes_from_the_synced_slot_on_the_promoted_standby() {
     let (unique, duplicates) = tally(&records);
     let lost = total.saturating_sub(unique);
     eprintln!(
-        "pg17 failover: {total} events ({BEFORE_KILL} on the primary, {AFTER_PROMOTION} after the \
+        "pg17 failover: {total} events ({before_kill} on the primary, {AFTER_PROMOTION} after the \
          promotion), {delivered_before} delivered before the kill -9 at {} ms; promotion {} ms; \
          all delivered {} ms after the relay started on the promoted server; lost {lost}, \
          duplicates {duplicates}",
