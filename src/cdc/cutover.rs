@@ -82,7 +82,7 @@
 
 use tokio_postgres::Client;
 
-use crate::cdc::backlog::{Backlog, BacklogQuery, BacklogSummary};
+use crate::cdc::backlog::{Backlog, BacklogQuery, BacklogSummary, FurtherOutboxes};
 use crate::config::{Config, ConfigError, CutoverMode, quote_ident};
 use crate::error::{Error, Result};
 use crate::lifecycle::Shutdown;
@@ -356,14 +356,17 @@ async fn cut_over(
     let Some((config, other_views)) = views.split_first() else {
         return Err(ConfigError::Invalid("no outbox to cut over".into()).into());
     };
+    let further = FurtherOutboxes {
+        views: other_views,
+        marker_table: Some(marker_table),
+        history,
+    };
     let slot_name = &config.postgres.slot_name();
     // Everything that can fail for lack of a column, a connection or the broker is
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    for view in other_views {
-        Backlog::open(view, metadata, Some(marker_table), history).await?;
-    }
+    further.check(metadata).await?;
     let mut backlog = Backlog::open(config, metadata, Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
     begin_marker(backlog.metadata(), marker_table, slot_name).await?;
@@ -393,18 +396,16 @@ async fn cut_over(
         )
         .await?;
     drop(backlog);
-    for view in other_views {
-        let mut backlog = Backlog::open(view, metadata, Some(marker_table), history).await?;
-        let more = backlog
-            .publish(
-                &mut reader,
-                &snapshot,
-                consistent_point,
-                BacklogQuery::Unsent,
-            )
-            .await?;
-        published.add(&more);
-    }
+    let more = further
+        .publish(
+            metadata,
+            &mut reader,
+            &snapshot,
+            consistent_point,
+            BacklogQuery::Unsent,
+        )
+        .await?;
+    published.add(&more);
     let summary = CutoverSummary::of(consistent_point, published);
     metadata
         .execute(

@@ -26,7 +26,7 @@
 
 use tokio_postgres::Client;
 
-use crate::cdc::backlog::{Backlog, BacklogQuery};
+use crate::cdc::backlog::{Backlog, BacklogQuery, FurtherOutboxes};
 use crate::cdc::cutover::CutoverSummary;
 use crate::cdc::start::SlotLoss;
 use crate::config::Config;
@@ -61,11 +61,15 @@ pub(crate) async fn resync(
     let mut views = config.per_outbox().into_iter();
     let first_view = views.next().unwrap_or_else(|| config.clone());
     let other_views: Vec<Config> = views.collect();
-    for view in &other_views {
-        Backlog::open(view, metadata, None, history)
-            .await
-            .map_err(|e| impossible(e, loss))?;
-    }
+    let further = FurtherOutboxes {
+        views: &other_views,
+        marker_table: None,
+        history,
+    };
+    further
+        .check(metadata)
+        .await
+        .map_err(|e| impossible(e, loss))?;
     let mut backlog = Backlog::open(&first_view, metadata, None, history)
         .await
         .map_err(|e| impossible(e, loss))?;
@@ -89,13 +93,10 @@ pub(crate) async fn resync(
         .publish(&mut reader, &snapshot, consistent_point, query)
         .await?;
     drop(backlog);
-    for view in &other_views {
-        let mut backlog = Backlog::open(view, metadata, None, history).await?;
-        let more = backlog
-            .publish(&mut reader, &snapshot, consistent_point, query)
-            .await?;
-        published.add(&more);
-    }
+    let more = further
+        .publish(metadata, &mut reader, &snapshot, consistent_point, query)
+        .await?;
+    published.add(&more);
     let already_delivered = published.already_delivered;
     let summary = CutoverSummary::of(consistent_point, published);
     positions

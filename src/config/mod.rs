@@ -509,6 +509,16 @@ pub struct CloudEventsConfig {
     pub source: String,
 }
 
+/// Whether a header name is one CloudEvents reads (`ce_*` in any case,
+/// `content-type`): another header of that name would be read twice by a consumer's
+/// SDK (or, in structured mode, make it take the record for a binary-mode one).
+#[must_use]
+pub fn is_cloudevents_header(name: &str) -> bool {
+    // SDKs compare header names case-insensitively (the Python SDK lowercases them).
+    name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+        || name.eq_ignore_ascii_case("content-type")
+}
+
 /// `kafka.cloudevents.mode`.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -991,9 +1001,7 @@ impl Config {
                     Some("the envelope has that key already")
                 }
                 PlacementTarget::Header
-                    if self.kafka.cloudevents.is_some()
-                        && (name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
-                            || name.eq_ignore_ascii_case("content-type")) =>
+                    if self.kafka.cloudevents.is_some() && is_cloudevents_header(name) =>
                 {
                     Some("[kafka.cloudevents] writes that header")
                 }
@@ -1312,6 +1320,15 @@ pub fn is_plain_identifier(s: &str) -> bool {
 pub struct TableNameError {
     /// The name as configured.
     pub name: String,
+}
+
+/// Whether two table names (`schema.table`, or `table` in `public`) name one table.
+#[must_use]
+pub fn same_table(a: &str, b: &str) -> bool {
+    match (qualified_name(a), qualified_name(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// Splits `schema.table` (or `table`, meaning `public`) into its parts.

@@ -208,14 +208,9 @@ fn content_type(format: PayloadFormat) -> &'static str {
     }
 }
 
-/// Whether a row's own header would shadow a CloudEvents header (`ce_*` in any case,
-/// `content-type`), which a consumer's SDK would then read twice (or, in structured
-/// mode, take for a binary-mode record).
-pub(super) fn is_cloudevents_header(name: &str) -> bool {
-    // SDKs compare header names case-insensitively (the Python SDK lowercases them).
-    name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
-        || name.eq_ignore_ascii_case(HEADER_CONTENT_TYPE)
-}
+/// Whether a header would shadow a CloudEvents header (config validation asks it of
+/// placed headers, the mapper of a row's own).
+pub(super) use crate::config::is_cloudevents_header;
 
 #[cfg(test)]
 mod tests {

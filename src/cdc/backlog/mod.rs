@@ -110,6 +110,48 @@ impl BacklogSummary {
     }
 }
 
+/// The outboxes after the first of a cutover or resync ([`Config::per_outbox`]):
+/// their backlogs are opened before the slot exists only to refuse early (the
+/// metadata connection serves one backlog at a time), and published once the first
+/// is done, one after the other in the first one's snapshot.
+pub(super) struct FurtherOutboxes<'v> {
+    pub(super) views: &'v [Config],
+    pub(super) marker_table: Option<&'v str>,
+    pub(super) history: ServerHistory,
+}
+
+impl FurtherOutboxes<'_> {
+    /// Opens (and drops) each backlog: what lacks a column, a connection or the
+    /// broker refuses here, before anything is recorded.
+    pub(super) async fn check(&self, metadata: &mut Client) -> Result<()> {
+        for view in self.views {
+            Backlog::open(view, metadata, self.marker_table, self.history).await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes each backlog with `query` in `snapshot`; their counts added up.
+    pub(super) async fn publish(
+        &self,
+        metadata: &mut Client,
+        reader: &mut Client,
+        snapshot: &str,
+        consistent_point: Lsn,
+        query: BacklogQuery,
+    ) -> Result<BacklogSummary> {
+        let mut summary = BacklogSummary::default();
+        for view in self.views {
+            let mut backlog =
+                Backlog::open(view, metadata, self.marker_table, self.history).await?;
+            let published = backlog
+                .publish(reader, snapshot, consistent_point, query)
+                .await?;
+            summary.add(&published);
+        }
+        Ok(summary)
+    }
+}
+
 /// A row halted under `relay.on_poison = "halt"`.
 #[derive(Debug, Clone)]
 struct HaltedRow {

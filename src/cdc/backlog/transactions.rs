@@ -136,7 +136,7 @@ impl BacklogTransactions {
             .then(|| config.outbox.table.clone());
         if let Some(sent) = carried.backlog.take() {
             let ours = match (&sent.outbox, &outbox) {
-                (Some(theirs), Some(ours)) => same_table(theirs, ours),
+                (Some(theirs), Some(ours)) => crate::config::same_table(theirs, ours),
                 (None, None) => true,
                 _ => false,
             };
@@ -227,17 +227,6 @@ impl BacklogTransactions {
     pub(super) async fn abort(&self, publisher: &Publisher) -> Result<()> {
         retrying(|| async { kafka::joined(publisher.start_abort(&self.id).await) }).await?;
         Ok(())
-    }
-}
-
-/// Whether two configured names (`schema.table` or `table`) are one table.
-fn same_table(a: &str, b: &str) -> bool {
-    match (
-        crate::config::qualified_name(a),
-        crate::config::qualified_name(b),
-    ) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
     }
 }
 

@@ -17,7 +17,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::{Config, ConfigError, qualified_name};
+use crate::config::{Config, ConfigError, same_table};
 
 /// Arguments of `outbox-relay replay` (the config file comes from the CLI wiring).
 #[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
@@ -73,14 +73,6 @@ pub(super) fn replayed_outbox(config: &Config, args: &ReplayArgs) -> Result<Conf
                     tables()
                 ))
             }),
-    }
-}
-
-/// `app.events` and `events` name the same table when the schema is `public`.
-fn same_table(configured: &str, named: &str) -> bool {
-    match (qualified_name(configured), qualified_name(named)) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => configured == named,
     }
 }
 
