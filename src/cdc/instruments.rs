@@ -21,6 +21,7 @@ use crate::cdc::heartbeat;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::progress::Core;
 use crate::lsn::Lsn;
+use crate::outbox::message::MessageMapped;
 use crate::postgres::pgoutput::LogicalDecodingMessage;
 use crate::postgres::replication::frames::pg_epoch_micros;
 
@@ -48,6 +49,8 @@ pub(crate) struct Instruments {
     transient_errors: Counter,
     reconnects: Counter,
     heartbeat_round_trip: Histogram,
+    /// Messages ignored: another prefix, another relay's outbox, not transactional.
+    messages_ignored: [Counter; 3],
     /// `(relayed, poisoned)` counters per topic, looked up once per event. foldhash,
     /// not SipHash (which was 1–2 % of a drain's CPU): the map holds at most
     /// [`MAX_TOPIC_SERIES`] + 1 keys, so colliding names cannot make it slow.
@@ -71,6 +74,8 @@ impl Instruments {
             transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
             reconnects: ::metrics::counter!(m::RECONNECTS),
             heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
+            messages_ignored: ["foreign_prefix", "other_outbox", "not_transactional"]
+                .map(|reason| ::metrics::counter!(m::MESSAGES_IGNORED, "reason" => reason)),
             per_topic: HashMap::default(),
             last_confirmed: Lsn::ZERO,
         }
@@ -168,6 +173,37 @@ impl Instruments {
 
     /// A logical-decoding message: our own heartbeat gives the round trip; any
     /// other message (other prefixes, other relays' heartbeats) is ignored.
+    /// Counts a message that is not an event of this relay (the heartbeat's own
+    /// prefix is not counted); one written with `transactional = false` is also
+    /// logged, since its writer expects it relayed. Another relay's outbox messages
+    /// are normal where several relays share a database, so they are only counted.
+    pub(crate) fn ignored_message(
+        &self,
+        ignored: &MessageMapped,
+        message: &LogicalDecodingMessage,
+    ) {
+        let index = match ignored {
+            MessageMapped::Outbox(_) => return,
+            MessageMapped::Foreign => {
+                if message.prefix.as_bytes() == heartbeat::PREFIX.as_bytes() {
+                    return;
+                }
+                0
+            }
+            MessageMapped::OtherOutbox => 1,
+            MessageMapped::NotTransactional => 2,
+        };
+        if index == 2 {
+            tracing::warn!(
+                prefix = %message.prefix,
+                lsn = %message.lsn,
+                "outbox message written with transactional = false ignored: it is decoded \
+                 outside commit order, even when its transaction rolls back"
+            );
+        }
+        self.messages_ignored[index].increment(1);
+    }
+
     pub(crate) fn logical_message(&self, message: &LogicalDecodingMessage) {
         if message.prefix.as_bytes() != heartbeat::PREFIX.as_bytes() {
             return;

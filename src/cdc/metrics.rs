@@ -98,6 +98,9 @@ pub(crate) const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal
 pub(crate) const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
 /// Counter: replication sessions lost and re-established.
 pub(crate) const RECONNECTS: &str = "outbox_relay_reconnects_total";
+/// Counter: logical decoding messages that are not events of this relay, by
+/// `reason` (`foreign_prefix`, `other_outbox`, `not_transactional`).
+pub(crate) const MESSAGES_IGNORED: &str = "outbox_relay_messages_ignored_total";
 /// Gauge: 1 while the relay streams from its slot, else 0.
 pub(crate) const STREAMING: &str = "outbox_relay_streaming";
 /// Histogram (seconds): heartbeat message emitted on the metadata connection until
@@ -191,6 +194,10 @@ fn describe() {
     );
     describe_counter!(BROKER_TRANSIENT_ERRORS, "Transient broker errors (retried)");
     describe_counter!(RECONNECTS, "Replication sessions re-established");
+    describe_counter!(
+        MESSAGES_IGNORED,
+        "Logical decoding messages that are not events of this relay, by reason"
+    );
     describe_gauge!(STREAMING, "1 while streaming from the slot");
     describe_histogram!(
         HEARTBEAT_ROUND_TRIP,

@@ -67,6 +67,7 @@ use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, IdleGate, Publisher, TopicLimits};
 use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
+use crate::outbox::message::MessageMapped;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
 use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter, RecordedPoison};
@@ -1428,7 +1429,13 @@ impl Relay {
             }
             LogicalReplicationMessage::Message(message) => {
                 self.instruments.logical_message(&message);
-                Ok(())
+                match self.mapper.map_message(&message, self.current_commit_lsn) {
+                    MessageMapped::Outbox(mapped) => Ok(self.admit(mapped, now)?),
+                    ignored => {
+                        self.instruments.ignored_message(&ignored, &message);
+                        Ok(())
+                    }
+                }
             }
             // Updates, deletes and truncates of the outbox are not events (the
             // publication normally does not even send them); origins and types

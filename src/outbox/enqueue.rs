@@ -10,6 +10,10 @@
 //!   takes a [`tokio_postgres::Transaction`] — not a client — so the insert cannot
 //!   silently run in a transaction of its own.
 //!
+//! * for the message outbox, `outbox_emit(…)` with the same arguments
+//!   (`migrations/0011_message_outbox.sql`) and [`Enqueuer::messages`]: the event
+//!   goes to the WAL only, never into a table (`crate::outbox::message`).
+//!
 //! Both return the event's idempotency key: the one given, else a UUID v7 made by
 //! `outbox_relay_uuid_v7()` (RFC 9562: 48-bit Unix milliseconds then random bits,
 //! built from `clock_timestamp()` and `gen_random_uuid()` since PostgreSQL before 18
@@ -77,9 +81,10 @@ pub enum EnqueueError {
     /// The key given already exists (SQLSTATE 23505): this event was enqueued before.
     #[error("idempotency key {0:?} was already enqueued")]
     DuplicateKey(String),
-    /// `outbox_enqueue` (or its schema) does not exist: run `outbox-relay migrate`.
+    /// `outbox_enqueue` / `outbox_emit` (or its schema) does not exist: run
+    /// `outbox-relay migrate`.
     #[error(
-        "outbox_enqueue() is missing: run `outbox-relay migrate` ({})",
+        "the writer function is missing: run `outbox-relay migrate` ({})",
         crate::postgres::describe_error(.0)
     )]
     NotInstalled(#[source] tokio_postgres::Error),
@@ -109,10 +114,25 @@ impl Enqueuer {
         Enqueuer::for_schema(&schema)
     }
 
+    /// For the message outbox of this config: `outbox_emit`, which writes the
+    /// event to the WAL only, as a transactional logical decoding message
+    /// (`crate::outbox::message`). Same arguments, same commit-or-roll-back rule; a
+    /// key given twice is not refused.
+    #[must_use]
+    pub fn messages(outbox: &OutboxConfig) -> Enqueuer {
+        let schema = crate::config::qualified_name(&outbox.table)
+            .map_or_else(|_| "public".to_owned(), |(schema, _)| schema);
+        Enqueuer::calling(&schema, "outbox_emit")
+    }
+
     fn for_schema(schema: &str) -> Enqueuer {
+        Enqueuer::calling(schema, "outbox_enqueue")
+    }
+
+    fn calling(schema: &str, function: &str) -> Enqueuer {
         Enqueuer {
             sql: format!(
-                "SELECT {}.outbox_enqueue($1, $2, $3, $4::text::jsonb, $5::text::jsonb, $6)",
+                "SELECT {}.{function}($1, $2, $3, $4::text::jsonb, $5::text::jsonb, $6)",
                 quote_ident(schema)
             ),
         }
@@ -206,6 +226,11 @@ mod tests {
             Enqueuer::new(&outbox)
                 .sql()
                 .starts_with("SELECT \"app\".outbox_enqueue(")
+        );
+        assert!(
+            Enqueuer::messages(&outbox)
+                .sql()
+                .starts_with("SELECT \"app\".outbox_emit($1, $2, $3, $4::text::jsonb")
         );
     }
 

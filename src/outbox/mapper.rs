@@ -32,6 +32,7 @@ use super::cloudevents::{CloudEvents, is_cloudevents_header};
 use super::columns::{FIELD_COUNT, Field, FieldNames};
 use super::envelope::{Envelope, build_envelope};
 use super::headers::parse_header_object;
+use super::message::{self, MessageMapped};
 use super::record::{
     EventSource, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_IDEMPOTENCY_KEY,
     HEADER_OCCURRED_AT, HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow,
@@ -48,7 +49,7 @@ use crate::config::{
     qualified_name,
 };
 use crate::lsn::Lsn;
-use crate::postgres::pgoutput::{Insert, Relation};
+use crate::postgres::pgoutput::{Insert, LogicalDecodingMessage, Relation};
 
 /// Maps outbox inserts to Kafka records; holds the relation cache of one
 /// replication session.
@@ -75,6 +76,8 @@ struct Binding {
     /// `outbox.additional_placement`, and its columns in the same order.
     placements: Vec<Placement>,
     placed: Vec<Arc<str>>,
+    /// The prefix of this outbox's messages (`crate::outbox::message`).
+    message_prefix: String,
 }
 
 impl Binding {
@@ -109,6 +112,7 @@ impl Binding {
             .collect();
         Ok(Binding {
             outbox: outbox.clone(),
+            message_prefix: message::prefix_of(&format!("{schema}.{table}")),
             schema,
             table,
             template,
@@ -256,6 +260,50 @@ impl OutboxMapper {
                 fields: poison_from_tuple(rel, &insert.tuple, commit_lsn),
             }),
         })
+    }
+
+    /// Maps one logical decoding message of the replication stream (the message
+    /// outbox, see [`crate::outbox::message`]); `commit_lsn` is its transaction's
+    /// commit LSN. A frame is mapped by the rules of a row of the outbox its prefix
+    /// names; an unreadable one becomes an unmappable row that keeps the whole
+    /// content.
+    #[must_use]
+    pub fn map_message(&self, message: &LogicalDecodingMessage, commit_lsn: Lsn) -> MessageMapped {
+        let prefix = message.prefix.as_bytes();
+        if !message::is_outbox_prefix(prefix) {
+            return MessageMapped::Foreign;
+        }
+        let Some(binding) = self
+            .outboxes
+            .iter()
+            .position(|b| b.message_prefix.as_bytes() == prefix)
+        else {
+            return MessageMapped::OtherOutbox;
+        };
+        if message.flags & LogicalDecodingMessage::TRANSACTIONAL == 0 {
+            return MessageMapped::NotTransactional;
+        }
+        let names = &self.outboxes[binding].configured_names;
+        let mapped = match message::decode_frame(&message.content) {
+            Ok(row) => match self.build(RowRef::of(&row), names, Some(commit_lsn)) {
+                Ok(event) => Mapped::Event(event),
+                Err(reject) => {
+                    let mut fields = poison_from_row(names, &[], &row, Some(commit_lsn));
+                    fields.outbox_id = None;
+                    fields.columns.push((
+                        message::POISON_MARKER.to_owned(),
+                        Some(message.prefix.to_string()),
+                    ));
+                    Mapped::Unmappable(UnmappableRow {
+                        reason: reject.reason,
+                        error_kind: reject.kind,
+                        fields,
+                    })
+                }
+            },
+            Err(e) => Mapped::Unmappable(unreadable_message(message, &e, commit_lsn, binding)),
+        };
+        MessageMapped::Outbox(mapped)
     }
 
     /// Maps one outbox row given as column text (the polling relay, `replay`),
@@ -597,6 +645,34 @@ fn placed_values(extra: &[Option<Bytes>]) -> impl Iterator<Item = Option<Bytes>>
 }
 
 /// Poison data of a row given as text.
+/// The poison row of a message whose content is not a frame: the content itself,
+/// as `bytea` hex text, so that nothing of it is lost.
+fn unreadable_message(
+    message: &LogicalDecodingMessage,
+    error: &message::FrameError,
+    commit_lsn: Lsn,
+    outbox: usize,
+) -> UnmappableRow {
+    let content = payload_text(&message.content, PayloadFormat::Raw);
+    UnmappableRow {
+        reason: format!("message {} is not an outbox frame: {error}", message.lsn),
+        error_kind: error_kind::BAD_MESSAGE,
+        fields: PoisonFields {
+            payload: Some(content.clone()),
+            columns: vec![
+                (
+                    message::POISON_MARKER.to_owned(),
+                    Some(message.prefix.to_string()),
+                ),
+                ("content".to_owned(), Some(content)),
+            ],
+            lsn: Some(commit_lsn),
+            outbox,
+            ..PoisonFields::default()
+        },
+    }
+}
+
 fn poison_from_row(
     names: &FieldNames,
     placed: &[Arc<str>],

@@ -24,6 +24,7 @@
 //! | [`position`] | the relay's own saved confirmed LSN, with its server history | survives PostgreSQL restarts and lost slots |
 //! | `checkpoint_error` | [`checkpoint::CheckpointError`], shared by `checkpoint` and `position`, and the LSNs they read | below both: `checkpoint` reads the position, so `position` imports nothing from it |
 //! | [`enqueue`] | writing an event inside the caller's transaction | the writer's side |
+//! | [`message`] | the message outbox's frame (`pg_logical_emit_message`) → an outbox row | events that never were rows |
 
 mod bytea;
 pub mod checkpoint;
@@ -35,6 +36,7 @@ mod envelope;
 mod headers;
 mod json;
 mod mapper;
+pub mod message;
 pub mod position;
 mod record;
 mod relation;

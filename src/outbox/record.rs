@@ -103,6 +103,9 @@ pub mod error_kind {
     pub const BAD_HEADERS: &str = "bad_headers";
     /// `created_at` is not a finite timestamp of years 1–9999.
     pub const BAD_TIMESTAMP: &str = "bad_timestamp";
+    /// A message of the message outbox whose content is not a frame the relay
+    /// reads (`crate::outbox::message`); its whole content is kept.
+    pub const BAD_MESSAGE: &str = "bad_message";
 }
 
 /// Why an `Insert` cannot be mapped at all: the stream itself is inconsistent.

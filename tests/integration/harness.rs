@@ -1327,3 +1327,27 @@ impl Drop for DevBroker {
         let _ = self.child.wait();
     }
 }
+
+/// Reads `topic` until every key of `expected` arrived (90 s at most).
+pub async fn read_all(topic: &str, expected: &HashSet<&str>, relay: &RelayProcess) -> Vec<Record> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let mut want = expected.len();
+    loop {
+        let records = consume(topic, want, Duration::from_secs(20)).await;
+        let seen: HashSet<&str> = records
+            .iter()
+            .filter_map(|r| r.header("idempotency_key"))
+            .collect();
+        if expected.iter().all(|k| seen.contains(k)) {
+            return records;
+        }
+        let missing = expected.iter().filter(|k| !seen.contains(*k)).count();
+        // Duplicates take places: ask for as many more records as are missing.
+        want = records.len() + missing;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{missing} events missing from {topic}; relay log:\n{}",
+            relay.log()
+        );
+    }
+}

@@ -25,6 +25,7 @@ mod huge_transaction;
 mod inbox;
 mod kafka_publisher;
 mod kafka_security;
+mod message_outbox;
 mod migrate_names;
 mod operations;
 mod parking;

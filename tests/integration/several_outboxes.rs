@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use crate::harness::{
-    self, RelayProcess, TestDb, assert_per_key_order, connect, consume, tally, wait_until,
+    self, RelayProcess, TestDb, assert_per_key_order, connect, consume, read_all, tally, wait_until,
 };
 
 /// Transactions each writer commits or rolls back.
@@ -297,34 +297,6 @@ async fn one_relay_serves_two_outbox_tables_of_different_layouts() {
     db.drop_slot().await;
 }
 
-/// Reads `topic` until every key of `expected` arrived (90 s at most).
-async fn read_all(
-    topic: &str,
-    expected: &HashSet<&str>,
-    relay: &RelayProcess,
-) -> Vec<harness::Record> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(90);
-    let mut want = expected.len();
-    loop {
-        let records = consume(topic, want, Duration::from_secs(20)).await;
-        let seen: HashSet<&str> = records
-            .iter()
-            .filter_map(|r| r.header("idempotency_key"))
-            .collect();
-        if expected.iter().all(|k| seen.contains(k)) {
-            return records;
-        }
-        let missing = expected.iter().filter(|k| !seen.contains(*k)).count();
-        // Duplicates take places: ask for as many more records as are missing.
-        want = records.len() + missing;
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{missing} events missing from {topic}; relay log:\n{}",
-            relay.log()
-        );
-    }
-}
-
 /// Rows of `table`.
 async fn count(client: &Client, table: &str) -> i64 {
     client
@@ -443,7 +415,7 @@ async fn poll_then_cutover_serve_two_outbox_tables() {
     assert!(out.status.success(), "{migrated}");
     // Both outboxes in one schema would share outbox_enqueue; here each has its own.
     assert!(
-        migrated.contains("outbox billing.outbox: migrations: 10 applied"),
+        migrated.contains("outbox billing.outbox: migrations: 11 applied"),
         "{migrated}"
     );
 

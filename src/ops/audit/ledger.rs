@@ -34,7 +34,9 @@
 //!
 //! Records whose key is not in the range (older or newer rows, another producer)
 //! and records without the header are counted in the table ("outside the range",
-//! "without key") but in none of the six numbers.
+//! "without key") but in none of the six numbers — except where the message
+//! outbox's ledger counted events: then such records are matched against it per
+//! entity (`messages.rs`), and the messages add to the six numbers.
 //!
 //! # Bounded memory
 //!
@@ -54,6 +56,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::messages::{MessageCounts, MessageRecord, Messages};
 use crate::error::Error;
 use crate::lsn::Lsn;
 
@@ -173,6 +176,9 @@ pub(super) struct Ledger {
     pub(super) outside_range: u64,
     /// Records without an `idempotency_key` header.
     pub(super) without_key: u64,
+    /// The message outbox's tally, when its ledger counted events: records no row
+    /// explains go to it instead of `outside_range`.
+    messages: Option<Messages>,
 }
 
 /// The final counts of a [`Ledger`].
@@ -185,6 +191,11 @@ pub(super) struct Counts {
     /// Of `poisoned`: parked behind a poisoned event of their key.
     pub(super) parked: u64,
     pub(super) replayed: u64,
+    /// Records no row and no message of the ledger explains, beyond
+    /// [`Ledger::outside_range`] (see `messages.rs`).
+    pub(super) beyond_messages: u64,
+    /// The message outbox's share of the counts above.
+    pub(super) messages: Option<MessageCounts>,
 }
 
 impl Ledger {
@@ -263,8 +274,30 @@ impl Ledger {
             return Observed::WithoutKey;
         };
         let Some(i) = self.find(key_hash(idempotency_key)) else {
-            self.outside_range += 1;
-            return Observed::OutsideRange;
+            let Some(messages) = self.messages.as_mut() else {
+                self.outside_range += 1;
+                return Observed::OutsideRange;
+            };
+            let key = key.unwrap_or_default();
+            let order_entity = entity_hash(topic, partition, key);
+            return match messages.observe(
+                key_hash(key),
+                key_hash(idempotency_key),
+                order_entity,
+                source_lsn,
+            ) {
+                MessageRecord::First => Observed::First,
+                MessageRecord::Duplicate { second } => {
+                    self.duplicates += 1;
+                    self.duplicated_events += u64::from(second);
+                    Observed::Duplicate
+                }
+                MessageRecord::OutOfOrder { first_of_entity } => {
+                    self.out_of_order_records += 1;
+                    self.out_of_order_keys += u64::from(first_of_entity);
+                    Observed::OutOfOrder
+                }
+            };
         };
         let row = &mut self.rows[i].1;
         row.deliveries = row.deliveries.saturating_add(1);
@@ -313,6 +346,9 @@ impl Ledger {
     /// A topic was read to the end: its entities are done.
     pub(super) fn end_topic(&mut self) {
         self.entities = HashMap::default();
+        if let Some(messages) = self.messages.as_mut() {
+            messages.end_topic();
+        }
     }
 
     /// Whether the row with this key is lost (in the range, not delivered, not poisoned).
@@ -343,7 +379,31 @@ impl Ledger {
                 (false, false) => c.lost += 1,
             }
         }
+        if let Some(messages) = &self.messages {
+            let m = messages.counts();
+            c.expected += m.emitted;
+            c.delivered += m.delivered;
+            c.poisoned += m.poisoned;
+            c.lost += m.lost;
+            c.beyond_messages = m.beyond;
+            c.messages = Some(m);
+        }
         c
+    }
+
+    /// Audits the message outbox too, with its ledger (`messages.rs`): `events`
+    /// emitted for the entity `aggregate_id`.
+    pub(super) fn count_emitted(&mut self, aggregate_id: &[u8], events: u64) {
+        self.messages
+            .get_or_insert_with(Messages::default)
+            .emitted(key_hash(aggregate_id), events);
+    }
+
+    /// A poison row of a message (its `row_data` carries the marker).
+    pub(super) fn mark_message_poisoned(&mut self, aggregate_id: &[u8], idempotency_key: &[u8]) {
+        self.messages
+            .get_or_insert_with(Messages::default)
+            .poisoned(key_hash(aggregate_id), key_hash(idempotency_key));
     }
 
     /// Bytes held for rows (the entity map is per topic and not included).

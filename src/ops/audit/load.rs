@@ -36,6 +36,7 @@ use super::ledger::Ledger;
 use crate::config::{Config, quote_ident, quote_qualified};
 use crate::error::Error;
 use crate::ops::meter::{self, Meter};
+use crate::outbox::message;
 use crate::outbox::{OutboxMapper, OutboxRow, PayloadFormat};
 use crate::postgres::prerequisite::Prerequisite;
 
@@ -366,15 +367,25 @@ pub(super) async fn load(
             .await?
             .try_get(0)?;
         let parked = if parked_column { "parked" } else { "false" };
-        let sql = format!("SELECT idempotency_key, outbox_id, {parked} FROM {table}");
+        let sql = format!(
+            "SELECT idempotency_key, outbox_id, {parked}, aggregate_id, row_data ? $1 FROM {table}"
+        );
         let statement = tx.prepare(&sql).await?;
-        let portal = tx.bind(&statement, &[]).await?;
+        let portal = tx.bind(&statement, &[&message::POISON_MARKER]).await?;
         loop {
             let batch = tx.query_portal(&portal, BATCH_ROWS).await?;
             for row in &batch {
                 let key: Option<&str> = row.try_get(0)?;
                 let outbox_id: Option<&str> = row.try_get(1)?;
                 let parked: bool = row.try_get(2)?;
+                if row.try_get::<_, Option<bool>>(4)?.unwrap_or(false) {
+                    let entity: Option<&str> = row.try_get(3)?;
+                    ledger.mark_message_poisoned(
+                        entity.unwrap_or_default().as_bytes(),
+                        key.unwrap_or_default().as_bytes(),
+                    );
+                    continue;
+                }
                 let mut mark = |k: &str| {
                     if parked {
                         ledger.mark_parked(k.as_bytes())
@@ -397,6 +408,16 @@ pub(super) async fn load(
             config.outbox.poison_table
         ));
     }
+    load_message_ledger(
+        &tx,
+        config,
+        range,
+        &mapper,
+        &mut ledger,
+        &mut topics,
+        &mut notes,
+    )
+    .await?;
     tx.commit().await?;
     Ok(Loaded {
         ledger,
@@ -404,6 +425,91 @@ pub(super) async fn load(
         unmappable,
         notes,
     })
+}
+
+/// The message outbox's ledger (`migrations/0011_message_outbox.sql`), into the
+/// ledger and the topics to read (see `messages.rs`). Only for an audit of the whole
+/// history: the ledger counts per entity since the first event, not by time.
+async fn load_message_ledger(
+    tx: &tokio_postgres::Transaction<'_>,
+    config: &Config,
+    range: &Range,
+    mapper: &OutboxMapper,
+    ledger: &mut Ledger,
+    topics: &mut BTreeSet<String>,
+    notes: &mut Vec<String>,
+) -> Result<(), Error> {
+    let (schema, table) = crate::config::qualified_name(&config.outbox.table)?;
+    let ledger_table = format!("{}.outbox_relay_message_ledger", quote_ident(&schema));
+    let exists: bool = tx
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&ledger_table])
+        .await?
+        .try_get(0)?;
+    if !exists {
+        return Ok(());
+    }
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT aggregate_id, aggregate_type, topic, events FROM {ledger_table}
+                  WHERE outbox = $1"
+            ),
+            &[&format!("{schema}.{table}")],
+        )
+        .await?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    if range.since.is_some()
+        || range.until.is_some()
+        || range.from_id.is_some()
+        || range.to_id.is_some()
+    {
+        notes.push(
+            "message outbox not audited: its ledger counts events per entity over all time,              so audit it without --since/--until/--from-id/--to-id"
+                .to_owned(),
+        );
+        return Ok(());
+    }
+    let template_needs_event_type = config
+        .topic_template_of(&config.outbox)
+        .contains("{event_type}");
+    let mut unknown_topics = false;
+    for row in &rows {
+        let aggregate_id: &str = row.try_get(0)?;
+        let aggregate_type: &str = row.try_get(1)?;
+        let topic: &str = row.try_get(2)?;
+        let events: i64 = row.try_get(3)?;
+        ledger.count_emitted(aggregate_id.as_bytes(), u64::try_from(events).unwrap_or(0));
+        if !topic.is_empty() {
+            topics.insert(topic.to_owned());
+        } else if template_needs_event_type {
+            unknown_topics = true;
+        } else if let Ok(event) = mapper.map_row(&message_topic_row(aggregate_type), None) {
+            topics.insert(event.topic);
+        }
+    }
+    if unknown_topics {
+        notes.push(
+            "the topic template uses {event_type}, which the message ledger does not keep: \
+             name the message outbox's topics with --topic"
+                .to_owned(),
+        );
+    }
+    Ok(())
+}
+
+/// A row that maps to the topic the template gives `aggregate_type`.
+fn message_topic_row(aggregate_type: &str) -> OutboxRow {
+    let text = |s: &str| Some(Bytes::copy_from_slice(s.as_bytes()));
+    OutboxRow {
+        idempotency_key: text("k"),
+        aggregate_type: text(aggregate_type),
+        aggregate_id: text("k"),
+        event_type: text("e"),
+        payload: text("{}"),
+        ..OutboxRow::default()
+    }
 }
 
 /// Second pass when events are lost: up to [`LOST_SAMPLE`] of their keys.

@@ -37,6 +37,7 @@ use crate::error::Error;
 mod args;
 mod ledger;
 mod load;
+mod messages;
 mod report;
 mod topic;
 
@@ -123,6 +124,13 @@ async fn run_one(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error
     notes.extend(kafka_notes);
 
     let counts = ledger.counts();
+    if let Some(m) = counts.messages {
+        notes.push(format!(
+            "message outbox (outbox_relay_message_ledger): {} emitted, {} delivered, {} \
+             poisoned, {} lost (included in the counts above)",
+            m.emitted, m.delivered, m.poisoned, m.lost
+        ));
+    }
     let lost_keys = if counts.lost > 0 {
         load::lost_sample(&mut client, config, &cols, &range, &ledger, counts.lost).await?
     } else {
@@ -140,7 +148,7 @@ async fn run_one(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error
         replayed: counts.replayed,
         out_of_order_records: ledger.out_of_order_records,
         records_read: ledger.records,
-        outside_range: ledger.outside_range,
+        outside_range: ledger.outside_range + counts.beyond_messages,
         without_key: ledger.without_key,
         unmappable_rows: unmappable,
         shared_keys: ledger.shared_keys,

@@ -55,8 +55,30 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
         Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
         Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
     };
-    verdict(config, &outbox, &missing, commit_timestamps)
+    let (schema, _) = crate::config::qualified_name(&config.outbox.table).unwrap_or_default();
+    let messages = match client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                             WHERE n.nspname = $1 AND p.proname = 'outbox_emit')",
+            &[&schema],
+        )
+        .await
+    {
+        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+        Err(e) => return Check::query_failed(NAME, "cannot look for outbox_emit", &e),
+    };
+    let mut check = verdict(config, &outbox, &missing, commit_timestamps);
+    if messages {
+        check.detail.push_str(MESSAGES_NOTE);
+    }
+    check
 }
+
+/// What a lost slot means for the message outbox, added to the check's detail
+/// when `outbox_emit` is installed.
+const MESSAGES_NOTE: &str = "; events written with outbox_emit (the message outbox) are in no \
+     table: those written while the slot was gone are lost for good, whatever the relay does \
+     (a resync republishes rows only; `audit` counts the missing messages as lost)";
 
 /// The check's result for the columns `missing` of `outbox`.
 fn verdict(config: &Config, outbox: &str, missing: &[&str], commit_timestamps: bool) -> Check {

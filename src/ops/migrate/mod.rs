@@ -123,7 +123,18 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0010_position_checkpoints.sql"),
         partitioned_sql: None,
     },
+    Migration {
+        version: 11,
+        name: "message_outbox",
+        sql: include_str!("../../../migrations/0011_message_outbox.sql"),
+        partitioned_sql: None,
+    },
 ];
+
+/// The first server version whose pgoutput sends logical decoding messages
+/// (`messages 'true'`): before it, `0011` is skipped, so no `outbox_emit` exists
+/// whose events the relay would never see.
+const MESSAGE_OUTBOX_SINCE: i32 = 140_000;
 
 /// Arbitrary constant for `pg_advisory_xact_lock`, so two `migrate` runs serialise.
 const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78; // "outbox"
@@ -215,7 +226,9 @@ fn render_as(sql: &str, cfg: &Config, index_names: IndexNames) -> Result<String>
     } else {
         "publish = 'insert'"
     };
-    let vars: [(&str, String); 18] = [
+    let (_, table) = config::qualified_name(&cfg.outbox.table)?;
+    let outbox_name = format!("{schema}.{table}");
+    let vars: [(&str, String); 20] = [
         ("schema", quote_ident(&schema)),
         ("outbox_table", quote_qualified(&cfg.outbox.table)),
         ("poison_table", quote_qualified(&cfg.outbox.poison_table)),
@@ -243,6 +256,11 @@ fn render_as(sql: &str, cfg: &Config, index_names: IndexNames) -> Result<String>
         ),
         ("partitions_ahead", cfg.outbox.partitions_ahead.to_string()),
         ("publication_options", publication_options.to_owned()),
+        ("outbox_name_literal", literal(&outbox_name)),
+        (
+            "message_prefix_literal",
+            literal(&crate::outbox::message::prefix_of(&outbox_name)),
+        ),
     ];
     let mut out = sql.to_owned();
     for (name, value) in &vars {
@@ -466,27 +484,58 @@ fn shares_enqueue_schema(cfg: &Config) -> Option<String> {
         .cloned()
 }
 
+async fn server_version(client: &Client) -> Result<i32> {
+    Ok(client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .try_get(0)?)
+}
+
+/// How migration `m` applies to this outbox: as written, adapted to an existing
+/// table, or not at all (with why).
+fn step_for(
+    m: &Migration,
+    cfg: &Config,
+    existing: Option<&adopt::Existing>,
+    server_version: i32,
+) -> Result<adopt::Step> {
+    Ok(match m.version {
+        1 => adopt::outbox_table(cfg, existing, m.sql_for(cfg))?,
+        4 => match shares_enqueue_schema(cfg) {
+            Some(first) => adopt::Step::Skipped(format!(
+                "outbox_enqueue in this schema writes to {first}; write events to {} \
+                 with INSERT",
+                cfg.outbox.table
+            )),
+            None => adopt::enqueue(cfg, existing),
+        },
+        11 if server_version < MESSAGE_OUTBOX_SINCE => adopt::Step::Skipped(
+            "the message outbox needs PostgreSQL 14 (pgoutput's messages option)".to_owned(),
+        ),
+        11 => match shares_enqueue_schema(cfg) {
+            Some(first) => adopt::Step::Skipped(format!(
+                "outbox_emit in this schema emits events of {first}; emit events of {} \
+                 with pg_logical_emit_message and the frame of \
+                 docs/architecture.md#the-message-outbox",
+                cfg.outbox.table
+            )),
+            None => adopt::Step::Standard,
+        },
+        _ => adopt::Step::Standard,
+    })
+}
+
 /// Applies every migration of one outbox not yet recorded. Idempotent.
 async fn apply_one(client: &mut Client, cfg: &Config) -> Result<Applied> {
     let ledger = Ledger::of(cfg);
     client.batch_execute(ledger.create_sql()).await?;
     let mut result = Applied::default();
     let existing = adopt::inspect(client, cfg).await?;
+    let server_version = server_version(client).await?;
     for m in MIGRATIONS {
         let label = format!("{:04}_{}", m.version, m.name);
         let standard = m.sql_for(cfg);
-        let step = match m.version {
-            1 => adopt::outbox_table(cfg, existing.as_ref(), standard)?,
-            4 => match shares_enqueue_schema(cfg) {
-                Some(first) => adopt::Step::Skipped(format!(
-                    "outbox_enqueue in this schema writes to {first}; write events to {} \
-                     with INSERT",
-                    cfg.outbox.table
-                )),
-                None => adopt::enqueue(cfg, existing.as_ref()),
-            },
-            _ => adopt::Step::Standard,
-        };
+        let step = step_for(m, cfg, existing.as_ref(), server_version)?;
         let (template, adapted) = match step {
             adopt::Step::Standard => (standard.to_owned(), None),
             adopt::Step::Adapted { sql, note } => (sql, Some(note)),
@@ -572,14 +621,10 @@ pub async fn pending(client: &Client, cfg: &Config) -> Result<Vec<String>> {
         Err(e) => return Err(e.into()),
     };
     let existing = adopt::inspect(client, cfg).await?;
+    let server_version = server_version(client).await?;
     let mut out = Vec::new();
     for m in MIGRATIONS.iter().filter(|m| !recorded.contains(&m.version)) {
-        let step = match m.version {
-            1 => adopt::outbox_table(cfg, existing.as_ref(), m.sql_for(cfg))?,
-            4 if shares_enqueue_schema(cfg).is_some() => adopt::Step::Skipped(String::new()),
-            4 => adopt::enqueue(cfg, existing.as_ref()),
-            _ => adopt::Step::Standard,
-        };
+        let step = step_for(m, cfg, existing.as_ref(), server_version)?;
         if !matches!(step, adopt::Step::Skipped(_)) {
             out.push(format!("{:04}_{}", m.version, m.name));
         }
