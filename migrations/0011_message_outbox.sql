@@ -20,6 +20,9 @@
 -- outbox_relay_message_ledger counts the events emitted per outbox and entity,
 -- in the same transaction: `audit` proves lost = 0 against it, as the table does for
 -- rows. One row per entity, updated in place (HOT), never an event's worth of data.
+-- Its updates are WAL the walsender decodes too; a writer that prefers the cheapest
+-- path to proof sets outbox_relay.message_ledger = 'off' (per session or role) and
+-- gives up auditing those events.
 CREATE TABLE IF NOT EXISTS {{schema}}.outbox_relay_message_ledger (
     outbox         text   NOT NULL,
     aggregate_id   text   NOT NULL,
@@ -61,11 +64,14 @@ BEGIN
         || {{schema}}.outbox_relay_frame(payload::text)
         || {{schema}}.outbox_relay_frame(
                to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US') || '+00'));
-    INSERT INTO {{schema}}.outbox_relay_message_ledger AS l
-        (outbox, aggregate_id, aggregate_type, topic, events)
-    VALUES ({{outbox_name_literal}}, COALESCE(aggregate_id, ''), COALESCE(aggregate_type, ''),
-            COALESCE(topic, ''), 1)
-    ON CONFLICT ON CONSTRAINT outbox_relay_message_ledger_pkey DO UPDATE SET events = l.events + 1;
+    IF current_setting('outbox_relay.message_ledger', true) IS DISTINCT FROM 'off' THEN
+        INSERT INTO {{schema}}.outbox_relay_message_ledger AS l
+            (outbox, aggregate_id, aggregate_type, topic, events)
+        VALUES ({{outbox_name_literal}}, COALESCE(aggregate_id, ''),
+                COALESCE(aggregate_type, ''), COALESCE(topic, ''), 1)
+        ON CONFLICT ON CONSTRAINT outbox_relay_message_ledger_pkey
+        DO UPDATE SET events = l.events + 1;
+    END IF;
     RETURN key;
 END
 $$;

@@ -14,6 +14,7 @@
 //! core asks for and resumes it from the last committed progress record.
 
 mod backlog;
+mod binary;
 mod confirmation;
 pub mod cutover;
 mod exactly_once;

@@ -47,6 +47,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
 
+use crate::cdc::binary::{BinaryDecoding, BinaryRefused};
 use crate::cdc::confirmation::{Confirmation, Verdict};
 use crate::cdc::exactly_once::{ExactlyOnce, PROGRESS_RECORD_ID};
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
@@ -87,6 +88,8 @@ const PROTO_VERSION: u8 = 1;
 /// pgoutput sends logical-decoding messages (our heartbeats) from this server
 /// version on (`messages` option).
 const MESSAGES_OPTION_SINCE: u32 = 140_000;
+/// pgoutput's `binary` option exists since PostgreSQL 14.
+const BINARY_OPTION_SINCE: u32 = 140_000;
 
 /// Slot sampling period when the heartbeat itself is off.
 const SLOT_SAMPLE_INTERVAL: Duration = Duration::from_secs(10);
@@ -243,6 +246,10 @@ enum FrameError {
     /// The transaction framing was violated (or the window contract, by us).
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
+    /// A relation with a column the relay does not read in binary format, in a
+    /// binary session: the next session streams in text.
+    #[error(transparent)]
+    Binary(#[from] BinaryRefused),
 }
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
@@ -333,6 +340,8 @@ pub async fn run_checked(
 
     let topic_limits = TopicLimits::new(&producer_config);
     let linger = kafka::linger(&producer_config);
+    let binary_decoding =
+        config.postgres.binary_decoding && prerequisites.server_version_num >= BINARY_OPTION_SINCE;
     let now = Instant::now();
     let mut relay = Relay {
         config,
@@ -363,6 +372,7 @@ pub async fn run_checked(
         summary: RunSummary::default(),
         wal_sender_timeout: prerequisites.wal_sender_timeout,
         messages_option: prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
+        binary: BinaryDecoding::new(binary_decoding),
         health,
         instruments: Instruments::new(),
         exactly_once,
@@ -528,8 +538,11 @@ struct Relay {
     /// After a lost connection the server keeps our old walsender (and so the slot)
     /// until it notices, at most this long.
     wal_sender_timeout: Duration,
-    /// Ask pgoutput for logical-decoding messages (heartbeats); PostgreSQL 14+.
+    /// Ask pgoutput for logical-decoding messages (heartbeats, the message
+    /// outbox); PostgreSQL 14+.
     messages_option: bool,
+    /// Whether sessions ask for binary-format values.
+    binary: BinaryDecoding,
     health: Health,
     instruments: Instruments,
     /// `kafka.delivery = "exactly-once"`: the Kafka transactions (`cdc::exactly_once`).
@@ -958,6 +971,10 @@ impl Relay {
         ];
         if self.messages_option {
             options.push(("messages", "true"));
+        }
+        self.binary.start_session();
+        if self.binary.active() {
+            options.push(("binary", "true"));
         }
         let stream = conn
             .start_replication_with_options(&slot_name, start, &options)
@@ -1420,6 +1437,7 @@ impl Relay {
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {
+                self.binary.check(&relation)?;
                 self.mapper.on_relation(&relation);
                 Ok(())
             }
@@ -1430,6 +1448,13 @@ impl Relay {
             LogicalReplicationMessage::Message(message) => {
                 self.instruments.logical_message(&message);
                 match self.mapper.map_message(&message, self.current_commit_lsn) {
+                    // Messages pass every shard's publication: only shard 0 relays
+                    // them (`migrate` installs no `outbox_emit` when sharded).
+                    MessageMapped::Outbox(_) if self.config.postgres.shard > 0 => {
+                        self.instruments
+                            .ignored_message(&MessageMapped::OtherOutbox, &message);
+                        Ok(())
+                    }
                     MessageMapped::Outbox(mapped) => Ok(self.admit(mapped, now)?),
                     ignored => {
                         self.instruments.ignored_message(&ignored, &message);

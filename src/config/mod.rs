@@ -97,6 +97,12 @@ pub struct PostgresConfig {
     /// The shard this relay streams, `0..shards`.
     #[serde(default)]
     pub shard: u32,
+    /// Ask pgoutput for binary-format values (`binary 'true'`, PostgreSQL 14+):
+    /// cheaper for the walsender (no output functions). Used while every column of
+    /// the outbox tables has a type the relay reads in binary; a session that meets
+    /// another type ends and streams on in text (`docs/architecture.md#binary-decoding`).
+    #[serde(default = "default_true")]
+    pub binary_decoding: bool,
 }
 
 impl PostgresConfig {
@@ -629,6 +635,9 @@ fn default_slot() -> String {
 }
 fn default_publication() -> String {
     "outbox_relay_pub".into()
+}
+fn default_true() -> bool {
+    true
 }
 fn default_shards() -> u32 {
     1
@@ -1382,6 +1391,7 @@ impl fmt::Debug for PostgresConfig {
             .field("publication", &self.publication)
             .field("shards", &self.shards)
             .field("shard", &self.shard)
+            .field("binary_decoding", &self.binary_decoding)
             .finish()
     }
 }

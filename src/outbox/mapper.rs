@@ -77,7 +77,7 @@ struct Binding {
     placements: Vec<Placement>,
     placed: Vec<Arc<str>>,
     /// The prefix of this outbox's messages (`crate::outbox::message`).
-    message_prefix: String,
+    message_prefix: Arc<str>,
 }
 
 impl Binding {
@@ -112,7 +112,7 @@ impl Binding {
             .collect();
         Ok(Binding {
             outbox: outbox.clone(),
-            message_prefix: message::prefix_of(&format!("{schema}.{table}")),
+            message_prefix: Arc::from(message::prefix_of(&format!("{schema}.{table}"))),
             schema,
             table,
             template,
@@ -286,7 +286,13 @@ impl OutboxMapper {
         let names = &self.outboxes[binding].configured_names;
         let mapped = match message::decode_frame(&message.content) {
             Ok(row) => match self.build(RowRef::of(&row), names, Some(commit_lsn)) {
-                Ok(event) => Mapped::Event(event),
+                Ok(mut event) => {
+                    event.source.message = Some((
+                        Arc::clone(&self.outboxes[binding].message_prefix),
+                        message.lsn,
+                    ));
+                    Mapped::Event(event)
+                }
                 Err(reject) => {
                     let mut fields = poison_from_row(names, &[], &row, Some(commit_lsn));
                     fields.outbox_id = None;
@@ -301,7 +307,13 @@ impl OutboxMapper {
                     })
                 }
             },
-            Err(e) => Mapped::Unmappable(unreadable_message(message, &e, commit_lsn, binding)),
+            Err(e) => Mapped::Unmappable(unreadable_message(
+                message,
+                &self.outboxes[binding].message_prefix,
+                &e,
+                commit_lsn,
+                binding,
+            )),
         };
         MessageMapped::Outbox(mapped)
     }
@@ -634,6 +646,7 @@ impl OutboxMapper {
                     )
                     .map(|(name, value)| (Arc::clone(name), value))
                     .collect(),
+                message: None,
             },
         })
     }
@@ -649,23 +662,19 @@ fn placed_values(extra: &[Option<Bytes>]) -> impl Iterator<Item = Option<Bytes>>
 /// as `bytea` hex text, so that nothing of it is lost.
 fn unreadable_message(
     message: &LogicalDecodingMessage,
+    prefix: &str,
     error: &message::FrameError,
     commit_lsn: Lsn,
     outbox: usize,
 ) -> UnmappableRow {
+    // Once, in `payload`: in row_data too it would double what a large message costs.
     let content = payload_text(&message.content, PayloadFormat::Raw);
     UnmappableRow {
         reason: format!("message {} is not an outbox frame: {error}", message.lsn),
         error_kind: error_kind::BAD_MESSAGE,
         fields: PoisonFields {
-            payload: Some(content.clone()),
-            columns: vec![
-                (
-                    message::POISON_MARKER.to_owned(),
-                    Some(message.prefix.to_string()),
-                ),
-                ("content".to_owned(), Some(content)),
-            ],
+            payload: Some(content),
+            columns: vec![message::poison_marker(prefix, message.lsn)],
             lsn: Some(commit_lsn),
             outbox,
             ..PoisonFields::default()

@@ -50,4 +50,5 @@ pub use record::{
     HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow, PayloadFormat,
     PoisonFields, RelationStatus, UnmappableRow, error_kind,
 };
+pub(crate) use relation::reads_binary;
 pub use topic::{TopicNameError, validate_topic_name};

@@ -251,6 +251,9 @@ pub(super) struct EventSource {
     pub(super) created_at_micros: Option<i64>,
     /// The `outbox.additional_placement` columns (name, value), for `row_data`.
     pub(super) extra: Vec<(Arc<str>, Option<Bytes>)>,
+    /// The prefix and LSN of the message of the message outbox the event came from
+    /// (`None` for a row): its poison row is marked, and stored whole.
+    pub(super) message: Option<(Arc<str>, Lsn)>,
 }
 
 impl OutboxEvent {
@@ -312,6 +315,11 @@ impl OutboxEvent {
                     .iter()
                     .map(|(name, v)| (name.to_string(), v.as_ref().map(|b| lossy(b)))),
             )
+            .chain(
+                s.message
+                    .as_ref()
+                    .map(|(prefix, lsn)| super::message::poison_marker(prefix, *lsn)),
+            )
             .collect();
         PoisonFields {
             outbox_id,
@@ -364,6 +372,17 @@ pub struct PoisonFields {
     /// Which of the config's outboxes the row is from (its place in
     /// `Config::outboxes`): the poison table it goes to.
     pub outbox: usize,
+}
+
+impl PoisonFields {
+    /// Whether these are the fields of a message of the message outbox (see
+    /// [`crate::outbox::message::POISON_MARKER`]), not of a row.
+    #[must_use]
+    pub fn is_message(&self) -> bool {
+        self.columns
+            .iter()
+            .any(|(name, _)| name == super::message::POISON_MARKER)
+    }
 }
 
 /// An outbox row that cannot become a Kafka record.

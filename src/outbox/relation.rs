@@ -12,10 +12,13 @@
 //! is then read by position. A table-level problem is cached with the relation and
 //! makes each of its inserts unmappable until a new `Relation` message replaces it.
 //!
-//! Values arrive in text format (`'t'`) because the relay does not request binary
-//! (`binary 'true'`); a binary value (`'b'`) is still read where its bytes are the
-//! text (text-like types, and `jsonb` after its version byte) and refused
-//! otherwise, rather than decoded by guesswork. An INSERT never carries the
+//! Values arrive in text format (`'t'`), or in binary (`'b'`) when the session
+//! asked for `binary 'true'` (`crate::cdc::binary`, which it does only while every
+//! column has a type [`binary_as_text`] reads): text-like types and `jsonb` after
+//! its version byte are their text, `bytea` its raw bytes, and uuids, integers and
+//! timestamps are rendered as their output functions print them, so a record is
+//! the same either way. Any other binary type is refused rather than decoded by
+//! guesswork. An INSERT never carries the
 //! unchanged-TOAST marker (`'u'`), which only UPDATEs use; one would mean the value
 //! was not sent, so that row is unmappable.
 
@@ -28,8 +31,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::columns::{
-    FIELD_COUNT, Field, FieldNames, HEADERS_TYPES, OID_BPCHAR, OID_BYTEA, OID_JSON, OID_JSONB,
-    OID_TEXT, OID_VARCHAR, TIMESTAMP_TYPES, type_name,
+    FIELD_COUNT, Field, FieldNames, HEADERS_TYPES, OID_BPCHAR, OID_BYTEA, OID_INT2, OID_INT4,
+    OID_INT8, OID_JSON, OID_JSONB, OID_TEXT, OID_TIMESTAMP, OID_TIMESTAMPTZ, OID_UUID, OID_VARCHAR,
+    TIMESTAMP_TYPES, type_name,
 };
 use super::record::{
     OutboxRow, PayloadFormat, PoisonFields, Reject, RelationStatus, error_kind, hex_text, lossy,
@@ -41,7 +45,7 @@ use crate::postgres::pgoutput::{ColumnValue, Relation, TupleData};
 
 /// Why a binary-format value has no usable text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-enum BinaryValueError {
+pub(crate) enum BinaryValueError {
     /// A text-like type whose bytes are not UTF-8.
     #[error("binary-format {type_name} value is not UTF-8: {source}")]
     NotUtf8 {
@@ -51,9 +55,16 @@ enum BinaryValueError {
     /// `jsonb_send` output starts with version byte 1.
     #[error("binary-format jsonb value does not start with version 1")]
     JsonbVersion,
+    /// A fixed-size type with another number of bytes.
+    #[error("binary-format {type_name} value has {actual} bytes, not {expected}")]
+    Length {
+        type_name: Cow<'static, str>,
+        expected: usize,
+        actual: usize,
+    },
     /// A type whose binary form is not its text.
     #[error(
-        "binary-format values of type {0} are not supported; the relay reads pgoutput text format (no binary 'true')"
+        "binary-format values of type {0} are not read by the relay (it asks for binary 'true' only when every outbox column has a type it reads)"
     )]
     Unsupported(Cow<'static, str>),
 }
@@ -368,19 +379,33 @@ fn payload_format_of(oid: u32) -> PayloadFormat {
     }
 }
 
-/// The text form of a binary-format (`'b'`) value, where it has one without copying.
+/// The text form of a binary-format (`'b'`) value: the same bytes PostgreSQL's
+/// output function would have sent in text mode (`binary 'true'`, see
+/// `crate::postgres::binary_decoding`). Text-like types and `jsonb` are slices of the
+/// message; `uuid`, the integers and the timestamps are rendered.
 ///
 /// # Errors
 ///
-/// [`BinaryValueError`]: the type has no text form without a copy, or the bytes
+/// [`BinaryValueError`]: a type the relay does not read in binary, or bytes that
 /// are not what the type's send function writes.
-fn binary_as_text(oid: u32, b: &Bytes) -> Result<Bytes, BinaryValueError> {
+pub(crate) fn binary_as_text(oid: u32, b: &Bytes) -> Result<Bytes, BinaryValueError> {
     let utf8 = |b: Bytes| match std::str::from_utf8(&b) {
         Ok(_) => Ok(b),
         Err(source) => Err(BinaryValueError::NotUtf8 {
             type_name: type_name(oid),
             source,
         }),
+    };
+    let fixed = |n: usize| -> Result<&[u8], BinaryValueError> {
+        if b.len() == n {
+            Ok(&b[..])
+        } else {
+            Err(BinaryValueError::Length {
+                type_name: type_name(oid),
+                expected: n,
+                actual: b.len(),
+            })
+        }
     };
     match oid {
         OID_TEXT | OID_VARCHAR | OID_BPCHAR | OID_JSON => utf8(b.clone()),
@@ -389,7 +414,98 @@ fn binary_as_text(oid: u32, b: &Bytes) -> Result<Bytes, BinaryValueError> {
             Some(1) => utf8(b.slice(1..)),
             _ => Err(BinaryValueError::JsonbVersion),
         },
+        // byteaout's hex format (a bytea payload is read raw before this).
+        OID_BYTEA => Ok(Bytes::from(hex_text(b))),
+        OID_UUID => Ok(Bytes::from(uuid_text(fixed(16)?))),
+        OID_INT2 => {
+            let v = fixed(2)?;
+            Ok(Bytes::from(i16::from_be_bytes([v[0], v[1]]).to_string()))
+        }
+        OID_INT4 => {
+            let v = fixed(4)?;
+            Ok(Bytes::from(
+                i32::from_be_bytes([v[0], v[1], v[2], v[3]]).to_string(),
+            ))
+        }
+        OID_INT8 => Ok(Bytes::from(be_i64(fixed(8)?).to_string())),
+        OID_TIMESTAMP | OID_TIMESTAMPTZ => Ok(Bytes::from(pg_timestamp_text(
+            be_i64(fixed(8)?),
+            oid == OID_TIMESTAMPTZ,
+        ))),
         _ => Err(BinaryValueError::Unsupported(type_name(oid))),
+    }
+}
+
+/// Whether [`binary_as_text`] reads values of this type: a relation whose every
+/// column is one can be streamed with `binary 'true'`.
+#[must_use]
+pub(crate) fn reads_binary(oid: u32) -> bool {
+    BINARY_TYPES.contains(&oid)
+}
+
+/// The types [`binary_as_text`] reads.
+pub(crate) const BINARY_TYPES: &[u32] = &[
+    OID_TEXT,
+    OID_VARCHAR,
+    OID_BPCHAR,
+    OID_JSON,
+    OID_JSONB,
+    OID_BYTEA,
+    OID_UUID,
+    OID_INT2,
+    OID_INT4,
+    OID_INT8,
+    OID_TIMESTAMP,
+    OID_TIMESTAMPTZ,
+];
+
+fn be_i64(v: &[u8]) -> i64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(v);
+    i64::from_be_bytes(a)
+}
+
+/// `uuid_out`: 8-4-4-4-12 lowercase hex.
+fn uuid_text(v: &[u8]) -> String {
+    let mut out = String::with_capacity(36);
+    for (i, byte) in v.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            out.push('-');
+        }
+        out.push(char::from(b"0123456789abcdef"[usize::from(byte >> 4)]));
+        out.push(char::from(b"0123456789abcdef"[usize::from(byte & 0xf)]));
+    }
+    out
+}
+
+/// Microseconds between 1970-01-01 and PostgreSQL's epoch, 2000-01-01.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+/// `timestamp(tz)_send` microseconds since 2000-01-01 as `timestamp(tz)_out`
+/// prints them with `DateStyle = ISO` and `TimeZone = UTC` (the relay's session
+/// settings): `2026-11-30 14:29:33.1234+00`, the fraction without trailing zeros
+/// (none at all for whole seconds), the offset only with a time zone;
+/// `infinity` / `-infinity` for the sentinels; a year outside 1–9999 as a text the
+/// mapper refuses, as it refuses the text-mode one.
+fn pg_timestamp_text(pg_micros: i64, with_zone: bool) -> String {
+    match pg_micros {
+        i64::MAX => return "infinity".to_owned(),
+        i64::MIN => return "-infinity".to_owned(),
+        _ => {}
+    }
+    let zone = if with_zone { "+00" } else { "" };
+    let Some(unix) = pg_micros.checked_add(PG_EPOCH_UNIX_MICROS) else {
+        return "infinity".to_owned();
+    };
+    match super::timestamp::format_rfc3339(unix) {
+        // 2026-11-30T14:29:33.123400Z → 2026-11-30 14:29:33.1234
+        Some(rfc) => {
+            let fraction = rfc[20..26].trim_end_matches('0');
+            let dot = if fraction.is_empty() { "" } else { "." };
+            format!("{} {}{dot}{fraction}{zone}", &rfc[..10], &rfc[11..19])
+        }
+        None if unix < 0 => "0001-01-01 00:00:00 BC".to_owned(),
+        None => format!("10000-01-01 00:00:00{zone}"),
     }
 }
 
@@ -417,7 +533,13 @@ pub(super) fn poison_from_tuple(rel: &OutboxRelation, tuple: &TupleData, lsn: Ls
         Some(ColumnValue::Binary(b)) if rel.type_of(Field::Payload) == Some(OID_BYTEA) => {
             Some(payload_text(b, PayloadFormat::Raw))
         }
-        Some(ColumnValue::Binary(b)) => Some(lossy(b)),
+        // jsonb without its version byte, as text mode gives it (replay maps it).
+        Some(ColumnValue::Binary(b)) => Some(
+            match binary_as_text(rel.type_of(Field::Payload).unwrap_or_default(), b) {
+                Ok(text) => lossy(&text),
+                Err(_) => hex_text(b),
+            },
+        ),
         _ => text_of(Field::Payload),
     };
     let id = text_of(Field::Id);

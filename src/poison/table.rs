@@ -173,18 +173,37 @@ pub(crate) struct StoredRow<'a> {
     pub(crate) lsn: Option<String>,
 }
 
+/// What a poisoned message keeps of each value (see [`StoredRow::new`]): 128 MiB,
+/// so that payload and `row_data` together stay far below PostgreSQL's 1 GiB
+/// message limit and `row_data` below jsonb's 255 MiB.
+pub(crate) const MESSAGE_COPY_LIMIT: usize = 128 * 1024 * 1024;
+
 impl<'a> StoredRow<'a> {
     /// The stored form of `row` with values cut to `copy_limit` bytes (identifiers to
     /// [`IDENTIFIER_LIMIT`] or `copy_limit`, the smaller).
     #[must_use]
     pub(crate) fn new(row: &'a PoisonRow, copy_limit: usize) -> StoredRow<'a> {
         let f = &row.fields;
+        // A message of the message outbox has no row to go back to: it is kept whole
+        // up to a limit far above the default one (but under jsonb's 255 MiB, so
+        // the insert cannot fail forever), and its identifiers, cut for the index,
+        // stay whole in row_data, which replay reads.
+        let message = f.is_message();
+        let copy_limit = if message {
+            copy_limit.max(MESSAGE_COPY_LIMIT)
+        } else {
+            copy_limit
+        };
         let id_limit = IDENTIFIER_LIMIT.min(copy_limit);
         let mut truncated = false;
+        // A message's identifiers cut for the index stay whole in row_data.
+        let whole_elsewhere = |limit: usize| message && limit == id_limit;
         let mut keep = |value: &'a Option<String>, limit: usize| {
             value.as_deref().map(|v| {
                 let (stored, exact) = storable(v, limit);
-                truncated |= !exact;
+                if !exact && !whole_elsewhere(limit) {
+                    truncated = true;
+                }
                 stored
             })
         };

@@ -124,6 +124,10 @@ pub struct Writers {
     returning: bool,
     varied: bool,
     stop: Option<Arc<AtomicBool>>,
+    /// Writes each event with this message-outbox function instead of a row.
+    emit: Option<String>,
+    /// Run once on each writer's connection (e.g. a `SET`).
+    session: Option<String>,
 }
 
 impl Writers {
@@ -143,7 +147,24 @@ impl Writers {
             returning: false,
             varied: false,
             stop: None,
+            emit: None,
+            session: None,
         }
+    }
+
+    /// Runs `sql` once on each writer's connection before it writes (a `SET`).
+    #[must_use]
+    pub fn on_connect(mut self, sql: &str) -> Writers {
+        self.session = Some(sql.to_owned());
+        self
+    }
+
+    /// Writes each event as a message of the message outbox, with `function` (a
+    /// quoted name of `outbox_emit` or one made like it), instead of a row.
+    #[must_use]
+    pub fn emitting(mut self, function: &str) -> Writers {
+        self.emit = Some(function.to_owned());
+        self
     }
 
     /// How events are spread over entities.
@@ -208,12 +229,15 @@ impl Writers {
     /// The insert every writer repeats.
     #[must_use]
     pub fn sql(&self) -> String {
-        insert_sql(
-            &self.table,
-            self.keys,
-            self.headers.is_some(),
-            self.returning,
-        )
+        match &self.emit {
+            Some(function) => emit_sql(function, self.keys, self.headers.is_some()),
+            None => insert_sql(
+                &self.table,
+                self.keys,
+                self.headers.is_some(),
+                self.returning,
+            ),
+        }
     }
 
     /// Writes the workload from concurrent connections; returns what was committed
@@ -241,6 +265,9 @@ impl Writers {
     async fn writer(&self, w: u32, start: tokio::time::Instant) -> Result<Written, WorkloadError> {
         let workload = &self.workload;
         let mut client = crate::postgres::connect(&self.url).await?;
+        if let Some(sql) = &self.session {
+            client.batch_execute(sql).await?;
+        }
         let statement = client.prepare(&self.sql()).await?;
         let sizes = TxSizes::new(workload.rows_per_tx, self.varied);
         let writers = u64::from(workload.writers);
@@ -372,13 +399,44 @@ fn keys_of(rows: Vec<tokio_postgres::Row>) -> Vec<String> {
         .collect()
 }
 
+/// The entity expression, the order id expression and the last parameter number
+/// of the key parameters.
+fn key_exprs(keys: Keys) -> (&'static str, &'static str, usize) {
+    match keys {
+        Keys::Shared => ("(g % $1)", "g % $1", 4),
+        Keys::PerWriter => ("((g % $1) * $5 + $6)", "(g % $1) * $5 + $6", 6),
+    }
+}
+
+/// The payload every event carries (~`$2` bytes of padding).
+fn payload_expr(id: &str) -> String {
+    format!(
+        "jsonb_build_object('order_id', {id}, 'seq', g, 'amount_cents', 1000 + g % 9000,
+                                   'currency', 'EUR', 'note', repeat('x', $2::int))"
+    )
+}
+
+/// [`insert_sql`] for the message outbox: the same events, each written by
+/// `function` (which returns its idempotency key).
+fn emit_sql(function: &str, keys: Keys, headers: bool) -> String {
+    let (key, id, n) = key_exprs(keys);
+    let headers = if headers {
+        format!(", ${}::text::jsonb", n + 1)
+    } else {
+        String::new()
+    };
+    format!(
+        "SELECT {function}('order', 'order-' || {key}, 'OrderPlaced',
+                {}{headers})
+         FROM generate_series($3::bigint, $4::bigint) g",
+        payload_expr(id)
+    )
+}
+
 /// The statement each writer repeats: events `$3..=$4`, ~`$2` bytes of padding,
 /// `$1` entities (per writer: `$5` writers, this is writer `$6`), then the headers.
 fn insert_sql(table: &str, keys: Keys, headers: bool, returning: bool) -> String {
-    let (key, id, mut n) = match keys {
-        Keys::Shared => ("(g % $1)", "g % $1", 4),
-        Keys::PerWriter => ("((g % $1) * $5 + $6)", "(g % $1) * $5 + $6", 6),
-    };
+    let (key, id, mut n) = key_exprs(keys);
     let (headers_column, headers_value) = if headers {
         n += 1;
         (", headers", format!(", ${n}::text::jsonb"))
@@ -393,9 +451,9 @@ fn insert_sql(table: &str, keys: Keys, headers: bool, returning: bool) -> String
     format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload{headers_column})
          SELECT 'order', 'order-' || {key}, 'OrderPlaced',
-                jsonb_build_object('order_id', {id}, 'seq', g, 'amount_cents', 1000 + g % 9000,
-                                   'currency', 'EUR', 'note', repeat('x', $2::int)){headers_value}
-         FROM generate_series($3::bigint, $4::bigint) g{returning}"
+                {}{headers_value}
+         FROM generate_series($3::bigint, $4::bigint) g{returning}",
+        payload_expr(id)
     )
 }
 
@@ -430,6 +488,25 @@ mod tests {
                                    'currency', 'EUR', 'note', repeat('x', $2::int))
          FROM generate_series($3::bigint, $4::bigint) g"
             )
+        );
+    }
+
+    #[test]
+    fn messages_carry_the_same_events() {
+        let sql = emit_sql("\"public\".outbox_emit", Keys::PerWriter, true);
+        assert!(
+            sql.starts_with(
+                "SELECT \"public\".outbox_emit('order', 'order-' || ((g % $1) * $5 + $6)"
+            ),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("repeat('x', $2::int)), $7::text::jsonb)"),
+            "{sql}"
+        );
+        assert!(
+            sql.ends_with("generate_series($3::bigint, $4::bigint) g"),
+            "{sql}"
         );
     }
 

@@ -199,7 +199,7 @@ async fn message_outbox_events_are_relayed_with_rows_and_audited_without_a_table
     let content: String = db
         .client
         .query_one(
-            "SELECT row_data->>'content' FROM poison_outbox WHERE error_kind = 'bad_message'",
+            "SELECT payload FROM poison_outbox WHERE error_kind = 'bad_message'",
             &[],
         )
         .await

@@ -471,6 +471,24 @@ async fn load_message_ledger(
         );
         return Ok(());
     }
+    // Records of rows deleted since (retention) are explained by no row, so they
+    // count for the message ledger of their entity and could hide a lost message.
+    let deleted: i64 = tx
+        .query_one(
+            "SELECT coalesce((SELECT n_tup_del FROM pg_stat_user_tables
+                               WHERE relid = to_regclass($1)), 0)",
+            &[&quote_qualified(&config.outbox.table)],
+        )
+        .await?
+        .try_get(0)?;
+    if deleted > 0 {
+        notes.push(format!(
+            "{deleted} rows were deleted from {} (retention): their records count as \
+             deliveries of the message outbox's entity, so a lost message of an entity \
+             that also had such rows can go unseen",
+            config.outbox.table
+        ));
+    }
     let template_needs_event_type = config
         .topic_template_of(&config.outbox)
         .contains("{event_type}");

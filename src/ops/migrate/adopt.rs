@@ -183,6 +183,34 @@ fn resolve<'a>(
     find(configured).or_else(|| alias.and_then(find))
 }
 
+/// `0011`: the message outbox, unless the table's layout would make a message's
+/// record differ from a row's: the frame carries the aggregate id as given and a
+/// JSON payload, which are a row's only for a text-like id and a json/jsonb payload
+/// (a uuid or bigint id is canonicalised by its type, another partition otherwise).
+pub(super) fn message_outbox(cfg: &Config, existing: Option<&Existing>) -> Step {
+    let Some(existing) = existing else {
+        return Step::Standard;
+    };
+    let c = &cfg.outbox.columns;
+    let id = resolve(existing, &c.aggregate_id, Some("aggregateid"));
+    let payload = resolve(existing, &c.payload, None);
+    let fits = |col: Option<(&str, &Column)>, types: &[&str]| {
+        col.is_some_and(|(_, col)| types.contains(&col.type_name.as_str()))
+    };
+    if fits(id, &["text", "varchar", "bpchar"]) && fits(payload, &["json", "jsonb"]) {
+        return Step::Standard;
+    }
+    Step::Skipped(format!(
+        "outbox_emit writes a text aggregate id and a JSON payload, and {} has {} {} and {} {}: \
+         a message's record would differ from a row's",
+        cfg.outbox.table,
+        id.map_or("no aggregate id column", |(name, _)| name),
+        id.map_or("", |(_, col)| col.type_name.as_str()),
+        payload.map_or("no payload column", |(name, _)| name),
+        payload.map_or("", |(_, col)| col.type_name.as_str()),
+    ))
+}
+
 /// `0004`: the standard writer helper when the table has its columns and types,
 /// else one generated for the table, or a reason to skip it.
 pub(super) fn enqueue(cfg: &Config, existing: Option<&Existing>) -> Step {

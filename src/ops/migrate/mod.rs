@@ -512,6 +512,11 @@ fn step_for(
         11 if server_version < MESSAGE_OUTBOX_SINCE => adopt::Step::Skipped(
             "the message outbox needs PostgreSQL 14 (pgoutput's messages option)".to_owned(),
         ),
+        11 if cfg.postgres.shards > 1 => adopt::Step::Skipped(
+            "the message outbox is not sharded: a message is not filtered by the shards' \
+             publications, so every shard would relay it"
+                .to_owned(),
+        ),
         11 => match shares_enqueue_schema(cfg) {
             Some(first) => adopt::Step::Skipped(format!(
                 "outbox_emit in this schema emits events of {first}; emit events of {} \
@@ -519,7 +524,7 @@ fn step_for(
                  docs/architecture.md#the-message-outbox",
                 cfg.outbox.table
             )),
-            None => adopt::Step::Standard,
+            None => adopt::message_outbox(cfg, existing),
         },
         _ => adopt::Step::Standard,
     })

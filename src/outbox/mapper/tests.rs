@@ -751,16 +751,92 @@ fn binary_format_values() {
     assert_eq!(e.payload, "{\"a\": 1}");
     let u = unmappable(map(&m, &with(good_values(), "payload", bin(b"\x02{}"))));
     assert_eq!(u.error_kind, error_kind::BAD_VALUE);
-    // uuid, timestamptz: no text form without copying → refused, clearly.
-    let u = unmappable(map(&m, &with(good_values(), "id", bin(&[7; 16]))));
+    // uuid, integers, timestamps: rendered as their output functions print them,
+    // so the record is the one text mode gives.
+    let mut uuid = [0u8; 16];
+    uuid.copy_from_slice(&[
+        0x01, 0x93, 0x7a, 0x2b, 0x3c, 0x4d, 0x7e, 0x5f, 0x80, 0x91, 0xa2, 0xb3, 0xc4, 0xd5, 0xe6,
+        0xf7,
+    ]);
+    let from_binary = event(map(&m, &with(good_values(), "id", bin(&uuid))));
+    let from_text = event(map(
+        &m,
+        &with(
+            good_values(),
+            "id",
+            text("01937a2b-3c4d-7e5f-8091-a2b3c4d5e6f7"),
+        ),
+    ));
+    assert_eq!(from_binary, from_text);
+    // 2026-12-04 10:00:00.123456 UTC, in microseconds since 2000-01-01.
+    let pg_micros: i64 = (1_796_378_400 - 946_684_800) * 1_000_000 + 123_456;
+    let from_binary = event(map(
+        &m,
+        &with(good_values(), "created_at", bin(&pg_micros.to_be_bytes())),
+    ));
+    let from_text = event(map(
+        &m,
+        &with(
+            good_values(),
+            "created_at",
+            text("2026-12-04 10:00:00.123456+00"),
+        ),
+    ));
+    assert_eq!(from_binary.timestamp_ms, from_text.timestamp_ms);
+    assert_eq!(from_binary.headers, from_text.headers);
+    let infinite = unmappable(map(
+        &m,
+        &with(good_values(), "created_at", bin(&i64::MAX.to_be_bytes())),
+    ));
+    assert_eq!(infinite.error_kind, error_kind::BAD_TIMESTAMP);
+    // A fixed-size value of the wrong size is refused, clearly.
+    let u = unmappable(map(&m, &with(good_values(), "id", bin(&[7; 15]))));
     assert_eq!(u.error_kind, error_kind::BAD_VALUE);
-    assert!(
-        u.reason.contains("binary-format values of type uuid"),
-        "{}",
-        u.reason
+    assert!(u.reason.contains("has 15 bytes, not 16"), "{}", u.reason);
+}
+
+#[test]
+fn binary_integers_render_as_int_out_does() {
+    for (oid, bytes, want) in [
+        (OID_INT4, (-42i32).to_be_bytes().to_vec(), "-42"),
+        (
+            OID_INT8,
+            i64::MAX.to_be_bytes().to_vec(),
+            "9223372036854775807",
+        ),
+        (21, 7i16.to_be_bytes().to_vec(), "7"),
+    ] {
+        let text = crate::outbox::relation::binary_as_text(oid, &Bytes::from(bytes)).unwrap();
+        assert_eq!(text, want);
+    }
+    assert!(crate::outbox::relation::binary_as_text(1700, &Bytes::from_static(b"x")).is_err());
+}
+
+#[test]
+fn binary_timestamps_render_as_timestamp_out_does() {
+    let render = |oid: u32, pg_micros: i64| {
+        let b = Bytes::copy_from_slice(&pg_micros.to_be_bytes());
+        crate::outbox::relation::binary_as_text(oid, &b).unwrap()
+    };
+    // 2026-12-04 10:00:00 UTC in microseconds since 2000-01-01.
+    let base: i64 = (1_796_378_400 - 946_684_800) * 1_000_000;
+    assert_eq!(render(OID_TIMESTAMPTZ, base), "2026-12-04 10:00:00+00");
+    assert_eq!(
+        render(OID_TIMESTAMPTZ, base + 123_400),
+        "2026-12-04 10:00:00.1234+00"
     );
-    let u = unmappable(map(&m, &with(good_values(), "created_at", bin(&[0; 8]))));
-    assert_eq!(u.error_kind, error_kind::BAD_VALUE);
+    assert_eq!(
+        render(OID_TIMESTAMP, base + 5),
+        "2026-12-04 10:00:00.000005"
+    );
+    assert_eq!(render(OID_TIMESTAMP, 0), "2000-01-01 00:00:00");
+    assert_eq!(render(OID_TIMESTAMPTZ, i64::MAX), "infinity");
+    assert_eq!(render(OID_TIMESTAMP, i64::MIN), "-infinity");
+    assert_eq!(
+        crate::outbox::relation::binary_as_text(OID_BYTEA, &Bytes::from_static(b"\x00\xff"))
+            .unwrap(),
+        "\\x00ff"
+    );
 }
 
 #[test]
@@ -1586,4 +1662,126 @@ fn placed_columns_become_headers_and_envelope_fields() {
             .reason
             .contains("\"tenant\" (outbox.additional_placement)")
     );
+}
+
+// ---------------------------------------------------------------------------
+// The message outbox
+// ---------------------------------------------------------------------------
+
+fn message(prefix: &str, flags: u8, content: Vec<u8>) -> LogicalDecodingMessage {
+    LogicalDecodingMessage {
+        xid: None,
+        flags,
+        lsn: LSN,
+        prefix: crate::postgres::pgoutput::PgStr::new(Bytes::copy_from_slice(prefix.as_bytes()))
+            .unwrap(),
+        content: Bytes::from(content),
+    }
+}
+
+fn frame(aggregate_id: Option<&[u8]>) -> Vec<u8> {
+    message::encode_frame(
+        PayloadFormat::Json,
+        [
+            Some(b"k-1"),
+            Some(b"order"),
+            aggregate_id,
+            Some(b"order_created"),
+            None,
+            Some(br#"{"traceparent":"00-ab-cd-01"}"#),
+            Some(br#"{"total": 10}"#),
+            Some(b"2026-12-04 10:00:00.123456+00"),
+        ],
+    )
+}
+
+const PREFIX: &str = "outbox-relay:public.outbox";
+
+#[test]
+fn a_message_maps_to_the_record_a_row_with_its_fields_would_give() {
+    let m = mapper();
+    let MessageMapped::Outbox(Mapped::Event(from_message)) = m.map_message(
+        &message(
+            PREFIX,
+            LogicalDecodingMessage::TRANSACTIONAL,
+            frame(Some(b"42")),
+        ),
+        LSN,
+    ) else {
+        panic!("not an event");
+    };
+    let Mapped::Event(from_row) = map(
+        &m,
+        &[
+            ("idempotency_key", text("k-1")),
+            ("aggregate_type", text("order")),
+            ("aggregate_id", text("42")),
+            ("event_type", text("order_created")),
+            ("headers", text(r#"{"traceparent":"00-ab-cd-01"}"#)),
+            ("payload", text(r#"{"total": 10}"#)),
+            ("created_at", text("2026-12-04 10:00:00.123456+00")),
+        ],
+    ) else {
+        panic!("the row is not an event");
+    };
+    assert_eq!(from_message.key, from_row.key);
+    assert_eq!(from_message.topic, from_row.topic);
+    assert_eq!(from_message.payload, from_row.payload);
+    assert_eq!(from_message.timestamp_ms, from_row.timestamp_ms);
+    // The row's headers, without the event id the row's `id` column would give.
+    assert_eq!(from_message.headers, from_row.headers);
+    // Refused by the broker, it is poisoned with the message marker.
+    assert!(from_message.poison_fields().is_message());
+    assert!(!from_row.poison_fields().is_message());
+}
+
+#[test]
+fn messages_that_are_not_this_relays_events_are_told_apart() {
+    let m = mapper();
+    let content = frame(Some(b"42"));
+    let tx = LogicalDecodingMessage::TRANSACTIONAL;
+    assert_eq!(
+        m.map_message(&message("outbox-relay", 0, content.clone()), LSN),
+        MessageMapped::Foreign
+    );
+    assert_eq!(
+        m.map_message(&message("debezium", tx, content.clone()), LSN),
+        MessageMapped::Foreign
+    );
+    assert_eq!(
+        m.map_message(
+            &message("outbox-relay:app.outbox", tx, content.clone()),
+            LSN
+        ),
+        MessageMapped::OtherOutbox
+    );
+    assert_eq!(
+        m.map_message(&message(PREFIX, 0, content), LSN),
+        MessageMapped::NotTransactional
+    );
+}
+
+#[test]
+fn an_undeliverable_message_is_poisoned_whole_and_marked() {
+    let m = mapper();
+    let tx = LogicalDecodingMessage::TRANSACTIONAL;
+    let MessageMapped::Outbox(Mapped::Unmappable(no_key)) =
+        m.map_message(&message(PREFIX, tx, frame(None)), LSN)
+    else {
+        panic!("a message without an entity id is not unmappable");
+    };
+    assert_eq!(no_key.error_kind, error_kind::NULL_KEY);
+    assert!(no_key.fields.is_message());
+    assert_eq!(no_key.fields.idempotency_key.as_deref(), Some("k-1"));
+    assert_eq!(no_key.fields.outbox_id, None);
+
+    let MessageMapped::Outbox(Mapped::Unmappable(garbage)) =
+        m.map_message(&message(PREFIX, tx, vec![2, 0xff]), LSN)
+    else {
+        panic!("a message that is no frame is not unmappable");
+    };
+    assert_eq!(garbage.error_kind, error_kind::BAD_MESSAGE);
+    assert!(garbage.fields.is_message());
+    assert_eq!(garbage.fields.payload.as_deref(), Some("\\x02ff"));
+    assert_eq!(garbage.fields.lsn, Some(LSN));
 }

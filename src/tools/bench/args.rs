@@ -29,6 +29,13 @@ pub enum ModeGroup {
     CdcExactlyOnce,
     /// The real `outbox-relay poll`, four settings.
     Poll,
+    /// The real `outbox-relay run` in pgoutput text format
+    /// (`postgres.binary_decoding = false`), beside `cdc`'s binary.
+    CdcText,
+    /// The message outbox (`outbox_emit`): `pg_recvlogical` with `messages 'true'`
+    /// and the real `outbox-relay run` on messages alone, and the relay on
+    /// messages counted in the message ledger (what `audit` needs).
+    CdcMessage,
 }
 
 /// Which workloads to run.
@@ -162,6 +169,16 @@ impl BenchArgs {
         }
         if has(ModeGroup::CdcExactlyOnce) {
             modes.push(Mode::CdcExactlyOnce);
+        }
+        if has(ModeGroup::CdcText) {
+            modes.push(Mode::CdcText);
+        }
+        if has(ModeGroup::CdcMessage) {
+            modes.extend([
+                Mode::RecvLogicalMessage,
+                Mode::CdcMessageUnaudited,
+                Mode::CdcMessage,
+            ]);
         }
         if has(ModeGroup::Poll) {
             modes.extend(

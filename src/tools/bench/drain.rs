@@ -20,6 +20,15 @@
 //! * `cdc` — the real `outbox-relay run` as a child process, done when the slot's
 //!   `confirmed_flush_lsn` reaches the target (the relay confirms a transaction
 //!   only after the broker acked all its events), then the topic is counted.
+//! * `cdc-text` — `cdc` with `postgres.binary_decoding = false`: the walsender
+//!   runs the output functions (`cdc` asks for binary values on PostgreSQL 14+).
+//! * `pg-ceiling-recvlogical-message`, `cdc-message-unaudited` and `cdc-message` —
+//!   the same on a backlog written with the message outbox (`outbox_emit`: each
+//!   event a transactional logical decoding message, `crate::outbox::message`)
+//!   instead of rows; `pg_recvlogical` asks for `messages 'true'`, as the relay
+//!   does. `cdc-message` writes with the message ledger `audit` counts against (one
+//!   row update per event, which the walsender decodes too); the other two with
+//!   `outbox_relay.message_ledger = 'off'`: messages alone.
 //! * `poll-bB-wW` — the real `outbox-relay poll --batch-size B --workers W`, done
 //!   when no row has `sent_at IS NULL` (rows are marked only after their ack), then
 //!   the topic is counted.
@@ -39,7 +48,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::error::{BenchError, Result};
-use super::fixture::Fixture;
+use super::fixture::{Fixture, Writes};
 use super::usage::Usage;
 use crate::cdc::progress::{Action, Core, CoreConfig, StatusUpdate};
 use crate::config::Config;
@@ -68,6 +77,14 @@ pub(crate) enum Mode {
     Cdc,
     /// `Cdc` with `kafka.delivery = "exactly-once"`.
     CdcExactlyOnce,
+    /// `Cdc` with `postgres.binary_decoding = false` (pgoutput text format).
+    CdcText,
+    /// `RecvLogical` on a backlog of message-outbox events.
+    RecvLogicalMessage,
+    /// `Cdc` on a backlog of message-outbox events.
+    CdcMessage,
+    /// `CdcMessage` with the message ledger off (`outbox_relay.message_ledger`).
+    CdcMessageUnaudited,
     Poll {
         batch: u32,
         workers: u32,
@@ -76,6 +93,14 @@ pub(crate) enum Mode {
 
 /// The label of [`Mode::CdcExactlyOnce`] (also the steady workload's).
 pub(crate) const CDC_EXACTLY_ONCE: &str = "cdc-exactly-once";
+/// The label of [`Mode::CdcText`].
+pub(crate) const CDC_TEXT: &str = "cdc-text";
+/// The label of [`Mode::CdcMessage`].
+pub(crate) const CDC_MESSAGE: &str = "cdc-message";
+/// The label of [`Mode::CdcMessageUnaudited`].
+pub(crate) const CDC_MESSAGE_UNAUDITED: &str = "cdc-message-unaudited";
+/// The label of [`Mode::RecvLogicalMessage`].
+pub(crate) const PG_CEILING_MESSAGE: &str = "pg-ceiling-recvlogical-message";
 
 impl Mode {
     /// The name in tables and JSON.
@@ -88,6 +113,10 @@ impl Mode {
             Mode::BrokerCeiling => "broker-ceiling".into(),
             Mode::Cdc => "cdc".into(),
             Mode::CdcExactlyOnce => CDC_EXACTLY_ONCE.into(),
+            Mode::CdcText => CDC_TEXT.into(),
+            Mode::RecvLogicalMessage => PG_CEILING_MESSAGE.into(),
+            Mode::CdcMessage => CDC_MESSAGE.into(),
+            Mode::CdcMessageUnaudited => CDC_MESSAGE_UNAUDITED.into(),
             Mode::Poll { batch, workers } => format!("poll-b{batch}-w{workers}"),
         }
     }
@@ -104,6 +133,14 @@ impl Mode {
             Mode::BrokerCeiling => "relay producer and window, no database".into(),
             Mode::Cdc => "outbox-relay run".into(),
             Mode::CdcExactlyOnce => "outbox-relay run, kafka.delivery = exactly-once".into(),
+            Mode::CdcText => "outbox-relay run, postgres.binary_decoding = false".into(),
+            Mode::RecvLogicalMessage => {
+                "pg_recvlogical, pgoutput v1 messages on, message outbox, to /dev/null".into()
+            }
+            Mode::CdcMessage => "outbox-relay run, message outbox (outbox_emit)".into(),
+            Mode::CdcMessageUnaudited => {
+                "outbox-relay run, message outbox, outbox_relay.message_ledger = off".into()
+            }
             Mode::Poll { batch, workers } => {
                 format!("outbox-relay poll --batch-size {batch} --workers {workers}")
             }
@@ -120,13 +157,42 @@ impl Mode {
                 | Mode::Ours
                 | Mode::Cdc
                 | Mode::CdcExactlyOnce
+                | Mode::CdcText
+                | Mode::RecvLogicalMessage
+                | Mode::CdcMessage
+                | Mode::CdcMessageUnaudited
         )
     }
 
     /// Whether the mode's records end up on the topic (and are counted there).
     #[must_use]
     pub(crate) fn delivers(&self) -> bool {
-        matches!(self, Mode::Cdc | Mode::CdcExactlyOnce | Mode::Poll { .. })
+        matches!(
+            self,
+            Mode::Cdc
+                | Mode::CdcExactlyOnce
+                | Mode::CdcText
+                | Mode::CdcMessage
+                | Mode::CdcMessageUnaudited
+                | Mode::Poll { .. }
+        )
+    }
+
+    /// How the mode's backlog is written: the ceiling of messages is measured on
+    /// messages alone (no ledger), the relay on both.
+    #[must_use]
+    pub(crate) fn writes(&self) -> Writes {
+        match self {
+            Mode::CdcMessage => Writes::Messages,
+            Mode::RecvLogicalMessage | Mode::CdcMessageUnaudited => Writes::UnauditedMessages,
+            _ => Writes::Rows,
+        }
+    }
+
+    /// Whether the mode's backlog is written with the message outbox.
+    #[must_use]
+    pub(crate) fn writes_messages(&self) -> bool {
+        self.writes() != Writes::Rows
     }
 }
 
@@ -155,12 +221,16 @@ pub(crate) struct Target {
 /// Drains the backlog of `fixture` with `mode`.
 pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Result<Drained> {
     match mode {
-        Mode::RecvLogical => recvlogical(fixture, target, false).await,
-        Mode::RecvLogicalStreaming => recvlogical(fixture, target, true).await,
+        Mode::RecvLogical => recvlogical(fixture, target, Options::Plain).await,
+        Mode::RecvLogicalStreaming => recvlogical(fixture, target, Options::Streaming).await,
+        Mode::RecvLogicalMessage => recvlogical(fixture, target, Options::Messages).await,
         Mode::Ours => null_sink(&fixture.config, target).await,
         Mode::BrokerCeiling => broker_ceiling(&fixture.config, target).await,
-        Mode::Cdc => cdc(fixture, target, false).await,
-        Mode::CdcExactlyOnce => cdc(fixture, target, true).await,
+        Mode::Cdc | Mode::CdcMessage | Mode::CdcMessageUnaudited => {
+            cdc(fixture, target, Variant::AtLeastOnce).await
+        }
+        Mode::CdcExactlyOnce => cdc(fixture, target, Variant::ExactlyOnce).await,
+        Mode::CdcText => cdc(fixture, target, Variant::Text).await,
         Mode::Poll { batch, workers } => {
             let (batch, workers) = (batch.to_string(), workers.to_string());
             let args = ["poll", "--batch-size", &batch, "--workers", &workers];
@@ -176,7 +246,17 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
 
 /// One `outbox-relay run` per shard (`--shards`), all of them sampled, until the
 /// slot confirms the backlog's end.
-async fn cdc(fixture: &Fixture, target: Target, exactly_once: bool) -> Result<Drained> {
+/// What a `cdc` mode changes in the relay's config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    AtLeastOnce,
+    ExactlyOnce,
+    /// `postgres.binary_decoding = false`.
+    Text,
+}
+
+async fn cdc(fixture: &Fixture, target: Target, variant: Variant) -> Result<Drained> {
+    let exactly_once = variant == Variant::ExactlyOnce;
     if exactly_once {
         fixture.create_progress_topic().await?;
     }
@@ -189,6 +269,12 @@ async fn cdc(fixture: &Fixture, target: Target, exactly_once: bool) -> Result<Dr
         );
         if exactly_once {
             exactly_once_env(&mut cmd);
+        }
+        if variant == Variant::Text {
+            cmd.env(
+                format!("{}POSTGRES__BINARY_DECODING", crate::config::ENV_PREFIX),
+                "false",
+            );
         }
         children.push(RelayChild::start(
             cmd,
@@ -380,7 +466,17 @@ impl RelayChild {
 // pg_recvlogical
 // ---------------------------------------------------------------------------
 
-async fn recvlogical(fixture: &Fixture, target: Target, streaming: bool) -> Result<Drained> {
+/// What `pg_recvlogical` asks pgoutput for besides protocol version 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Options {
+    Plain,
+    /// Protocol v2, `streaming 'on'`.
+    Streaming,
+    /// `messages 'true'` (the message outbox).
+    Messages,
+}
+
+async fn recvlogical(fixture: &Fixture, target: Target, options: Options) -> Result<Drained> {
     let Some(exe) = find_pg_tool("pg_recvlogical") else {
         return Err(BenchError::Missing(
             "pg_recvlogical (install the PostgreSQL client/server binaries)".into(),
@@ -394,10 +490,10 @@ async fn recvlogical(fixture: &Fixture, target: Target, streaming: bool) -> Resu
         .arg(&config.postgres.slot)
         .arg("--start")
         .arg("--no-loop")
-        .args(if streaming {
-            ["-o", "proto_version=2", "-o", "streaming=on"].as_slice()
-        } else {
-            ["-o", "proto_version=1"].as_slice()
+        .args(match options {
+            Options::Streaming => ["-o", "proto_version=2", "-o", "streaming=on"].as_slice(),
+            Options::Messages => ["-o", "proto_version=1", "-o", "messages=true"].as_slice(),
+            Options::Plain => ["-o", "proto_version=1"].as_slice(),
         })
         .arg("-o")
         .arg(format!("publication_names={}", config.postgres.publication))

@@ -51,6 +51,17 @@ pub(crate) struct DecodingStats {
     pub(crate) stream_bytes: i64,
 }
 
+/// How the writers write the workload's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Writes {
+    /// Outbox rows.
+    Rows,
+    /// `outbox_emit`, counted in the message ledger.
+    Messages,
+    /// `outbox_emit` with `outbox_relay.message_ledger = 'off'`.
+    UnauditedMessages,
+}
+
 /// What writing the workload cost PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Fill {
@@ -100,8 +111,17 @@ impl Fixture {
     async fn create_objects(&self) -> Result<()> {
         // The migrations, rendered for this run's names. Not recorded in
         // outbox_relay_migrations: that table describes the database's real outbox.
+        // The writer functions and the message ledger get this run's names: the
+        // schema's own `outbox_enqueue` / `outbox_emit` write to the real outbox and
+        // must not be replaced by ones that write to this run's.
         for migration in crate::ops::migrate::MIGRATIONS {
-            let sql = crate::ops::migrate::render(migration.sql, &self.config)?;
+            let sql = crate::ops::migrate::render(migration.sql, &self.config)?
+                .replace("outbox_enqueue(", &format!("{}_enqueue(", self.name))
+                .replace("outbox_emit(", &format!("{}_emit(", self.name))
+                .replace(
+                    "outbox_relay_message_ledger",
+                    &format!("{}_ledger", self.name),
+                );
             self.client.batch_execute(&sql).await?;
         }
         // `dead_tuples` reports the garbage a mode leaves behind for vacuum; with
@@ -180,23 +200,40 @@ impl Fixture {
 
     /// Writes the backlog: `workload.events` rows in transactions of
     /// `rows_per_tx`, from `writers` concurrent connections.
-    pub(crate) async fn fill(&self, workload: &Workload) -> Result<Fill> {
+    pub(crate) async fn fill(&self, workload: &Workload, writes: Writes) -> Result<Fill> {
         let before = self.wal_lsn().await?;
         let started = Instant::now();
-        self.writers(workload).run().await?;
+        let writers = self.writers(workload);
+        match writes {
+            Writes::Rows => writers.run().await?,
+            Writes::Messages => writers.emitting(&self.emit_function()?).run().await?,
+            Writes::UnauditedMessages => {
+                writers
+                    .emitting(&self.emit_function()?)
+                    .on_connect("SET outbox_relay.message_ledger = 'off'")
+                    .run()
+                    .await?
+            }
+        };
+        let messages = writes != Writes::Rows;
         let elapsed = started.elapsed();
         let after = self.wal_lsn().await?;
-        let avg: Option<f64> = self
-            .client
-            .query_one(
-                &format!(
-                    "SELECT avg(octet_length(payload::text))::float8 FROM {}",
-                    self.table
-                ),
-                &[],
-            )
-            .await?
-            .get(0);
+        // Messages leave no payload to measure: the writers' payload expression is
+        // measured instead, over the same events.
+        let avg: Option<f64> = if messages {
+            None
+        } else {
+            self.client
+                .query_one(
+                    &format!(
+                        "SELECT avg(octet_length(payload::text))::float8 FROM {}",
+                        self.table
+                    ),
+                    &[],
+                )
+                .await?
+                .get(0)
+        };
         let per_event =
             count_f64(after.0.saturating_sub(before.0)) / count_f64(workload.events.max(1));
         Ok(Fill {
@@ -210,6 +247,17 @@ impl Fixture {
     /// The workload's writers, into this run's table (the steady runs pace them).
     pub(crate) fn writers(&self, workload: &Workload) -> Writers {
         Writers::new(&self.config.postgres.url, &self.table, workload.clone())
+    }
+
+    /// This run's `outbox_emit` (see [`Fixture::create`]), quoted.
+    pub(crate) fn emit_function(&self) -> Result<String> {
+        Ok(format!("{}_emit", self.schema_prefix()?))
+    }
+
+    /// `"schema".name`: where this run's functions and ledger live.
+    fn schema_prefix(&self) -> Result<String> {
+        let (schema, _) = crate::config::qualified_name(&self.config.outbox.table)?;
+        Ok(format!("{}.{}", quote_ident(&schema), self.name))
     }
 
     /// Commits one marker row after the workload and returns a WAL position taken
@@ -314,18 +362,21 @@ impl Fixture {
             .get(0))
     }
 
-    /// Size, dead tuples and updates of the outbox table.
+    /// Size, dead tuples and updates of the outbox table, and of the message
+    /// ledger (the message outbox's only table).
     pub(crate) async fn table_stats(&self) -> Result<TableStats> {
         let (schema, table) = crate::config::qualified_name(&self.config.outbox.table)?;
+        let ledger = format!("{}_ledger", self.name);
         let row = self
             .client
             .query_one(
-                "SELECT pg_total_relation_size(format('%I.%I', $1::text, $2::text)::regclass),
-                        coalesce((SELECT n_dead_tup FROM pg_stat_user_tables
-                                  WHERE schemaname = $1 AND relname = $2), 0),
+                "SELECT sum(pg_total_relation_size(format('%I.%I', $1::text, t)::regclass))::int8,
+                        coalesce((SELECT sum(n_dead_tup) FROM pg_stat_user_tables
+                                  WHERE schemaname = $1 AND relname = ANY($2)), 0)::int8,
                         coalesce((SELECT n_tup_upd FROM pg_stat_user_tables
-                                  WHERE schemaname = $1 AND relname = $2), 0)",
-                &[&schema, &table],
+                                  WHERE schemaname = $1 AND relname = $2[1]), 0)
+                   FROM unnest($2::text[]) t",
+                &[&schema, &vec![table, ledger]],
             )
             .await?;
         Ok(TableStats {
@@ -363,8 +414,10 @@ impl Fixture {
             .chain(std::iter::once(self.config.postgres.publication.clone()))
             .map(|p| format!("DROP PUBLICATION IF EXISTS {};", quote_ident(&p)))
             .collect();
+        let own = self.schema_prefix().unwrap_or_else(|_| self.name.clone());
         let sql = format!(
-            "{} DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
+            "{} DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {own}_ledger;
+             DROP FUNCTION IF EXISTS {own}_emit; DROP FUNCTION IF EXISTS {own}_enqueue;",
             publications.join(" "),
             self.table,
             quote_qualified(&self.config.outbox.poison_table),

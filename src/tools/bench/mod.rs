@@ -142,6 +142,10 @@ async fn backlog_in(
     if mode.reads_wal() {
         fixture.create_slot().await?;
     }
+    // Before the writers: the growth reported is what the events left behind
+    // (rows, or the message ledger), plus what draining did to it (the poller's
+    // updates).
+    let table_empty = fixture.table_stats().await?;
     let fill = if mode == Mode::BrokerCeiling {
         None
     } else {
@@ -150,10 +154,9 @@ async fn backlog_in(
             mode.label(),
             workload.events
         ));
-        Some(fixture.fill(workload).await?)
+        Some(fixture.fill(workload, mode.writes()).await?)
     };
     let end_lsn = fixture.end_marker().await?;
-    let table_before = fixture.table_stats().await?;
     let target = Target {
         events: workload.events,
         end_lsn,
@@ -186,10 +189,13 @@ async fn backlog_in(
     } else {
         None
     };
-    let table_after = if matches!(mode, Mode::Poll { .. }) {
-        Some(settled_table_stats(fixture, workload.events).await?)
-    } else {
-        None
+    let table_after = match mode {
+        Mode::Poll { .. } => Some(settled_table_stats(fixture, workload.events).await?),
+        // What the writers left behind: rows, or the message ledger.
+        Mode::Cdc | Mode::CdcText | Mode::CdcMessage | Mode::CdcMessageUnaudited => {
+            Some(fixture.table_stats().await?)
+        }
+        _ => None,
     };
     let _ = on_topic;
     Ok(sample_of(
@@ -198,7 +204,7 @@ async fn backlog_in(
         decoding,
         fill.as_ref(),
         wal_after.0.saturating_sub(end_lsn.0),
-        table_before,
+        table_empty,
         table_after,
     ))
 }

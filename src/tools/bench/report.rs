@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::args::{BenchArgs, Rate};
-use super::drain::{CDC_EXACTLY_ONCE, Mode};
+use super::drain::{CDC_EXACTLY_ONCE, CDC_MESSAGE, CDC_MESSAGE_UNAUDITED, CDC_TEXT, Mode};
 use super::stats::{LatencySpread, Spread, spread};
 use super::steady_report::{SteadyResult, render_steady, steady_json};
 use crate::tools::workload::Workload;
@@ -51,6 +51,8 @@ pub struct ModeResult {
     pub io_calls_per_event: Option<Spread>,
     pub rss_mib: Option<Spread>,
     pub drain_wal_bytes_per_event: Option<Spread>,
+    /// WAL the writers wrote per event for this mode's backlog (rows or messages).
+    pub insert_wal_bytes_per_event: Option<Spread>,
     pub dead_tuples: Option<Spread>,
     pub table_growth_bytes: Option<Spread>,
     pub spill_mib: Option<Spread>,
@@ -84,8 +86,15 @@ impl WorkloadInfo {
         workload: &Workload,
         samples: &[(Mode, Sample)],
     ) -> WorkloadInfo {
+        // The row outbox's writes (the message outbox's are in its own rows).
         let all = |f: fn(&Sample) -> Option<f64>| {
-            Spread::of(&samples.iter().filter_map(|(_, s)| f(s)).collect::<Vec<_>>())
+            Spread::of(
+                &samples
+                    .iter()
+                    .filter(|(m, _)| !m.writes_messages())
+                    .filter_map(|(_, s)| f(s))
+                    .collect::<Vec<_>>(),
+            )
         };
         WorkloadInfo {
             kind: format!("{:?}", args.workload).to_lowercase(),
@@ -123,6 +132,20 @@ pub struct Ratios {
     pub cdc_vs_broker_ceiling: Option<f64>,
     /// Exactly-once drain rate over at-least-once (`cdc-exactly-once` / `cdc`).
     pub exactly_once_vs_cdc: Option<f64>,
+    /// Message-outbox drain rate over the row outbox's (`cdc-message` / `cdc`).
+    pub message_vs_cdc: Option<f64>,
+    /// Walsender CPU per event, message outbox over row outbox (`cdc-message` /
+    /// `cdc`; lower is better).
+    pub message_walsender_vs_cdc: Option<f64>,
+    /// As `message_vs_cdc`, with the message ledger off (`cdc-message-unaudited`).
+    pub unaudited_message_vs_cdc: Option<f64>,
+    /// As `message_walsender_vs_cdc`, with the message ledger off.
+    pub unaudited_message_walsender_vs_cdc: Option<f64>,
+    /// Drain rate in binary over text format (`cdc` / `cdc-text`).
+    pub binary_vs_text: Option<f64>,
+    /// Walsender CPU per event in binary over text format (`cdc` / `cdc-text`;
+    /// lower is better).
+    pub binary_walsender_vs_text: Option<f64>,
 }
 
 impl Report {
@@ -160,14 +183,25 @@ impl Report {
         self.result(label).map(|r| r.events_per_s.median)
     }
 
+    /// Mode `label` against `cdc`: drain rate and walsender CPU per event ratios.
+    fn against_cdc(&self, label: &str) -> (Option<f64>, Option<f64>) {
+        (
+            over(self.median(label), self.median("cdc")),
+            over(self.walsender_median(label), self.walsender_median("cdc")),
+        )
+    }
+
+    fn walsender_median(&self, label: &str) -> Option<f64> {
+        self.result(label)
+            .and_then(|r| r.walsender_cpu_s_per_1m.as_ref())
+            .map(|s| s.median)
+    }
+
     /// The headline ratios; `None` where a side was not measured.
     #[must_use]
     pub fn ratios(&self) -> Ratios {
         let cdc = self.median("cdc");
-        let ratio = |other: Option<f64>| match (cdc, other) {
-            (Some(c), Some(o)) if o > 0.0 => Some(c / o),
-            _ => None,
-        };
+        let ratio = |other: Option<f64>| over(cdc, other);
         let recvlogical = self.median("pg-ceiling-recvlogical");
         let ours = self.median("pg-ceiling-ours");
         Ratios {
@@ -175,10 +209,16 @@ impl Report {
             cdc_vs_pg_ceiling: ratio(recvlogical.or(ours)),
             cdc_vs_pg_ceiling_ours: ratio(ours),
             cdc_vs_broker_ceiling: ratio(self.median("broker-ceiling")),
-            exactly_once_vs_cdc: match (self.median(CDC_EXACTLY_ONCE), cdc) {
-                (Some(e), Some(c)) if c > 0.0 => Some(e / c),
-                _ => None,
-            },
+            exactly_once_vs_cdc: over(self.median(CDC_EXACTLY_ONCE), cdc),
+            message_vs_cdc: self.against_cdc(CDC_MESSAGE).0,
+            message_walsender_vs_cdc: self.against_cdc(CDC_MESSAGE).1,
+            unaudited_message_vs_cdc: self.against_cdc(CDC_MESSAGE_UNAUDITED).0,
+            unaudited_message_walsender_vs_cdc: self.against_cdc(CDC_MESSAGE_UNAUDITED).1,
+            binary_vs_text: over(cdc, self.median(CDC_TEXT)),
+            binary_walsender_vs_text: over(
+                self.walsender_median("cdc"),
+                self.walsender_median(CDC_TEXT),
+            ),
         }
     }
 
@@ -221,6 +261,12 @@ impl Report {
                 "cdc_vs_pg_ceiling_ours": r.cdc_vs_pg_ceiling_ours,
                 "cdc_vs_broker_ceiling": r.cdc_vs_broker_ceiling,
                 "exactly_once_vs_cdc": r.exactly_once_vs_cdc,
+                "message_vs_cdc": r.message_vs_cdc,
+                "message_walsender_vs_cdc": r.message_walsender_vs_cdc,
+                "unaudited_message_vs_cdc": r.unaudited_message_vs_cdc,
+                "unaudited_message_walsender_vs_cdc": r.unaudited_message_walsender_vs_cdc,
+                "binary_vs_text": r.binary_vs_text,
+                "binary_walsender_vs_text": r.binary_walsender_vs_text,
             },
             "steady": self.steady.iter().map(steady_json).collect::<Vec<_>>(),
         })
@@ -260,14 +306,16 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "\n{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>16} {:>12}  settings",
+            "\n{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>14} {:>12} {:>12} {:>16} {:>12}  settings",
             "mode",
             "events/s",
             "CPU s/1M ev",
             "walsender s/1M",
             "I/O calls/ev",
             "peak RSS MiB",
+            "insert WAL B/ev",
             "drain WAL B/ev",
+            "table B/ev",
             "dead tuples",
             "spill/stream MiB",
             "p99 ms"
@@ -280,14 +328,21 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>12} {:>16} {:>12}  {}{best}",
+                "{:<32} {:>28} {:>13} {:>15} {:>12} {:>13} {:>14} {:>14} {:>12} {:>12} {:>16} {:>12}  {}{best}",
                 m.mode,
                 spread(&m.events_per_s, 0),
                 opt(m.cpu_s_per_1m.as_ref(), 1),
                 opt(m.walsender_cpu_s_per_1m.as_ref(), 1),
                 opt(m.io_calls_per_event.as_ref(), 2),
                 opt(m.rss_mib.as_ref(), 0),
+                opt(m.insert_wal_bytes_per_event.as_ref(), 0),
                 opt(m.drain_wal_bytes_per_event.as_ref(), 0),
+                m.table_growth_bytes
+                    .as_ref()
+                    .map_or("-".into(), |g| format!(
+                        "{:.0}",
+                        g.median / super::stats::count_f64(w.events.max(1))
+                    )),
                 opt(m.dead_tuples.as_ref(), 0),
                 match (&m.spill_mib, &m.stream_mib) {
                     (None, None) => "-".into(),
@@ -316,6 +371,25 @@ impl Report {
                 ratio(r.exactly_once_vs_cdc),
             );
         }
+        if r.binary_vs_text.is_some() {
+            let _ = writeln!(
+                out,
+                "cdc (binary) vs cdc-text {} (drain rate) · walsender CPU per event {}",
+                ratio(r.binary_vs_text),
+                ratio(r.binary_walsender_vs_text),
+            );
+        }
+        for label in [CDC_MESSAGE_UNAUDITED, CDC_MESSAGE] {
+            let (Some(rate), walsender) = self.against_cdc(label) else {
+                continue;
+            };
+            let _ = writeln!(
+                out,
+                "{label} vs cdc {} (drain rate) · walsender CPU per event {}",
+                ratio(Some(rate)),
+                ratio(walsender),
+            );
+        }
         if !self.steady.is_empty() {
             let points = format!(
                 "{} s per point, {} rows/tx, {} writers",
@@ -324,6 +398,14 @@ impl Report {
             out.push_str(&render_steady(&points, &self.steady));
         }
         out
+    }
+}
+
+/// `a / b` when both were measured and `b` is positive.
+fn over(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
     }
 }
 
@@ -347,6 +429,7 @@ fn aggregate(mode: Mode, samples: &[(Mode, Sample)]) -> Option<ModeResult> {
         io_calls_per_event: spread_of(&|s| s.io_calls_per_event),
         rss_mib: spread_of(&|s| s.rss_mib),
         drain_wal_bytes_per_event: spread_of(&|s| s.drain_wal_bytes_per_event),
+        insert_wal_bytes_per_event: spread_of(&|s| s.insert_wal_bytes_per_event),
         dead_tuples: spread_of(&|s| as_f64(s.dead_tuples)),
         table_growth_bytes: spread_of(&|s| as_f64(s.table_growth_bytes)),
         spill_mib: spread_of(&|s| s.spill_mib),
@@ -374,6 +457,7 @@ fn result_json(m: &ModeResult, best_poll: Option<&str>) -> Value {
         "io_calls_per_event": med(m.io_calls_per_event.as_ref()),
         "rss_mib": med(m.rss_mib.as_ref()),
         "drain_wal_bytes_per_event": med(m.drain_wal_bytes_per_event.as_ref()),
+        "insert_wal_bytes_per_event": med(m.insert_wal_bytes_per_event.as_ref()),
         "dead_tuples": med(m.dead_tuples.as_ref()),
         "table_growth_bytes": med(m.table_growth_bytes.as_ref()),
         "spill_mib": med(m.spill_mib.as_ref()),
