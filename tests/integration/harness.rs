@@ -1351,3 +1351,28 @@ pub async fn read_all(topic: &str, expected: &HashSet<&str>, relay: &RelayProces
         );
     }
 }
+
+/// What a test's writer committed and rolled back (idempotency keys).
+#[derive(Debug, Default)]
+pub struct Written {
+    pub committed: Vec<String>,
+    pub rolled_back: Vec<String>,
+}
+
+impl Written {
+    /// Ends `tx` (rolled back when `rollback`) and records its `keys` as such.
+    pub async fn end(
+        &mut self,
+        tx: tokio_postgres::Transaction<'_>,
+        rollback: bool,
+        keys: Vec<String>,
+    ) {
+        if rollback {
+            tx.rollback().await.unwrap();
+            self.rolled_back.extend(keys);
+        } else {
+            tx.commit().await.unwrap();
+            self.committed.extend(keys);
+        }
+    }
+}

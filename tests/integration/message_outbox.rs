@@ -16,13 +16,6 @@ const ENTITIES: i64 = 4;
 const WRITE_PAUSE: Duration = Duration::from_millis(10);
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-/// What a writer committed and rolled back (idempotency keys).
-#[derive(Debug, Default)]
-struct Written {
-    committed: Vec<String>,
-    rolled_back: Vec<String>,
-}
-
 /// Writer `w`: transactions of 1–3 messages, every 6th with a row of the table too
 /// (same entity, same `seq` sequence), every 7th rolled back.
 async fn write(url: String, w: i64) -> Written {
@@ -67,13 +60,7 @@ async fn write(url: String, w: i64) -> Written {
             keys.push(ikey);
         }
         tokio::time::sleep(WRITE_PAUSE).await;
-        if i % 7 == 3 {
-            tx.rollback().await.unwrap();
-            written.rolled_back.extend(keys);
-        } else {
-            tx.commit().await.unwrap();
-            written.committed.extend(keys);
-        }
+        written.end(tx, i % 7 == 3, keys).await;
     }
     written
 }

@@ -27,13 +27,6 @@ const DEBEZIUM_TABLE: &str = "CREATE SCHEMA shipping;
          type varchar(255) NOT NULL,
          payload jsonb)";
 
-/// What a writer committed and rolled back (idempotency keys).
-#[derive(Debug, Default)]
-struct Written {
-    committed: Vec<String>,
-    rolled_back: Vec<String>,
-}
-
 /// Two outbox tables in one relay: concurrent writers to each (with rolled-back
 /// transactions, and transactions writing both tables), a kill -9 mid-stream, a
 /// poison row of the second table; each table's events reach its topic with lost 0
@@ -379,13 +372,7 @@ async fn write_parcels(url: String) -> Written {
             keys.push(id);
         }
         tokio::time::sleep(WRITE_PAUSE).await;
-        if seq % 9 == 4 {
-            tx.rollback().await.unwrap();
-            written.rolled_back.extend(keys);
-        } else {
-            tx.commit().await.unwrap();
-            written.committed.extend(keys);
-        }
+        written.end(tx, seq % 9 == 4, keys).await;
     }
     written
 }

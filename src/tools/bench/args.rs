@@ -132,6 +132,13 @@ pub struct BenchArgs {
     /// each (`postgres.shards`); the ceilings still read one slot.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::config::shard::MAX_SHARDS)))]
     pub shards: u32,
+    /// Steady workload: pin PostgreSQL (the postmaster and every backend and
+    /// walsender, which inherit it) to the first CPU list and this bench, its relay
+    /// or poller, consumer and writers' client side, and the broker (the process
+    /// listening on the broker's port) to the second, as in production, where only
+    /// the walsender runs beside the database. `taskset` lists: `0:1`, `0-1:2-3`.
+    #[arg(long, value_name = "DB_CPUS:REST_CPUS")]
+    pub pin: Option<super::processes::Pin>,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -21,6 +21,9 @@ pub enum BenchError {
     Relay(crate::Error),
     #[error("benchmark setup: --modes selects nothing")]
     NoModes,
+    /// `--pin` could not set a process's CPU affinity.
+    #[error("--pin: {0}")]
+    Pin(String),
     #[error("benchmark setup: no steady schedule for {events_per_s} events/s")]
     NoSchedule { events_per_s: f64 },
     #[error("benchmark setup: no latency samples")]

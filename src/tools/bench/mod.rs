@@ -45,6 +45,7 @@ mod drain;
 mod error;
 mod fixture;
 mod plot;
+mod processes;
 mod progress;
 pub mod report;
 mod scrape;

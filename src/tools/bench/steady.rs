@@ -45,7 +45,8 @@ use super::fixture::Fixture;
 use super::progress::{Progress, until_interrupted};
 use super::scrape::{self, StageLatency};
 use super::stats::{Drift, Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
-use super::steady_report::{StageSpread, SteadyResult};
+use super::processes;
+use super::steady_report::{CpuPerEvent, CpuSpread, StageSpread, SteadyResult};
 use crate::config::Config;
 use crate::tools::workload::{Pace, Workload};
 
@@ -67,10 +68,15 @@ const DRAIN_GRACE: Duration = Duration::from_secs(60);
 /// The writers of a point must be done by twice its duration plus this.
 const WRITE_SLACK: Duration = Duration::from_secs(2);
 
-/// Which contenders run the steady workload: the two real relays.
+/// Label of the point with the writers alone: what the database costs and how
+/// fast the writers go without any relay.
+pub(crate) const NO_RELAY: &str = "no-relay";
+
+/// Which contenders run the steady workload: the writers alone, then the real
+/// relays.
 #[must_use]
 pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
-    let mut out = Vec::new();
+    let mut out = vec![NO_RELAY];
     if modes.contains(&Mode::Cdc) {
         out.push("cdc");
     }
@@ -80,6 +86,10 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     if modes.iter().any(|m| matches!(m, Mode::Poll { .. })) {
         out.push(POLL_LABEL);
     }
+    if out.len() == 1 {
+        // No relay to compare with.
+        out.clear();
+    }
     out
 }
 
@@ -88,7 +98,10 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
 enum Outcome {
     Measured {
         achieved: f64,
-        latency: Latency,
+        /// `None` for the no-relay point (nothing is consumed).
+        latency: Option<Latency>,
+        /// CPU per event by process.
+        cpu: CpuPerEvent,
         /// The relay's per-stage figures, each with its drift when the quarter
         /// pages were read (CDC only; empty when unreadable).
         stages: Vec<StageLatency>,
@@ -131,7 +144,69 @@ pub(crate) async fn run(
         }
         (Rate::WritersMax, None) => Err("the writers' maximum was not measured".to_owned()),
     };
-    let mut runs: HashMap<(&str, usize), Vec<Outcome>> = HashMap::new();
+    let watch = Watch::find(config).await;
+    let pinned = match (&args.pin, watch.postmaster) {
+        (Some(pin), Some(postmaster)) => Some(processes::pin(pin, postmaster, watch.broker)?),
+        (Some(_), None) => {
+            return Err(BenchError::Pin(
+                "PostgreSQL does not run on this machine (its postmaster is not found)".into(),
+            ));
+        }
+        (None, _) => None,
+    };
+    let result = run_points(config, workload, modes, args, progress, &watch, &target).await;
+    if let Some(pinned) = pinned {
+        pinned.release();
+    }
+    let mut runs = result?;
+    let mut out = Vec::new();
+    for (r, &rate) in args.rates.iter().enumerate() {
+        for &mode in modes {
+            let outcomes = runs.remove(&(mode, r)).unwrap_or_default();
+            out.push(aggregate(mode, rate, target(rate).ok(), &outcomes));
+        }
+    }
+    Ok(out)
+}
+
+/// The processes whose CPU a point charges besides the relay's, found once.
+#[derive(Debug, Clone, Copy, Default)]
+struct Watch {
+    postmaster: Option<u32>,
+    broker: Option<u32>,
+}
+
+impl Watch {
+    async fn find(config: &Config) -> Watch {
+        let postmaster = match crate::postgres::connect(&config.postgres.url).await {
+            Ok(client) => processes::postmaster(&client).await,
+            Err(_) => None,
+        };
+        let broker = config
+            .kafka
+            .brokers
+            .split(',')
+            .next()
+            .and_then(|b| b.trim().rsplit(':').next()?.parse::<u16>().ok())
+            .and_then(processes::listening_on);
+        Watch { postmaster, broker }
+    }
+}
+
+type Runs = HashMap<(&'static str, usize), Vec<Outcome>>;
+
+/// Every run of every point.
+async fn run_points(
+    config: &Config,
+    workload: &Workload,
+    modes: &[&'static str],
+    args: &BenchArgs,
+    progress: &Progress,
+    watch: &Watch,
+    target: &dyn Fn(Rate) -> std::result::Result<f64, String>,
+) -> Result<Runs> {
+    let duration = Duration::from_secs(args.steady_secs);
+    let mut runs: Runs = HashMap::new();
     for repeat in 1..=args.repeat {
         for (r, &rate) in args.rates.iter().enumerate() {
             for &mode in modes {
@@ -141,7 +216,7 @@ pub(crate) async fn run(
                             "{mode} steady {rate} ({events_per_s:.0} events/s), run {repeat}/{}",
                             args.repeat
                         ));
-                        one_run(config, workload, mode, events_per_s, duration).await?
+                        one_run(config, workload, mode, events_per_s, duration, watch).await?
                     }
                     Err(reason) => Outcome::Failed {
                         reason,
@@ -153,25 +228,23 @@ pub(crate) async fn run(
             }
         }
     }
-    let mut out = Vec::new();
-    for (r, &rate) in args.rates.iter().enumerate() {
-        for &mode in modes {
-            let outcomes = runs.remove(&(mode, r)).unwrap_or_default();
-            out.push(aggregate(mode, rate, target(rate).ok(), &outcomes));
-        }
-    }
-    Ok(out)
+    Ok(runs)
 }
 
 /// The progress line of one run.
 fn describe(mode: &str, rate: Rate, outcome: &Outcome) -> String {
     match outcome {
         Outcome::Measured {
-            achieved, latency, ..
+            achieved,
+            latency: Some(latency),
+            ..
         } => format!(
             "{mode} steady {rate}: {achieved:.0} events/s, p50 {:.1} ms, p99 {:.1} ms",
             latency.p50, latency.p99
         ),
+        Outcome::Measured { achieved, .. } => {
+            format!("{mode} steady {rate}: {achieved:.0} events/s")
+        }
         Outcome::Failed { reason, .. } => format!("{mode} steady {rate}: FAILED: {reason}"),
     }
 }
@@ -184,16 +257,19 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
     let mut stages: Vec<&StageLatency> = Vec::new();
     let mut drifts = Vec::new();
     let mut failures = Vec::new();
+    let mut cpus = Vec::new();
     for outcome in outcomes {
         match outcome {
             Outcome::Measured {
                 achieved: a,
                 latency,
+                cpu,
                 stages: s,
                 drift,
             } => {
                 achieved.push(*a);
-                latencies.push(*latency);
+                latencies.extend(*latency);
+                cpus.push(*cpu);
                 stages.extend(s);
                 drifts.extend(drift.map(|d| d.change_pct()));
             }
@@ -216,6 +292,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
         stages: stage_spreads(&stages),
         drift_pct: Spread::of(&drifts),
         failures,
+        cpu: CpuSpread::of(&cpus),
     }
 }
 
@@ -293,10 +370,15 @@ async fn one_run(
     mode: &str,
     events_per_s: f64,
     duration: Duration,
+    watch: &Watch,
 ) -> Result<Outcome> {
     let result = until_interrupted(async {
         let fixture = Fixture::create(config).await?;
-        let result = run_in(&fixture, workload, mode, events_per_s, duration).await;
+        let result = if mode == NO_RELAY {
+            writers_alone(&fixture, workload, events_per_s, duration, watch).await
+        } else {
+            run_in(&fixture, workload, mode, events_per_s, duration, watch).await
+        };
         fixture.cleanup().await;
         result
     })
@@ -317,6 +399,7 @@ async fn run_in(
     mode: &str,
     events_per_s: f64,
     duration: Duration,
+    watch: &Watch,
 ) -> Result<Outcome> {
     let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
         .ok_or(BenchError::NoSchedule { events_per_s })?;
@@ -347,6 +430,18 @@ async fn run_in(
     };
     let quarters = metrics
         .map(|addr| tokio::spawn(quarter_pages(addr, tokio::time::Instant::now(), duration)));
+    let relay_pid = child.id();
+    let walsenders: Vec<u32> = if cdc {
+        fixture
+            .walsender_pids()
+            .await
+            .iter()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let cpu_start = CpuReading::take(watch, relay_pid, &walsenders);
     let started = Instant::now();
     let write_deadline = duration * 2 + WRITE_SLACK;
     let written = write(fixture, workload, schedule, write_deadline).await?;
@@ -400,6 +495,7 @@ async fn run_in(
             scrape::stages_of(end, quarters)
         })
         .unwrap_or_default();
+    let cpu = cpu_start.per_event(&CpuReading::take(watch, relay_pid, &walsenders), written);
     let _ = child.start_kill();
     let _ = child.wait().await;
     let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
@@ -416,10 +512,93 @@ async fn run_in(
     let latency = Latency::of(latencies).ok_or(BenchError::NoLatencySamples)?;
     Ok(Outcome::Measured {
         achieved,
-        latency,
+        latency: Some(latency),
+        cpu,
         stages,
         drift,
     })
+}
+
+/// The no-relay point: the writers alone at the rate (no slot, no relay), for the
+/// database's own cost per event and the rate it sustains.
+async fn writers_alone(
+    fixture: &Fixture,
+    workload: &Workload,
+    events_per_s: f64,
+    duration: Duration,
+    watch: &Watch,
+) -> Result<Outcome> {
+    let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
+        .ok_or(BenchError::NoSchedule { events_per_s })?;
+    let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
+    let cpu_start = CpuReading::take(watch, None, &[]);
+    let started = Instant::now();
+    let written = write(fixture, workload, schedule, duration * 2 + WRITE_SLACK).await?;
+    let elapsed = started.elapsed();
+    let achieved = rate(written, elapsed.max(duration));
+    let cpu = cpu_start.per_event(&CpuReading::take(watch, None, &[]), written);
+    if written < scheduled {
+        return Ok(Outcome::Failed {
+            reason: format!(
+                "the writers fell behind: {written} of {scheduled} events written in {:.1} s",
+                elapsed.as_secs_f64()
+            ),
+            achieved: Some(achieved),
+        });
+    }
+    Ok(Outcome::Measured {
+        achieved,
+        latency: None,
+        cpu,
+        stages: Vec::new(),
+        drift: None,
+    })
+}
+
+/// The CPU counters of a point's processes at one instant.
+#[derive(Debug, Clone)]
+struct CpuReading {
+    db: Option<processes::DbSnapshot>,
+    walsenders: Option<Duration>,
+    relay: Option<Duration>,
+    broker: Option<Duration>,
+    bench: Option<Duration>,
+}
+
+impl CpuReading {
+    fn take(watch: &Watch, relay: Option<u32>, walsenders: &[u32]) -> CpuReading {
+        CpuReading {
+            db: watch.postmaster.and_then(processes::DbSnapshot::take),
+            walsenders: (!walsenders.is_empty()).then(|| {
+                walsenders
+                    .iter()
+                    .filter_map(|&pid| processes::process_cpu(pid))
+                    .sum()
+            }),
+            relay: relay.and_then(processes::process_cpu),
+            broker: watch.broker.and_then(processes::process_cpu),
+            bench: processes::process_cpu(std::process::id()),
+        }
+    }
+
+    /// Microseconds of CPU per event from `self` to `end`, by process.
+    fn per_event(&self, end: &CpuReading, events: u64) -> CpuPerEvent {
+        let events = super::stats::count_f64(events.max(1));
+        let micros = |d: Duration| d.as_secs_f64() * 1e6 / events;
+        let delta = |a: Option<Duration>, b: Option<Duration>| {
+            Some(micros(b?.saturating_sub(a?)))
+        };
+        CpuPerEvent {
+            db: match (&self.db, &end.db) {
+                (Some(a), Some(b)) => Some(micros(a.until(b))),
+                _ => None,
+            },
+            walsender: delta(self.walsenders, end.walsenders),
+            relay: delta(self.relay, end.relay),
+            broker: delta(self.broker, end.broker),
+            bench: delta(self.bench, end.bench),
+        }
+    }
 }
 
 /// The relay's metrics page at the end of a point; none (with a warning) when it
@@ -629,9 +808,12 @@ mod tests {
         };
         assert_eq!(
             modes(&[Mode::RecvLogical, Mode::Cdc, Mode::CdcExactlyOnce, poll]),
-            vec!["cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
+            vec![NO_RELAY, "cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
         );
-        assert_eq!(modes(&[Mode::CdcExactlyOnce]), vec![CDC_EXACTLY_ONCE]);
+        assert_eq!(
+            modes(&[Mode::CdcExactlyOnce]),
+            vec![NO_RELAY, CDC_EXACTLY_ONCE]
+        );
         assert!(modes(&[Mode::BrokerCeiling]).is_empty());
     }
 }

@@ -36,6 +36,24 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             let _ = writeln!(out, "{:<16} FAILED: {failure}", "");
         }
     }
+    if steady.iter().any(|s| s.cpu.db.is_some() || s.cpu.relay.is_some()) {
+        let _ = writeln!(
+            out,
+            "\nCPU per event written (µs; PostgreSQL = all its processes, walsender included; bench = writers' client side and consumer):\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
+            "mode", "rate", "achieved/s", "PostgreSQL", "walsender", "relay", "broker", "bench"
+        );
+        for s in steady {
+            let [db, walsender, relay, broker, bench] = s.cpu.cells();
+            let _ = writeln!(
+                out,
+                "{:<16} {:>6} {:>10} {db:>18} {walsender:>18} {relay:>18} {broker:>18} {bench:>18}",
+                s.mode,
+                rate_text(s),
+                s.achieved_events_per_s
+                    .map_or("-".into(), |a| format!("{:.0}", a.median)),
+            );
+        }
+    }
     for mode in ["cdc", CDC_EXACTLY_ONCE] {
         let rows: Vec<&SteadyResult> = steady
             .iter()
@@ -80,6 +98,53 @@ pub struct SteadyResult {
     pub drift_pct: Option<Spread>,
     /// Why runs of this point failed (empty when none did).
     pub failures: Vec<String>,
+    /// CPU per event by process, over the measured runs.
+    pub cpu: CpuSpread,
+}
+
+/// Microseconds of CPU per event written, by process, in one run of a point.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct CpuPerEvent {
+    /// Every PostgreSQL process (backends, walsenders, background workers).
+    pub db: Option<f64>,
+    /// Of `db`: the walsenders of the run's slot.
+    pub walsender: Option<f64>,
+    /// The relay or poller process.
+    pub relay: Option<f64>,
+    /// The broker process (found by its port on this machine).
+    pub broker: Option<f64>,
+    /// The bench itself: the writers' client side and the consumer.
+    pub bench: Option<f64>,
+}
+
+/// [`CpuPerEvent`] over the runs of a point.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CpuSpread {
+    pub db: Option<Spread>,
+    pub walsender: Option<Spread>,
+    pub relay: Option<Spread>,
+    pub broker: Option<Spread>,
+    pub bench: Option<Spread>,
+}
+
+impl CpuSpread {
+    pub(crate) fn of(runs: &[CpuPerEvent]) -> CpuSpread {
+        let of = |f: fn(&CpuPerEvent) -> Option<f64>| {
+            Spread::of(&runs.iter().filter_map(f).collect::<Vec<_>>())
+        };
+        CpuSpread {
+            db: of(|c| c.db),
+            walsender: of(|c| c.walsender),
+            relay: of(|c| c.relay),
+            broker: of(|c| c.broker),
+            bench: of(|c| c.bench),
+        }
+    }
+
+    fn cells(&self) -> [String; 5] {
+        [self.db, self.walsender, self.relay, self.broker, self.bench]
+            .map(|s| s.map_or("-".into(), |s| spread(&s, 1)))
+    }
 }
 
 impl SteadyResult {
@@ -200,6 +265,13 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
         "stages": stages,
         "drift_pct": s.drift_pct.map(|d| d.median),
         "ack_drift_pct": s.ack_drift_pct().map(|d| d.median),
+        "cpu_us_per_event": {
+            "postgres": s.cpu.db.map(|d| d.median),
+            "walsender": s.cpu.walsender.map(|d| d.median),
+            "relay": s.cpu.relay.map(|d| d.median),
+            "broker": s.cpu.broker.map(|d| d.median),
+            "bench": s.cpu.bench.map(|d| d.median),
+        },
     })
 }
 
@@ -249,7 +321,23 @@ mod tests {
             },
             drift_pct: measured.then(|| one(-3.0)),
             failures,
+            cpu: CpuSpread {
+                db: measured.then(|| one(41.5)),
+                relay: measured.then(|| one(20.0)),
+                ..CpuSpread::default()
+            },
         }
+    }
+
+    #[test]
+    fn cpu_per_event_is_shown_by_process() {
+        let ok = point(Rate::Fixed(1000.0), Vec::new());
+        let table = render_steady("10 s", std::slice::from_ref(&ok));
+        assert!(table.contains("CPU per event written"), "{table}");
+        assert!(table.contains("41.5"), "{table}");
+        let json = steady_json(&ok);
+        assert_eq!(json["cpu_us_per_event"]["postgres"], 41.5);
+        assert!(json["cpu_us_per_event"]["broker"].is_null());
     }
 
     #[test]
