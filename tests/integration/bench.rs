@@ -198,16 +198,19 @@ async fn steady_reports_every_point_and_goes_on_after_a_failed_one() {
     assert_eq!(
         points,
         [
+            (UNREACHABLE_RATE, "no-relay"),
             (UNREACHABLE_RATE, "cdc"),
             (UNREACHABLE_RATE, "poll-b1000-w1"),
+            ("300", "no-relay"),
             ("300", "cdc"),
             ("300", "poll-b1000-w1"),
+            ("max", "no-relay"),
             ("max", "cdc"),
             ("max", "poll-b1000-w1"),
         ],
         "{report}"
     );
-    for failed in &steady[..2] {
+    for failed in &steady[..3] {
         assert_eq!(failed["failed"], true, "{failed}");
         let reason = failed["failures"][0].as_str().unwrap_or_default();
         assert!(reason.contains("writers fell behind"), "{failed}");
@@ -215,7 +218,17 @@ async fn steady_reports_every_point_and_goes_on_after_a_failed_one() {
         // The rate reached is still recorded.
         positive(&failed["events_per_s"], "the failed point's achieved rate");
     }
-    for ok in &steady[2..4] {
+    // The writers alone: their rate and the database's CPU, no latency.
+    let alone = &steady[3];
+    assert_eq!(alone["failed"], false, "{alone}");
+    assert!(alone["p99_ms"].is_null(), "{alone}");
+    positive(&alone["events_per_s"], "the writers' rate alone");
+    positive(
+        &alone["cpu_us_per_event"]["postgres"],
+        "the database's CPU per event alone",
+    );
+    assert!(alone["cpu_us_per_event"]["relay"].is_null(), "{alone}");
+    for ok in &steady[4..6] {
         assert_eq!(ok["failed"], false, "{ok}");
         let achieved = positive(&ok["events_per_s"], "achieved rate");
         assert!((240.0..=330.0).contains(&achieved), "{ok}");
@@ -224,9 +237,17 @@ async fn steady_reports_every_point_and_goes_on_after_a_failed_one() {
             positive(&ok["p99_ms"], "p99"),
         );
         assert!(p50 <= p99, "{ok}");
+        // CPU per event by process: the database's and the relay's or poller's.
+        positive(&ok["cpu_us_per_event"]["postgres"], "PostgreSQL CPU");
+        positive(&ok["cpu_us_per_event"]["relay"], "relay CPU");
     }
+    positive(
+        &steady[4]["cpu_us_per_event"]["walsender"],
+        "the CDC relay's walsender CPU",
+    );
+    assert!(steady[5]["cpu_us_per_event"]["walsender"].is_null());
     // Where the time goes, from the relay's /metrics.
-    let stages = &steady[2]["stages"];
+    let stages = &steady[4]["stages"];
     for stage in [
         "commit_to_received",
         "received_to_produced",
@@ -243,22 +264,22 @@ async fn steady_reports_every_point_and_goes_on_after_a_failed_one() {
     }
     positive(&stages["produced_to_acked"]["p99_ms"], "produced→acked p99");
     assert!(
-        steady[3]["stages"]
+        steady[5]["stages"]
             .as_object()
             .is_some_and(|s| s.is_empty()),
         "the poller has no stages: {}",
-        steady[3]
+        steady[5]
     );
     // The writers' maximum was measured and each of its points either measured or
     // failed with a reason.
-    for max in &steady[4..] {
+    for max in &steady[6..] {
         positive(&max["target_events_per_s"], "the writers' maximum");
         if max["failed"] == true {
             assert!(
                 max["failures"][0].as_str().is_some_and(|r| !r.is_empty()),
                 "{max}"
             );
-        } else {
+        } else if max["mode"] != "no-relay" {
             positive(&max["p99_ms"], "p99 at max");
         }
     }

@@ -5,7 +5,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::harness::{
-    self, RelayProcess, TestDb, assert_per_key_order, connect, consume, read_all, tally, wait_until,
+    self, RelayProcess, TestDb, Written, assert_per_key_order, connect, consume, read_all, tally,
+    wait_until,
 };
 
 /// Transactions each writer commits or rolls back.

@@ -8,7 +8,8 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use crate::harness::{
-    self, RelayProcess, TestDb, assert_per_key_order, connect, consume, read_all, tally, wait_until,
+    self, RelayProcess, TestDb, Written, assert_per_key_order, connect, consume, read_all, tally,
+    wait_until,
 };
 
 /// Transactions each writer commits or rolls back.

@@ -42,10 +42,10 @@ use super::args::{BenchArgs, Rate};
 use super::drain::{CDC_EXACTLY_ONCE, Mode, StopOnDrop, exactly_once_env, relay_command};
 use super::error::{BenchError, Result};
 use super::fixture::Fixture;
+use super::processes;
 use super::progress::{Progress, until_interrupted};
 use super::scrape::{self, StageLatency};
 use super::stats::{Drift, Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
-use super::processes;
 use super::steady_report::{CpuPerEvent, CpuSpread, StageSpread, SteadyResult};
 use crate::config::Config;
 use crate::tools::workload::{Pace, Workload};
@@ -585,9 +585,7 @@ impl CpuReading {
     fn per_event(&self, end: &CpuReading, events: u64) -> CpuPerEvent {
         let events = super::stats::count_f64(events.max(1));
         let micros = |d: Duration| d.as_secs_f64() * 1e6 / events;
-        let delta = |a: Option<Duration>, b: Option<Duration>| {
-            Some(micros(b?.saturating_sub(a?)))
-        };
+        let delta = |a: Option<Duration>, b: Option<Duration>| Some(micros(b?.saturating_sub(a?)));
         CpuPerEvent {
             db: match (&self.db, &end.db) {
                 (Some(a), Some(b)) => Some(micros(a.until(b))),

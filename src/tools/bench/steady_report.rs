@@ -36,7 +36,10 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             let _ = writeln!(out, "{:<16} FAILED: {failure}", "");
         }
     }
-    if steady.iter().any(|s| s.cpu.db.is_some() || s.cpu.relay.is_some()) {
+    if steady
+        .iter()
+        .any(|s| s.cpu.db.is_some() || s.cpu.relay.is_some())
+    {
         let _ = writeln!(
             out,
             "\nCPU per event written (µs; PostgreSQL = all its processes, walsender included; bench = writers' client side and consumer):\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
