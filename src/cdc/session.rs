@@ -68,7 +68,7 @@ use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, IdleGate, Publisher, TopicLimits};
 use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
-use crate::outbox::message::MessageMapped;
+use crate::outbox::message::{MessageMapped, is_outbox_prefix};
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
 use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter, RecordedPoison};
@@ -1447,14 +1447,14 @@ impl Relay {
             }
             LogicalReplicationMessage::Message(message) => {
                 self.instruments.logical_message(&message);
+                // Messages pass every shard's publication: only shard 0 relays them
+                // (`migrate` installs no `outbox_emit` when sharded).
+                if self.config.postgres.shard > 0 && is_outbox_prefix(message.prefix.as_bytes()) {
+                    self.instruments
+                        .ignored_message(&MessageMapped::OtherOutbox, &message);
+                    return Ok(());
+                }
                 match self.mapper.map_message(&message, self.current_commit_lsn) {
-                    // Messages pass every shard's publication: only shard 0 relays
-                    // them (`migrate` installs no `outbox_emit` when sharded).
-                    MessageMapped::Outbox(_) if self.config.postgres.shard > 0 => {
-                        self.instruments
-                            .ignored_message(&MessageMapped::OtherOutbox, &message);
-                        Ok(())
-                    }
                     MessageMapped::Outbox(mapped) => Ok(self.admit(mapped, now)?),
                     ignored => {
                         self.instruments.ignored_message(&ignored, &message);

@@ -296,9 +296,9 @@ impl OutboxMapper {
                 Err(reject) => {
                     let mut fields = poison_from_row(names, &[], &row, Some(commit_lsn));
                     fields.outbox_id = None;
-                    fields.columns.push((
-                        message::POISON_MARKER.to_owned(),
-                        Some(message.prefix.to_string()),
+                    fields.columns.push(message::poison_marker(
+                        &self.outboxes[binding].message_prefix,
+                        message.lsn,
                     ));
                     Mapped::Unmappable(UnmappableRow {
                         reason: reject.reason,

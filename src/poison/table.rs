@@ -186,24 +186,21 @@ impl<'a> StoredRow<'a> {
         let f = &row.fields;
         // A message of the message outbox has no row to go back to: it is kept whole
         // up to a limit far above the default one (but under jsonb's 255 MiB, so
-        // the insert cannot fail forever), and its identifiers, cut for the index,
-        // stay whole in row_data, which replay reads.
-        let message = f.is_message();
-        let copy_limit = if message {
+        // the insert cannot fail forever). An identifier cut for the index marks
+        // the row truncated as for a row: replay builds the record from the stored
+        // columns, so it refuses such a row rather than publish a cut key (the
+        // whole value stays in row_data, for a person to read).
+        let copy_limit = if f.is_message() {
             copy_limit.max(MESSAGE_COPY_LIMIT)
         } else {
             copy_limit
         };
         let id_limit = IDENTIFIER_LIMIT.min(copy_limit);
         let mut truncated = false;
-        // A message's identifiers cut for the index stay whole in row_data.
-        let whole_elsewhere = |limit: usize| message && limit == id_limit;
         let mut keep = |value: &'a Option<String>, limit: usize| {
             value.as_deref().map(|v| {
                 let (stored, exact) = storable(v, limit);
-                if !exact && !whole_elsewhere(limit) {
-                    truncated = true;
-                }
+                truncated |= !exact;
                 stored
             })
         };

@@ -1772,6 +1772,14 @@ fn an_undeliverable_message_is_poisoned_whole_and_marked() {
     };
     assert_eq!(no_key.error_kind, error_kind::NULL_KEY);
     assert!(no_key.fields.is_message());
+    // The same message again in the same transaction (another LSN) is another
+    // poison row: the marker, part of the content hash, names the message's LSN.
+    let mut later = message(PREFIX, tx, frame(None));
+    later.lsn = Lsn(LSN.0 + 100);
+    let MessageMapped::Outbox(Mapped::Unmappable(again)) = m.map_message(&later, LSN) else {
+        panic!("not unmappable");
+    };
+    assert_ne!(no_key.fields.columns, again.fields.columns);
     assert_eq!(no_key.fields.idempotency_key.as_deref(), Some("k-1"));
     assert_eq!(no_key.fields.outbox_id, None);
 
