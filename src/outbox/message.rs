@@ -46,7 +46,7 @@ use bytes::Bytes;
 use thiserror::Error;
 
 use super::record::{Mapped, OutboxRow, PayloadFormat};
-use crate::lsn::Lsn;
+pub use super::record::{POISON_MARKER, poison_marker};
 
 /// What [`OutboxMapper::map_message`](crate::outbox::OutboxMapper::map_message)
 /// made of a logical decoding message.
@@ -74,19 +74,6 @@ pub const PREFIX_START: &str = "outbox-relay:";
 
 /// The frame version [`decode_frame`] reads.
 pub const FRAME_VERSION: u8 = 1;
-
-/// Key in a poisoned message's `row_data` that marks it as a message (its value is
-/// the prefix): `audit` counts such poison rows against the message ledger.
-pub const POISON_MARKER: &str = "outbox_relay_message";
-
-/// The `row_data` entry that marks a poison row as a message's: the prefix and
-/// the message's own LSN, which also tells two identical messages of one
-/// transaction apart (the poison table de-duplicates by content for rows without
-/// an id).
-#[must_use]
-pub fn poison_marker(prefix: &str, lsn: Lsn) -> (String, Option<String>) {
-    (POISON_MARKER.to_owned(), Some(format!("{prefix}@{lsn}")))
-}
 
 /// The prefix `outbox_emit` writes for the outbox `schema.table`.
 #[must_use]

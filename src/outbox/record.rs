@@ -318,7 +318,7 @@ impl OutboxEvent {
             .chain(
                 s.message
                     .as_ref()
-                    .map(|(prefix, lsn)| super::message::poison_marker(prefix, *lsn)),
+                    .map(|(prefix, lsn)| poison_marker(prefix, *lsn)),
             )
             .collect();
         PoisonFields {
@@ -374,14 +374,26 @@ pub struct PoisonFields {
     pub outbox: usize,
 }
 
+/// Key in a poisoned message's `row_data` that marks it as a message of the
+/// message outbox (`crate::outbox::message`): `audit` counts such poison rows
+/// against the message ledger, and the poison writer keeps them whole.
+pub const POISON_MARKER: &str = "outbox_relay_message";
+
+/// The `row_data` entry that marks a poison row as a message's: the prefix and
+/// the message's own LSN, which also tells two identical messages of one
+/// transaction apart (the poison table de-duplicates by content for rows without
+/// an id).
+#[must_use]
+pub fn poison_marker(prefix: &str, lsn: Lsn) -> (String, Option<String>) {
+    (POISON_MARKER.to_owned(), Some(format!("{prefix}@{lsn}")))
+}
+
 impl PoisonFields {
     /// Whether these are the fields of a message of the message outbox (see
-    /// [`crate::outbox::message::POISON_MARKER`]), not of a row.
+    /// [`POISON_MARKER`]), not of a row.
     #[must_use]
     pub fn is_message(&self) -> bool {
-        self.columns
-            .iter()
-            .any(|(name, _)| name == super::message::POISON_MARKER)
+        self.columns.iter().any(|(name, _)| name == POISON_MARKER)
     }
 }
 
