@@ -105,18 +105,6 @@ pub enum FrameError {
     Trailing(usize),
 }
 
-/// The fields of a frame, in order.
-const FIELDS: [&str; 8] = [
-    "idempotency_key",
-    "aggregate_type",
-    "aggregate_id",
-    "event_type",
-    "topic",
-    "headers",
-    "payload",
-    "created_at",
-];
-
 /// Reads a frame into an outbox row whose fields are slices of `content`.
 ///
 /// # Errors
@@ -137,72 +125,66 @@ pub fn decode_frame(content: &Bytes) -> Result<OutboxRow, FrameError> {
         b'b' => PayloadFormat::Raw,
         other => return Err(FrameError::PayloadFormat(other)),
     };
-    let mut at = 2;
-    let mut fields: [Option<Bytes>; 8] = Default::default();
-    for (slot, field) in fields.iter_mut().zip(FIELDS) {
-        let (value, next) = read_field(content, at, field)?;
-        *slot = value;
-        at = next;
-    }
-    if at != content.len() {
-        return Err(FrameError::Trailing(content.len() - at));
-    }
-    let [
-        idempotency_key,
-        aggregate_type,
-        aggregate_id,
-        event_type,
-        topic,
-        headers,
-        payload,
-        created_at,
-    ] = fields;
-    Ok(OutboxRow {
+    let mut frame = Fields { content, at: 2 };
+    // Struct fields are evaluated in the order written: the frame's order.
+    let row = OutboxRow {
         id: None,
-        idempotency_key,
-        aggregate_type,
-        aggregate_id,
-        event_type,
-        topic,
-        headers,
-        payload,
+        idempotency_key: frame.next("idempotency_key")?,
+        aggregate_type: frame.next("aggregate_type")?,
+        aggregate_id: frame.next("aggregate_id")?,
+        event_type: frame.next("event_type")?,
+        topic: frame.next("topic")?,
+        headers: frame.next("headers")?,
+        payload: frame.next("payload")?,
         payload_format,
-        created_at,
+        created_at: frame.next("created_at")?,
         extra: Vec::new(),
-    })
-}
-
-/// One length-prefixed field at `at`: its value and where the next one starts.
-fn read_field(
-    content: &Bytes,
-    at: usize,
-    field: &'static str,
-) -> Result<(Option<Bytes>, usize), FrameError> {
-    let header = content
-        .get(at..at + 4)
-        .ok_or_else(|| FrameError::Truncated {
-            field,
-            needed: at + 4 - content.len().min(at + 4),
-        })?;
-    let length = i32::from_be_bytes([header[0], header[1], header[2], header[3]]);
-    let start = at + 4;
-    if length == -1 {
-        return Ok((None, start));
+    };
+    if frame.at != content.len() {
+        return Err(FrameError::Trailing(content.len() - frame.at));
     }
-    let len = usize::try_from(length).map_err(|_| FrameError::Length { field, length })?;
-    let end = start
-        .checked_add(len)
-        .filter(|&end| end <= content.len())
-        .ok_or(FrameError::Truncated {
-            field,
-            needed: start.saturating_add(len).saturating_sub(content.len()),
-        })?;
-    Ok((Some(content.slice(start..end)), end))
+    Ok(row)
 }
 
-/// Encodes a frame (the Rust writer's side, and tests); `None` is NULL.
+/// The length-prefixed fields of a frame, read in order from `at`.
+struct Fields<'a> {
+    content: &'a Bytes,
+    at: usize,
+}
+
+impl Fields<'_> {
+    /// The next field (`None` for NULL).
+    fn next(&mut self, field: &'static str) -> Result<Option<Bytes>, FrameError> {
+        let (content, at) = (self.content, self.at);
+        let header = content
+            .get(at..at + 4)
+            .ok_or_else(|| FrameError::Truncated {
+                field,
+                needed: at + 4 - content.len().min(at + 4),
+            })?;
+        let length = i32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+        let start = at + 4;
+        if length == -1 {
+            self.at = start;
+            return Ok(None);
+        }
+        let len = usize::try_from(length).map_err(|_| FrameError::Length { field, length })?;
+        let end = start
+            .checked_add(len)
+            .filter(|&end| end <= content.len())
+            .ok_or(FrameError::Truncated {
+                field,
+                needed: start.saturating_add(len).saturating_sub(content.len()),
+            })?;
+        self.at = end;
+        Ok(Some(content.slice(start..end)))
+    }
+}
+
+/// Encodes a frame, as `outbox_emit` builds it in SQL (for tests); `None` is NULL.
+#[cfg(test)]
 #[must_use]
-pub fn encode_frame(format: PayloadFormat, fields: [Option<&[u8]>; 8]) -> Vec<u8> {
+pub(crate) fn encode_frame(format: PayloadFormat, fields: [Option<&[u8]>; 8]) -> Vec<u8> {
     let format = match format {
         PayloadFormat::Json => b'j',
         PayloadFormat::Text => b't',

@@ -1193,15 +1193,11 @@ fn bad_created_at_is_unmappable() {
 
 // ---- poll / replay path and poisoning of events ----
 
-#[test]
-fn map_row_produces_the_same_record_without_source_lsn() {
-    let m = mapper();
-    let cdc = event(map(
-        &m,
-        &with(good_values(), "headers", text(r#"{"h": "1"}"#)),
-    ));
+/// The row text of `good_values()` with a `{"h": "1"}` headers object, as the
+/// poller and replay give it, with `extra` as its placed columns.
+fn good_row(extra: Vec<Option<Bytes>>) -> OutboxRow {
     let b = |s: &str| Some(Bytes::copy_from_slice(s.as_bytes()));
-    let row = OutboxRow {
+    OutboxRow {
         id: b(ID),
         idempotency_key: b("order-42-created"),
         aggregate_type: b("Order"),
@@ -1212,8 +1208,18 @@ fn map_row_produces_the_same_record_without_source_lsn() {
         payload: b(PAYLOAD),
         payload_format: PayloadFormat::Json,
         created_at: b("2026-11-30 14:29:33.123456+00"),
-        extra: Vec::new(),
-    };
+        extra,
+    }
+}
+
+#[test]
+fn map_row_produces_the_same_record_without_source_lsn() {
+    let m = mapper();
+    let cdc = event(map(
+        &m,
+        &with(good_values(), "headers", text(r#"{"h": "1"}"#)),
+    ));
+    let row = good_row(Vec::new());
     let polled = m.map_row(&row, None).unwrap();
     assert_eq!(polled.key, cdc.key);
     assert_eq!(polled.topic, cdc.topic);
@@ -1617,19 +1623,7 @@ fn placed_columns_become_headers_and_envelope_fields() {
 
     // The poller's and replay's row text, with the placed values: the same record.
     let b = |s: &str| Some(Bytes::copy_from_slice(s.as_bytes()));
-    let row = OutboxRow {
-        id: b(ID),
-        idempotency_key: b("order-42-created"),
-        aggregate_type: b("Order"),
-        aggregate_id: b("42"),
-        event_type: b("OrderCreated"),
-        topic: None,
-        headers: b(r#"{"h": "1"}"#),
-        payload: b(PAYLOAD),
-        payload_format: PayloadFormat::Json,
-        created_at: b("2026-11-30 14:29:33.123456+00"),
-        extra: vec![None, b("3"), b("eu \"west\"")],
-    };
+    let row = good_row(vec![None, b("3"), b("eu \"west\"")]);
     let polled = m.map_row(&row, Some(LSN)).unwrap();
     assert_eq!(polled.headers, e.headers);
     assert_eq!(polled.payload, e.payload);

@@ -28,9 +28,7 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use super::error::{BenchError, Result};
-
-/// `USER_HZ` (see `usage.rs`).
-const USER_HZ: f64 = 100.0;
+use super::usage::USER_HZ;
 
 /// The fields of `/proc/<pid>/stat` a snapshot needs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

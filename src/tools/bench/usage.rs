@@ -17,7 +17,7 @@ use std::time::Duration;
 
 /// `USER_HZ`, the unit of the times in `/proc/<pid>/stat`: fixed at 100 by the Linux
 /// ABI on every architecture this binary builds for (`sysconf(_SC_CLK_TCK)`).
-const USER_HZ: f64 = 100.0;
+pub(super) const USER_HZ: f64 = 100.0;
 
 /// One reading of a process's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
