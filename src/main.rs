@@ -185,6 +185,11 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Poll { config, poll } => {
             let config = config.load()?;
             init_tracing(&config.log);
+            let listen = config.metrics.listen.trim();
+            if !listen.is_empty() {
+                let handle = outbox_relay::cdc::metrics::install_recorder()?;
+                outbox_relay::cdc::metrics::serve_poller(listen, handle).await?;
+            }
             outbox_relay::poller::run(config, &poll, Box::pin(termination_signal())).await?;
             Ok(ExitCode::SUCCESS)
         }

@@ -193,6 +193,14 @@ fn describe() {
         "WAL retained by the slot"
     );
     describe_counter!(BROKER_TRANSIENT_ERRORS, "Transient broker errors (retried)");
+    describe_counter!(
+        crate::kafka::PRODUCE_REQUESTS,
+        "Produce requests sent to the brokers (librdkafka statistics, once a second)"
+    );
+    describe_counter!(
+        crate::kafka::RECORDS_TRANSMITTED,
+        "Records carried by those produce requests (librdkafka statistics)"
+    );
     describe_counter!(RECONNECTS, "Replication sessions re-established");
     describe_counter!(
         MESSAGES_IGNORED,
@@ -428,6 +436,38 @@ pub async fn serve(
     health: Health,
     stall: Duration,
 ) -> Result<SocketAddr> {
+    let app = Router::new()
+        .route("/metrics", get(metrics_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(ServerState {
+            handle: handle.clone(),
+            health,
+            stall,
+        });
+    serve_app(listen, handle, app).await
+}
+
+/// The poller's endpoint: `/metrics` (its producer's `outbox_relay_kafka_*`
+/// counters) and `/healthz`. No `/readyz`: readiness as `serve` judges it (streaming
+/// from a slot, confirmed position moving) means nothing for a poller.
+///
+/// # Errors
+///
+/// [`Error::MetricsBind`] when the address is invalid or cannot be bound.
+pub async fn serve_poller(listen: &str, handle: PrometheusHandle) -> Result<SocketAddr> {
+    let app = Router::new()
+        .route("/metrics", get(metrics_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(ServerState {
+            handle: handle.clone(),
+            health: Health::default(),
+            stall: Duration::ZERO,
+        });
+    serve_app(listen, handle, app).await
+}
+
+async fn serve_app(listen: &str, handle: PrometheusHandle, app: Router) -> Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|source| Error::MetricsBind {
@@ -435,25 +475,15 @@ pub async fn serve(
             source,
         })?;
     let addr = listener.local_addr().map_err(Error::MetricsListener)?;
-    let upkeep = handle.clone();
     // Histograms are summarised lazily; upkeep keeps their memory bounded when
     // nobody scrapes.
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));
         loop {
             tick.tick().await;
-            upkeep.run_upkeep();
+            handle.run_upkeep();
         }
     });
-    let app = Router::new()
-        .route("/metrics", get(metrics_page))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(ServerState {
-            handle,
-            health,
-            stall,
-        });
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "metrics endpoint stopped");

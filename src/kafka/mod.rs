@@ -61,6 +61,7 @@ pub use consumer::{Isolation, ReaderContext, reader_config};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
+pub(crate) use publisher::{PRODUCE_REQUESTS, RECORDS_TRANSMITTED};
 pub(crate) use topic_limits::{TopicLimits, read_limits};
 pub use transactions::{
     TRANSACTION_CALL_TIMEOUT, TRANSACTION_TIMEOUT, TransactionCall, TransactionError, joined,

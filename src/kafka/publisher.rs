@@ -35,6 +35,7 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
@@ -113,7 +114,58 @@ pub(super) struct RelayContext {
     last_security_refusal: Mutex<Option<(RDKafkaErrorCode, String)>>,
     transient_errors: AtomicU64,
     dropped_reports: AtomicU64,
+    /// Totals of librdkafka's last statistics, to turn them into counter increments.
+    traffic: Mutex<Traffic>,
 }
+
+/// Produce requests sent and records transmitted, from librdkafka's statistics
+/// (`statistics.interval.ms`, set by [`producer_config`](super::producer_config)).
+///
+/// # Why from the statistics
+///
+/// How many records a produce request carries is what the broker's cost per event
+/// follows: at a steady few thousand events per second a relay can easily send one
+/// request per record, and the broker then spends more per event than the relay
+/// does. Only librdkafka knows how many requests it sent; its statistics count them
+/// per broker (`brokers.*.req.Produce`) next to the records transmitted (`txmsgs`).
+/// Each producer's totals start at zero, so what is exported is the increase since
+/// its previous statistics: a replaced producer keeps the counters growing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Traffic {
+    pub(crate) produce_requests: u64,
+    pub(crate) records: u64,
+}
+
+impl Traffic {
+    /// The totals a statistics report gives.
+    fn of(statistics: &Statistics) -> Traffic {
+        let produce_requests = statistics
+            .brokers
+            .values()
+            .filter_map(|b| b.req.get("Produce"))
+            .map(|&n| u64::try_from(n).unwrap_or(0))
+            .sum();
+        Traffic {
+            produce_requests,
+            records: u64::try_from(statistics.txmsgs).unwrap_or(0),
+        }
+    }
+
+    /// What grew from `earlier` to `self` (totals never shrink within one producer).
+    fn since(self, earlier: Traffic) -> Traffic {
+        Traffic {
+            produce_requests: self
+                .produce_requests
+                .saturating_sub(earlier.produce_requests),
+            records: self.records.saturating_sub(earlier.records),
+        }
+    }
+}
+
+/// Produce requests the relay's producers sent (librdkafka statistics).
+pub(crate) const PRODUCE_REQUESTS: &str = "outbox_relay_kafka_produce_requests_total";
+/// Records those requests carried (librdkafka's `txmsgs`).
+pub(crate) const RECORDS_TRANSMITTED: &str = "outbox_relay_kafka_records_transmitted_total";
 
 impl RelayContext {
     fn forward(&self, report: DeliveryReport) {
@@ -148,6 +200,20 @@ impl RelayContext {
 }
 
 impl ClientContext for RelayContext {
+    fn stats(&self, statistics: Statistics) {
+        let now = Traffic::of(&statistics);
+        let grown = match self.traffic.lock() {
+            Ok(mut last) => {
+                let grown = now.since(*last);
+                *last = now;
+                grown
+            }
+            Err(_) => return,
+        };
+        metrics::counter!(PRODUCE_REQUESTS).increment(grown.produce_requests);
+        metrics::counter!(RECORDS_TRANSMITTED).increment(grown.records);
+    }
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
         // Lifecycle events are logged by `error` below; librdkafka's own lines go one
         // level down so a broker outage is not an error storm.
@@ -390,6 +456,7 @@ impl Publisher {
             last_security_refusal: Mutex::new(None),
             transient_errors: AtomicU64::new(0),
             dropped_reports: AtomicU64::new(0),
+            traffic: Mutex::new(Traffic::default()),
         };
         let producer: BaseProducer<RelayContext> =
             cfg.create_with_context(context).map_err(|e| match e {
@@ -807,6 +874,50 @@ mod tests {
         plain.stream_idle();
         let lingering = tokio::time::timeout(Duration::from_secs(2), plain_rx.recv()).await;
         assert!(lingering.is_err(), "{lingering:?}");
+    }
+
+    #[tokio::test]
+    async fn mock_statistics_count_produce_requests_and_records() {
+        let cluster = MockCluster::new(1).unwrap();
+        cluster.create_topic("orders", 1, 1).unwrap();
+        let (publisher, mut rx) = mock_publisher(
+            &cluster,
+            &[("linger.ms", "200"), ("statistics.interval.ms", "100")],
+        );
+        publisher
+            .check_broker(Duration::from_secs(10))
+            .await
+            .unwrap();
+        for raw in 1..=20u64 {
+            publisher
+                .send(EventId::from_raw(raw), record("orders", b"k", b"{}"))
+                .unwrap();
+        }
+        for _ in 0..20 {
+            assert!(next(&mut rx).await.result.is_ok());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let traffic = loop {
+            let traffic = *publisher.producer().context().traffic.lock().unwrap();
+            if traffic.records == 20 || tokio::time::Instant::now() > deadline {
+                break traffic;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(traffic.records, 20, "{traffic:?}");
+        // Twenty records sent together within one linger share their requests.
+        assert!((1..20).contains(&traffic.produce_requests), "{traffic:?}");
+        let later = Traffic {
+            produce_requests: traffic.produce_requests + 2,
+            records: 25,
+        };
+        assert_eq!(
+            later.since(traffic),
+            Traffic {
+                produce_requests: 2,
+                records: 5
+            }
+        );
     }
 
     #[tokio::test]

@@ -136,6 +136,30 @@ pub(crate) fn process_cpu(pid: u32) -> Option<Duration> {
     read_stat(pid).map(|s| ticks(s.own))
 }
 
+/// How often a process's threads went to sleep waiting (their voluntary context
+/// switches, summed over `/proc/<pid>/task/*/status`): each is one wake-up later.
+/// Threads that ended are not counted; the relay's and the walsender's live as long
+/// as the point.
+pub(crate) fn wakeups(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0;
+    for task in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        total += voluntary_switches(&status).unwrap_or(0);
+    }
+    Some(total)
+}
+
+/// `voluntary_ctxt_switches` of a `/proc/<pid>/status` text.
+fn voluntary_switches(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|n| n.trim().parse().ok())
+}
+
 /// The process listening on TCP `port` on this machine (the broker), found through
 /// `/proc/net/tcp{,6}` and the processes' socket descriptors.
 pub(crate) fn listening_on(port: u16) -> Option<u32> {
@@ -309,6 +333,17 @@ mod tests {
         };
         // postmaster 2 + reaped 90 − 7's earlier 40 + 8's 10 + 9's 25 = 87 ticks.
         assert_eq!(before.until(&after), ticks(87));
+    }
+
+    #[test]
+    fn voluntary_switches_are_read_from_the_status_text() {
+        let status =
+            "Name:\tpostgres\nvoluntary_ctxt_switches:\t1234\nnonvoluntary_ctxt_switches:\t56\n";
+        assert_eq!(voluntary_switches(status), Some(1234));
+        assert_eq!(voluntary_switches("Name:\tx\n"), None);
+        let own = wakeups(std::process::id()).expect("this process's tasks");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(wakeups(std::process::id()).expect("again") > own);
     }
 
     #[test]

@@ -45,6 +45,25 @@ pub(crate) struct StageLatency {
     pub(crate) drift: Option<Drift>,
 }
 
+/// The sum of a counter's samples (every label set) on a Prometheus text page;
+/// `None` when the page has none.
+pub(crate) fn counter(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !(rest.starts_with(' ') || rest.starts_with('{')) {
+            continue;
+        }
+        let value = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let Some(v) = value {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
 /// A free loopback port for a child's metrics endpoint (bound, read, released).
 pub(crate) fn free_port() -> std::io::Result<SocketAddr> {
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
@@ -317,6 +336,24 @@ outbox_relay_delivery_latency_seconds_bucket{le=\"+Inf\"} 8
             vec![(0.001, 0), (0.005, 50), (0.01, 99), (f64::INFINITY, 100)]
         );
         assert!(buckets(PAGE, m::STAGE_LATENCY, Some("acked_to_confirmed")).is_empty());
+    }
+
+    #[test]
+    fn counters_sum_their_label_sets() {
+        let page = "# TYPE outbox_relay_kafka_produce_requests_total counter\n\
+                    outbox_relay_kafka_produce_requests_total 12\n\
+                    outbox_relay_kafka_produce_requests_total_other 99\n\
+                    outbox_relay_events_relayed_total{topic=\"a\"} 3\n\
+                    outbox_relay_events_relayed_total{topic=\"b b\"} 4\n";
+        assert_eq!(
+            counter(page, "outbox_relay_kafka_produce_requests_total"),
+            Some(12.0)
+        );
+        assert_eq!(
+            counter(page, "outbox_relay_events_relayed_total"),
+            Some(7.0)
+        );
+        assert_eq!(counter(page, "outbox_relay_reconnects_total"), None);
     }
 
     #[test]

@@ -26,7 +26,13 @@
 //! The CDC relay runs with its metrics endpoint on a loopback port; after each
 //! point its per-stage histograms are read (`scrape`), so the report shows, next
 //! to the end-to-end latency, how long events spent between commit and receipt,
-//! receipt and produce, produce and ack, ack and confirmation.
+//! receipt and produce, produce and ack, ack and confirmation. The poller serves
+//! its metrics too; from both pages comes the number of produce requests per
+//! record their producers sent (librdkafka's statistics), and from `/proc` the
+//! wake-ups per event of the relay's threads and of the walsender.
+//!
+//! `cdc-message` runs the CDC relay on the message outbox (`outbox_emit`, with its
+//! ledger); its no-relay point is the row writers'.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,14 +45,16 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::args::{BenchArgs, Rate};
-use super::drain::{CDC_EXACTLY_ONCE, Mode, StopOnDrop, exactly_once_env, relay_command};
+use super::drain::{
+    CDC_EXACTLY_ONCE, CDC_MESSAGE, Mode, StopOnDrop, exactly_once_env, relay_command,
+};
 use super::error::{BenchError, Result};
-use super::fixture::Fixture;
+use super::fixture::{Fixture, Writes};
 use super::processes;
 use super::progress::{Progress, until_interrupted};
 use super::scrape::{self, StageLatency};
 use super::stats::{Drift, Latency, LatencySpread, Schedule, Spread, rate, signed_f64};
-use super::steady_report::{CpuPerEvent, CpuSpread, StageSpread, SteadyResult};
+use super::steady_report::{PerEvent, PerEventSpread, StageSpread, SteadyResult};
 use crate::config::Config;
 use crate::tools::workload::{Pace, Workload};
 
@@ -83,6 +91,9 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     if modes.contains(&Mode::CdcExactlyOnce) {
         out.push(CDC_EXACTLY_ONCE);
     }
+    if modes.contains(&Mode::CdcMessage) {
+        out.push(CDC_MESSAGE);
+    }
     if modes.iter().any(|m| matches!(m, Mode::Poll { .. })) {
         out.push(POLL_LABEL);
     }
@@ -101,7 +112,7 @@ enum Outcome {
         /// `None` for the no-relay point (nothing is consumed).
         latency: Option<Latency>,
         /// CPU per event by process.
-        cpu: CpuPerEvent,
+        cpu: PerEvent,
         /// The relay's per-stage figures, each with its drift when the quarter
         /// pages were read (CDC only; empty when unreadable).
         stages: Vec<StageLatency>,
@@ -292,7 +303,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
         stages: stage_spreads(&stages),
         drift_pct: Spread::of(&drifts),
         failures,
-        cpu: CpuSpread::of(&cpus),
+        cpu: PerEventSpread::of(&cpus),
     }
 }
 
@@ -404,7 +415,8 @@ async fn run_in(
     let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
         .ok_or(BenchError::NoSchedule { events_per_s })?;
     let exactly_once = mode == CDC_EXACTLY_ONCE;
-    let cdc = mode == "cdc" || exactly_once;
+    let messages = mode == CDC_MESSAGE;
+    let cdc = mode == "cdc" || exactly_once || messages;
     debug_assert!(cdc || mode == POLL_LABEL);
     if cdc {
         fixture.create_slot().await?;
@@ -412,11 +424,9 @@ async fn run_in(
     if exactly_once {
         fixture.create_progress_topic().await?;
     }
-    let metrics = if cdc {
-        Some(scrape::free_port()?)
-    } else {
-        None
-    };
+    // Both serve their metrics (the produce-request counters); only the CDC relay
+    // has stage histograms and a readiness to wait for.
+    let metrics = Some(scrape::free_port()?);
     let mut child = spawn(fixture, cdc, exactly_once, metrics)?;
     wait_ready(fixture, cdc, metrics, &mut child).await?;
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
@@ -429,6 +439,7 @@ async fn run_in(
         tokio::task::spawn_blocking(move || consume_latencies(&cfg, &topic, scheduled, &stop))
     };
     let quarters = metrics
+        .filter(|_| cdc)
         .map(|addr| tokio::spawn(quarter_pages(addr, tokio::time::Instant::now(), duration)));
     let relay_pid = child.id();
     let walsenders: Vec<u32> = if cdc {
@@ -444,7 +455,12 @@ async fn run_in(
     let cpu_start = CpuReading::take(watch, relay_pid, &walsenders);
     let started = Instant::now();
     let write_deadline = duration * 2 + WRITE_SLACK;
-    let written = write(fixture, workload, schedule, write_deadline).await?;
+    let writes = if messages {
+        Writes::Messages
+    } else {
+        Writes::Rows
+    };
+    let written = write(fixture, workload, schedule, writes, write_deadline).await?;
     let write_elapsed = started.elapsed();
     let achieved = rate(written, write_elapsed.max(duration));
     if written < scheduled {
@@ -495,7 +511,8 @@ async fn run_in(
             scrape::stages_of(end, quarters)
         })
         .unwrap_or_default();
-    let cpu = cpu_start.per_event(&CpuReading::take(watch, relay_pid, &walsenders), written);
+    let mut cpu = cpu_start.per_event(&CpuReading::take(watch, relay_pid, &walsenders), written);
+    cpu.produce_requests = end_page.as_deref().and_then(produce_requests);
     let _ = child.start_kill();
     let _ = child.wait().await;
     let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
@@ -533,7 +550,14 @@ async fn writers_alone(
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
     let cpu_start = CpuReading::take(watch, None, &[]);
     let started = Instant::now();
-    let written = write(fixture, workload, schedule, duration * 2 + WRITE_SLACK).await?;
+    let written = write(
+        fixture,
+        workload,
+        schedule,
+        Writes::Rows,
+        duration * 2 + WRITE_SLACK,
+    )
+    .await?;
     let elapsed = started.elapsed();
     let achieved = rate(written, elapsed.max(duration));
     let cpu = cpu_start.per_event(&CpuReading::take(watch, None, &[]), written);
@@ -563,6 +587,8 @@ struct CpuReading {
     relay: Option<Duration>,
     broker: Option<Duration>,
     bench: Option<Duration>,
+    relay_wakeups: Option<u64>,
+    walsender_wakeups: Option<u64>,
 }
 
 impl CpuReading {
@@ -578,15 +604,26 @@ impl CpuReading {
             relay: relay.and_then(processes::process_cpu),
             broker: watch.broker.and_then(processes::process_cpu),
             bench: processes::process_cpu(std::process::id()),
+            relay_wakeups: relay.and_then(processes::wakeups),
+            walsender_wakeups: (!walsenders.is_empty()).then(|| {
+                walsenders
+                    .iter()
+                    .filter_map(|&pid| processes::wakeups(pid))
+                    .sum()
+            }),
         }
     }
 
-    /// Microseconds of CPU per event from `self` to `end`, by process.
-    fn per_event(&self, end: &CpuReading, events: u64) -> CpuPerEvent {
+    /// Microseconds of CPU and wake-ups per event from `self` to `end`, by process
+    /// (produce requests are the relay's to say: [`produce_requests`]).
+    fn per_event(&self, end: &CpuReading, events: u64) -> PerEvent {
         let events = super::stats::count_f64(events.max(1));
         let micros = |d: Duration| d.as_secs_f64() * 1e6 / events;
         let delta = |a: Option<Duration>, b: Option<Duration>| Some(micros(b?.saturating_sub(a?)));
-        CpuPerEvent {
+        let per_event = |a: Option<u64>, b: Option<u64>| {
+            Some(super::stats::count_f64(b?.saturating_sub(a?)) / events)
+        };
+        PerEvent {
             db: match (&self.db, &end.db) {
                 (Some(a), Some(b)) => Some(micros(a.until(b))),
                 _ => None,
@@ -595,8 +632,21 @@ impl CpuReading {
             relay: delta(self.relay, end.relay),
             broker: delta(self.broker, end.broker),
             bench: delta(self.bench, end.bench),
+            produce_requests: None,
+            relay_wakeups: per_event(self.relay_wakeups, end.relay_wakeups),
+            walsender_wakeups: per_event(self.walsender_wakeups, end.walsender_wakeups),
         }
     }
+}
+
+/// Produce requests per record the relay's (or poller's) producers sent, from its
+/// metrics page (librdkafka statistics, once a second: the page's figures lag the
+/// point's end by up to a second, but requests and records come from the same
+/// report).
+fn produce_requests(page: &str) -> Option<f64> {
+    let requests = scrape::counter(page, crate::kafka::PRODUCE_REQUESTS)?;
+    let records = scrape::counter(page, crate::kafka::RECORDS_TRANSMITTED)?;
+    (records > 0.0).then(|| requests / records)
 }
 
 /// The relay's metrics page at the end of a point; none (with a warning) when it
@@ -687,7 +737,7 @@ async fn wait_ready(
                 .get(0)
         };
         let streaming = match metrics {
-            Some(addr) if ready => scrape::ready(addr).await,
+            Some(addr) if ready && cdc => scrape::ready(addr).await,
             _ => ready,
         };
         if streaming {
@@ -712,6 +762,7 @@ async fn write(
     fixture: &Fixture,
     workload: &Workload,
     schedule: Schedule,
+    writes: Writes,
     deadline: Duration,
 ) -> Result<u64> {
     let workload = Workload {
@@ -726,12 +777,14 @@ async fn write(
             stop.store(true, Ordering::Release);
         })
     };
-    let written = fixture
+    let mut writers = fixture
         .writers(&workload)
         .pace(Pace::Schedule(schedule))
-        .until(stop)
-        .run()
-        .await;
+        .until(stop);
+    if writes == Writes::Messages {
+        writers = writers.emitting(&fixture.emit_function()?);
+    }
+    let written = writers.run().await;
     timer.abort();
     Ok(written?.events)
 }

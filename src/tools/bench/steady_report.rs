@@ -57,6 +57,29 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             );
         }
     }
+    if steady.iter().any(|s| s.cpu.has_traffic()) {
+        let _ = writeln!(
+            out,
+            "\nper event: produce requests (per record sent, from the relay's librdkafka statistics) and wake-ups (voluntary context switches of the relay's threads, of the walsender):\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18}",
+            "mode",
+            "rate",
+            "achieved/s",
+            "produce requests",
+            "relay wake-ups",
+            "walsender wake-ups"
+        );
+        for s in steady.iter().filter(|s| s.cpu.has_traffic()) {
+            let [requests, relay, walsender] = s.cpu.traffic_cells();
+            let _ = writeln!(
+                out,
+                "{:<16} {:>6} {:>10} {requests:>18} {relay:>18} {walsender:>18}",
+                s.mode,
+                rate_text(s),
+                s.achieved_events_per_s
+                    .map_or("-".into(), |a| format!("{:.0}", a.median)),
+            );
+        }
+    }
     for mode in ["cdc", CDC_EXACTLY_ONCE] {
         let rows: Vec<&SteadyResult> = steady
             .iter()
@@ -102,12 +125,12 @@ pub struct SteadyResult {
     /// Why runs of this point failed (empty when none did).
     pub failures: Vec<String>,
     /// CPU per event by process, over the measured runs.
-    pub cpu: CpuSpread,
+    pub cpu: PerEventSpread,
 }
 
 /// Microseconds of CPU per event written, by process, in one run of a point.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct CpuPerEvent {
+pub(crate) struct PerEvent {
     /// Every PostgreSQL process (backends, walsenders, background workers).
     pub db: Option<f64>,
     /// Of `db`: the walsenders of the run's slot.
@@ -118,35 +141,61 @@ pub(crate) struct CpuPerEvent {
     pub broker: Option<f64>,
     /// The bench itself: the writers' client side and the consumer.
     pub bench: Option<f64>,
+    /// Produce requests per record the relay or poller transmitted (its
+    /// librdkafka statistics, read from its `/metrics`).
+    pub produce_requests: Option<f64>,
+    /// Times the relay's or poller's threads slept and woke up, per event.
+    pub relay_wakeups: Option<f64>,
+    /// The same for the run's walsenders.
+    pub walsender_wakeups: Option<f64>,
 }
 
-/// [`CpuPerEvent`] over the runs of a point.
+/// [`PerEvent`] over the runs of a point.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct CpuSpread {
+pub struct PerEventSpread {
     pub db: Option<Spread>,
     pub walsender: Option<Spread>,
     pub relay: Option<Spread>,
     pub broker: Option<Spread>,
     pub bench: Option<Spread>,
+    pub produce_requests: Option<Spread>,
+    pub relay_wakeups: Option<Spread>,
+    pub walsender_wakeups: Option<Spread>,
 }
 
-impl CpuSpread {
-    pub(crate) fn of(runs: &[CpuPerEvent]) -> CpuSpread {
-        let of = |f: fn(&CpuPerEvent) -> Option<f64>| {
+impl PerEventSpread {
+    pub(crate) fn of(runs: &[PerEvent]) -> PerEventSpread {
+        let of = |f: fn(&PerEvent) -> Option<f64>| {
             Spread::of(&runs.iter().filter_map(f).collect::<Vec<_>>())
         };
-        CpuSpread {
+        PerEventSpread {
             db: of(|c| c.db),
             walsender: of(|c| c.walsender),
             relay: of(|c| c.relay),
             broker: of(|c| c.broker),
             bench: of(|c| c.bench),
+            produce_requests: of(|c| c.produce_requests),
+            relay_wakeups: of(|c| c.relay_wakeups),
+            walsender_wakeups: of(|c| c.walsender_wakeups),
         }
     }
 
     fn cells(&self) -> [String; 5] {
         [self.db, self.walsender, self.relay, self.broker, self.bench]
             .map(|s| s.map_or("-".into(), |s| spread(&s, 1)))
+    }
+
+    fn traffic_cells(&self) -> [String; 3] {
+        [
+            self.produce_requests,
+            self.relay_wakeups,
+            self.walsender_wakeups,
+        ]
+        .map(|s| s.map_or("-".into(), |s| spread(&s, 2)))
+    }
+
+    fn has_traffic(&self) -> bool {
+        self.produce_requests.is_some() || self.relay_wakeups.is_some()
     }
 }
 
@@ -275,6 +324,11 @@ pub(crate) fn steady_json(s: &SteadyResult) -> Value {
             "broker": s.cpu.broker.map(|d| d.median),
             "bench": s.cpu.bench.map(|d| d.median),
         },
+        "per_event": {
+            "produce_requests": s.cpu.produce_requests.map(|d| d.median),
+            "relay_wakeups": s.cpu.relay_wakeups.map(|d| d.median),
+            "walsender_wakeups": s.cpu.walsender_wakeups.map(|d| d.median),
+        },
     })
 }
 
@@ -324,10 +378,12 @@ mod tests {
             },
             drift_pct: measured.then(|| one(-3.0)),
             failures,
-            cpu: CpuSpread {
+            cpu: PerEventSpread {
                 db: measured.then(|| one(41.5)),
                 relay: measured.then(|| one(20.0)),
-                ..CpuSpread::default()
+                produce_requests: measured.then(|| one(0.25)),
+                relay_wakeups: measured.then(|| one(1.5)),
+                ..PerEventSpread::default()
             },
         }
     }
@@ -341,6 +397,11 @@ mod tests {
         let json = steady_json(&ok);
         assert_eq!(json["cpu_us_per_event"]["postgres"], 41.5);
         assert!(json["cpu_us_per_event"]["broker"].is_null());
+        assert!(table.contains("produce requests"), "{table}");
+        assert!(table.contains("0.25"), "{table}");
+        assert_eq!(json["per_event"]["produce_requests"], 0.25);
+        assert_eq!(json["per_event"]["relay_wakeups"], 1.5);
+        assert!(json["per_event"]["walsender_wakeups"].is_null());
     }
 
     #[test]
