@@ -549,6 +549,27 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn the_pollers_endpoint_serves_metrics_and_liveness_only() {
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        let addr = serve_poller("127.0.0.1:0", handle).await.expect("serve");
+        for path in ["/metrics", "/healthz"] {
+            assert_eq!(
+                status_line(addr, "GET", path).await,
+                "HTTP/1.1 200 OK",
+                "GET {path}"
+            );
+        }
+        assert_eq!(
+            status_line(addr, "GET", "/readyz").await,
+            "HTTP/1.1 404 Not Found"
+        );
+        assert_eq!(
+            status_line(addr, "POST", "/metrics").await,
+            "HTTP/1.1 405 Method Not Allowed"
+        );
+    }
+
     #[test]
     fn not_streaming_is_not_ready() {
         assert_eq!(

@@ -240,7 +240,18 @@ async fn steady_reports_every_point_and_goes_on_after_a_failed_one() {
         // CPU per event by process: the database's and the relay's or poller's.
         positive(&ok["cpu_us_per_event"]["postgres"], "PostgreSQL CPU");
         positive(&ok["cpu_us_per_event"]["relay"], "relay CPU");
+        // From the relay's or poller's librdkafka statistics: a request carries at
+        // least one record (a little above 1 only when the last report caught a
+        // request whose records it did not count yet, or a retried one).
+        let requests = positive(&ok["per_event"]["produce_requests"], "produce requests");
+        assert!(requests <= 1.2, "{ok}");
+        positive(&ok["per_event"]["relay_wakeups"], "relay wake-ups");
     }
+    positive(
+        &steady[4]["per_event"]["walsender_wakeups"],
+        "the walsender's wake-ups",
+    );
+    assert!(steady[5]["per_event"]["walsender_wakeups"].is_null());
     positive(
         &steady[4]["cpu_us_per_event"]["walsender"],
         "the CDC relay's walsender CPU",

@@ -866,5 +866,13 @@ mod tests {
             vec![NO_RELAY, CDC_EXACTLY_ONCE]
         );
         assert!(modes(&[Mode::BrokerCeiling]).is_empty());
+        assert_eq!(
+            modes(&[Mode::Cdc, Mode::CdcMessage, poll]),
+            vec![NO_RELAY, "cdc", CDC_MESSAGE, POLL_LABEL]
+        );
+        assert!(
+            modes(&[Mode::CdcMessageUnaudited, Mode::RecvLogicalMessage]).is_empty(),
+            "the unaudited message outbox and pg_recvlogical are backlog modes only"
+        );
     }
 }
