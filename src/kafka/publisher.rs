@@ -24,6 +24,7 @@
 //! At shutdown, records still queued are purged and reported as `PurgeQueue` /
 //! `PurgeInflight` (transient), delivered to the channel if it has room.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -35,8 +36,8 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
-use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
+use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tracing::{debug, error, info, warn};
@@ -116,6 +117,9 @@ pub(super) struct RelayContext {
     dropped_reports: AtomicU64,
     /// Totals of librdkafka's last statistics, to turn them into counter increments.
     traffic: Mutex<Traffic>,
+    /// What the statistics counted so far (for tests and `Debug`).
+    produce_requests: AtomicU64,
+    transmitted: AtomicU64,
 }
 
 /// Produce requests sent and records transmitted, from librdkafka's statistics
@@ -124,39 +128,74 @@ pub(super) struct RelayContext {
 /// # Why from the statistics
 ///
 /// How many records a produce request carries is what the broker's cost per event
-/// follows: at a steady few thousand events per second a relay can easily send one
-/// request per record, and the broker then spends more per event than the relay
-/// does. Only librdkafka knows how many requests it sent; its statistics count them
-/// per broker (`brokers.*.req.Produce`) next to the records transmitted (`txmsgs`).
-/// Each producer's totals start at zero, so what is exported is the increase since
-/// its previous statistics: a replaced producer keeps the counters growing.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// follows: librdkafka sends one partition per request, so at a steady few thousand
+/// events per second it easily sends one request per record, and the broker then
+/// spends more per event than the relay does. Only librdkafka knows how many requests
+/// it sent; its statistics count them per broker (`brokers.*.req.Produce`, counted
+/// when a request is sent) next to the records written into requests (`txmsgs`).
+///
+/// What is exported is the growth since the previous report, per broker: a broker
+/// librdkafka forgets (one missing from a metadata response, since librdkafka 2.10)
+/// takes its count with it, which must not make the others' growth look negative,
+/// and a replaced producer starts again from zero while the counters keep growing.
+///
+/// Only the fields used are parsed: the full report has a block per partition and
+/// arrives on the delivery-report thread once a second.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct Traffic {
+    /// `Produce` requests per broker name.
+    produce_requests: HashMap<String, u64>,
+    records: u64,
+}
+
+/// The part of librdkafka's statistics JSON [`Traffic`] reads.
+#[derive(Debug, Deserialize)]
+struct StatisticsReport {
+    #[serde(default)]
+    txmsgs: u64,
+    #[serde(default)]
+    brokers: HashMap<String, BrokerReport>,
+}
+
+#[derive(Debug, Deserialize)]
+struct BrokerReport {
+    #[serde(default)]
+    req: HashMap<String, u64>,
+}
+
+/// Requests sent and records transmitted between two reports.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TrafficGrowth {
     pub(crate) produce_requests: u64,
     pub(crate) records: u64,
 }
 
 impl Traffic {
-    /// The totals a statistics report gives.
-    fn of(statistics: &Statistics) -> Traffic {
-        let produce_requests = statistics
-            .brokers
-            .values()
-            .filter_map(|b| b.req.get("Produce"))
-            .map(|&n| u64::try_from(n).unwrap_or(0))
-            .sum();
-        Traffic {
-            produce_requests,
-            records: u64::try_from(statistics.txmsgs).unwrap_or(0),
-        }
+    /// The totals a statistics report gives; `None` when it is not librdkafka's JSON.
+    fn of(json: &[u8]) -> Option<Traffic> {
+        let report: StatisticsReport = serde_json::from_slice(json).ok()?;
+        Some(Traffic {
+            produce_requests: report
+                .brokers
+                .into_iter()
+                .map(|(name, b)| (name, b.req.get("Produce").copied().unwrap_or(0)))
+                .collect(),
+            records: report.txmsgs,
+        })
     }
 
-    /// What grew from `earlier` to `self` (totals never shrink within one producer).
-    fn since(self, earlier: Traffic) -> Traffic {
-        Traffic {
-            produce_requests: self
-                .produce_requests
-                .saturating_sub(earlier.produce_requests),
+    /// What grew from `earlier` to `self`: per broker, and a broker new since then
+    /// counts from zero.
+    fn since(&self, earlier: &Traffic) -> TrafficGrowth {
+        let produce_requests = self
+            .produce_requests
+            .iter()
+            .map(|(name, &now)| {
+                now.saturating_sub(earlier.produce_requests.get(name).copied().unwrap_or(0))
+            })
+            .sum();
+        TrafficGrowth {
+            produce_requests,
             records: self.records.saturating_sub(earlier.records),
         }
     }
@@ -200,18 +239,22 @@ impl RelayContext {
 }
 
 impl ClientContext for RelayContext {
-    fn stats(&self, statistics: Statistics) {
-        let now = Traffic::of(&statistics);
-        let grown = match self.traffic.lock() {
-            Ok(mut last) => {
-                let grown = now.since(*last);
-                *last = now;
-                grown
-            }
-            Err(_) => return,
+    fn stats_raw(&self, statistics: &[u8]) {
+        let Some(now) = Traffic::of(statistics) else {
+            debug!("librdkafka statistics that are not the expected JSON");
+            return;
         };
+        let Ok(mut last) = self.traffic.lock() else {
+            return;
+        };
+        let grown = now.since(&last);
+        *last = now;
+        drop(last);
         metrics::counter!(PRODUCE_REQUESTS).increment(grown.produce_requests);
         metrics::counter!(RECORDS_TRANSMITTED).increment(grown.records);
+        self.transmitted.fetch_add(grown.records, Ordering::Relaxed);
+        self.produce_requests
+            .fetch_add(grown.produce_requests, Ordering::Relaxed);
     }
 
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
@@ -457,6 +500,8 @@ impl Publisher {
             transient_errors: AtomicU64::new(0),
             dropped_reports: AtomicU64::new(0),
             traffic: Mutex::new(Traffic::default()),
+            produce_requests: AtomicU64::new(0),
+            transmitted: AtomicU64::new(0),
         };
         let producer: BaseProducer<RelayContext> =
             cfg.create_with_context(context).map_err(|e| match e {
@@ -896,28 +941,50 @@ mod tests {
         for _ in 0..20 {
             assert!(next(&mut rx).await.result.is_ok());
         }
+        let context = publisher.producer().context();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let traffic = loop {
-            let traffic = *publisher.producer().context().traffic.lock().unwrap();
-            if traffic.records == 20 || tokio::time::Instant::now() > deadline {
-                break traffic;
-            }
+        while context.transmitted.load(Ordering::Relaxed) < 20
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        assert_eq!(traffic.records, 20, "{traffic:?}");
+        }
+        assert_eq!(context.transmitted.load(Ordering::Relaxed), 20);
         // Twenty records sent together within one linger share their requests.
-        assert!((1..20).contains(&traffic.produce_requests), "{traffic:?}");
-        let later = Traffic {
-            produce_requests: traffic.produce_requests + 2,
-            records: 25,
+        let requests = context.produce_requests.load(Ordering::Relaxed);
+        assert!((1..20).contains(&requests), "{requests} requests");
+    }
+
+    #[test]
+    fn traffic_grows_per_broker_and_survives_a_forgotten_one() {
+        let report = |b1: u64, b2: Option<u64>, txmsgs: u64| {
+            let second = b2.map_or(String::new(), |n| {
+                format!(r#","b:2/2":{{"req":{{"Produce":{n},"Metadata":9}}}}"#)
+            });
+            let json = format!(
+                r#"{{"name":"p","txmsgs":{txmsgs},"brokers":{{"b:1/1":{{"req":{{"Produce":{b1}}}}}{second}}},"topics":{{}}}}"#
+            );
+            Traffic::of(json.as_bytes()).expect("parses")
         };
+        let first = report(10, Some(5), 40);
         assert_eq!(
-            later.since(traffic),
-            Traffic {
-                produce_requests: 2,
-                records: 5
+            first.since(&Traffic::default()),
+            TrafficGrowth {
+                produce_requests: 15,
+                records: 40
             }
         );
+        // Broker 2 is forgotten: broker 1's growth still counts.
+        let second = report(13, None, 46);
+        assert_eq!(
+            second.since(&first),
+            TrafficGrowth {
+                produce_requests: 3,
+                records: 6
+            }
+        );
+        // It comes back with a fresh count.
+        assert_eq!(report(14, Some(2), 50).since(&second).produce_requests, 3);
+        assert!(Traffic::of(b"not json").is_none());
     }
 
     #[tokio::test]

@@ -80,12 +80,7 @@ impl TopicLimits {
     /// limit and the retry-alone rule still apply).
     #[must_use]
     pub(crate) fn new(producer: &ClientConfig) -> TopicLimits {
-        let mut cfg = producer.clone();
-        // An admin client is a producer handle inside librdkafka: the relay's
-        // producer settings are valid, but it must not start an idempotent session.
-        cfg.remove("enable.idempotence");
-        cfg.remove("transactional.id");
-        let admin = match cfg.create::<AdminClient<DefaultClientContext>>() {
+        let admin = match admin_config(producer).create::<AdminClient<DefaultClientContext>>() {
             Ok(admin) => Some(Arc::new(admin)),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read topic size limits; the producer's applies");
@@ -159,6 +154,20 @@ impl TopicLimits {
     }
 }
 
+/// An admin client's settings from the producer's. An admin client is a producer
+/// handle inside librdkafka: the relay's producer settings are valid, but it must
+/// not start an idempotent or transactional session, and it must not report
+/// statistics: rust-rdkafka's admin client never serves its main queue, where
+/// librdkafka puts each report (several kilobytes a second), so they would pile up
+/// for as long as the client lives.
+fn admin_config(producer: &ClientConfig) -> ClientConfig {
+    let mut cfg = producer.clone();
+    cfg.remove("enable.idempotence");
+    cfg.remove("transactional.id");
+    cfg.set("statistics.interval.ms", "0");
+    cfg
+}
+
 /// Each topic's `max.message.bytes` (`None` where the broker does not tell), read
 /// once with an admin client made from the producer's settings: for the start-up
 /// and `check` reports, which want an answer now rather than in the background.
@@ -166,10 +175,7 @@ pub(crate) async fn read_limits(
     producer: &ClientConfig,
     topics: &[String],
 ) -> HashMap<String, Option<usize>> {
-    let mut cfg = producer.clone();
-    cfg.remove("enable.idempotence");
-    cfg.remove("transactional.id");
-    let Ok(admin) = cfg.create::<AdminClient<DefaultClientContext>>() else {
+    let Ok(admin) = admin_config(producer).create::<AdminClient<DefaultClientContext>>() else {
         return topics.iter().map(|t| (t.clone(), None)).collect();
     };
     let mut out = HashMap::with_capacity(topics.len());
@@ -231,6 +237,21 @@ mod tests {
         assert_eq!(parse_limit("0"), None);
         assert_eq!(parse_limit("-1"), None);
         assert_eq!(parse_limit("lots"), None);
+    }
+
+    #[test]
+    fn the_admin_client_reports_no_statistics_and_starts_no_session() {
+        let mut producer = ClientConfig::new();
+        producer
+            .set("bootstrap.servers", "k:9092")
+            .set("enable.idempotence", "true")
+            .set("transactional.id", "t")
+            .set("statistics.interval.ms", "1000");
+        let admin = admin_config(&producer);
+        assert_eq!(admin.get("statistics.interval.ms"), Some("0"));
+        assert_eq!(admin.get("enable.idempotence"), None);
+        assert_eq!(admin.get("transactional.id"), None);
+        assert_eq!(admin.get("bootstrap.servers"), Some("k:9092"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::args::Rate;
-use super::drain::CDC_EXACTLY_ONCE;
+use super::drain::{CDC_EXACTLY_ONCE, CDC_MESSAGE};
 use super::scrape::COMMIT_TO_ACK;
 use super::stats::{LatencySpread, Spread, spread};
 use crate::cdc::metrics as m;
@@ -80,7 +80,7 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             );
         }
     }
-    for mode in ["cdc", CDC_EXACTLY_ONCE] {
+    for mode in ["cdc", CDC_EXACTLY_ONCE, CDC_MESSAGE] {
         let rows: Vec<&SteadyResult> = steady
             .iter()
             .filter(|s| s.mode == mode && !s.stages.is_empty())
