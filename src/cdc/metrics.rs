@@ -436,9 +436,7 @@ pub async fn serve(
     health: Health,
     stall: Duration,
 ) -> Result<SocketAddr> {
-    let app = Router::new()
-        .route("/metrics", get(metrics_page))
-        .route("/healthz", get(|| async { "ok\n" }))
+    let app = metrics_and_liveness()
         .route("/readyz", get(readyz))
         .with_state(ServerState {
             handle: handle.clone(),
@@ -456,15 +454,19 @@ pub async fn serve(
 ///
 /// [`Error::MetricsBind`] when the address is invalid or cannot be bound.
 pub async fn serve_poller(listen: &str, handle: PrometheusHandle) -> Result<SocketAddr> {
-    let app = Router::new()
+    let app = metrics_and_liveness().with_state(ServerState {
+        handle: handle.clone(),
+        health: Health::default(),
+        stall: Duration::ZERO,
+    });
+    serve_app(listen, handle, app).await
+}
+
+/// The routes the relay and the poller both serve.
+fn metrics_and_liveness() -> Router<ServerState> {
+    Router::new()
         .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok\n" }))
-        .with_state(ServerState {
-            handle: handle.clone(),
-            health: Health::default(),
-            stall: Duration::ZERO,
-        });
-    serve_app(listen, handle, app).await
 }
 
 async fn serve_app(listen: &str, handle: PrometheusHandle, app: Router) -> Result<SocketAddr> {

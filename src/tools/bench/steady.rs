@@ -426,7 +426,7 @@ async fn run_in(
     }
     // Both serve their metrics (the produce-request counters); only the CDC relay
     // has stage histograms and a readiness to wait for.
-    let metrics = Some(scrape::free_port()?);
+    let metrics = scrape::free_port()?;
     let mut child = spawn(fixture, cdc, exactly_once, metrics)?;
     wait_ready(fixture, cdc, metrics, &mut child).await?;
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
@@ -438,9 +438,13 @@ async fn run_in(
         let stop = Arc::clone(&stop);
         tokio::task::spawn_blocking(move || consume_latencies(&cfg, &topic, scheduled, &stop))
     };
-    let quarters = metrics
-        .filter(|_| cdc)
-        .map(|addr| tokio::spawn(quarter_pages(addr, tokio::time::Instant::now(), duration)));
+    let quarters = cdc.then(|| {
+        tokio::spawn(quarter_pages(
+            metrics,
+            tokio::time::Instant::now(),
+            duration,
+        ))
+    });
     let relay_pid = child.id();
     let walsenders: Vec<u32> = if cdc {
         fixture
@@ -491,10 +495,7 @@ async fn run_in(
             consumer.await.map_err(BenchError::Task)??
         }
     };
-    let end_page = match metrics {
-        Some(addr) => relay_page(addr).await,
-        None => None,
-    };
+    let end_page = relay_page(metrics).await;
     let quarter_pages = match quarters {
         Some(quarters) => match quarters.await {
             Ok((Some(first), Some(third))) => Some((first, third)),
@@ -595,22 +596,12 @@ impl CpuReading {
     fn take(watch: &Watch, relay: Option<u32>, walsenders: &[u32]) -> CpuReading {
         CpuReading {
             db: watch.postmaster.and_then(processes::DbSnapshot::take),
-            walsenders: (!walsenders.is_empty()).then(|| {
-                walsenders
-                    .iter()
-                    .filter_map(|&pid| processes::process_cpu(pid))
-                    .sum()
-            }),
+            walsenders: sum_over(walsenders, processes::process_cpu),
             relay: relay.and_then(processes::process_cpu),
             broker: watch.broker.and_then(processes::process_cpu),
             bench: processes::process_cpu(std::process::id()),
             relay_wakeups: relay.and_then(processes::wakeups),
-            walsender_wakeups: (!walsenders.is_empty()).then(|| {
-                walsenders
-                    .iter()
-                    .filter_map(|&pid| processes::wakeups(pid))
-                    .sum()
-            }),
+            walsender_wakeups: sum_over(walsenders, processes::wakeups),
         }
     }
 
@@ -639,6 +630,11 @@ impl CpuReading {
     }
 }
 
+/// `read` summed over `pids` (those it can read); `None` when there are no pids.
+fn sum_over<T: std::iter::Sum>(pids: &[u32], read: fn(u32) -> Option<T>) -> Option<T> {
+    (!pids.is_empty()).then(|| pids.iter().filter_map(|&pid| read(pid)).sum())
+}
+
 /// Produce requests per record the relay's (or poller's) producers sent, from its
 /// metrics page (librdkafka statistics, once a second: the page's figures lag the
 /// point's end by up to a second, but requests and records come from the same
@@ -654,7 +650,7 @@ fn produce_requests(page: &str) -> Option<f64> {
 async fn relay_page(addr: SocketAddr) -> Option<String> {
     scrape::page(addr)
         .await
-        .inspect_err(|reason| tracing::warn!(%reason, "cannot read the relay's stage histograms"))
+        .inspect_err(|reason| tracing::warn!(%reason, "cannot read the relay's metrics page"))
         .ok()
 }
 
@@ -677,19 +673,17 @@ fn spawn(
     fixture: &Fixture,
     cdc: bool,
     exactly_once: bool,
-    metrics: Option<SocketAddr>,
+    metrics: SocketAddr,
 ) -> Result<tokio::process::Child> {
     let args: &[&str] = if cdc { &["run"] } else { &POLL_ARGS };
     let mut cmd = relay_command(fixture, args)?;
     if exactly_once {
         exactly_once_env(&mut cmd);
     }
-    if let Some(addr) = metrics {
-        cmd.env(
-            format!("{}METRICS__LISTEN", crate::config::ENV_PREFIX),
-            addr.to_string(),
-        );
-    }
+    cmd.env(
+        format!("{}METRICS__LISTEN", crate::config::ENV_PREFIX),
+        metrics.to_string(),
+    );
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -708,7 +702,7 @@ fn spawn(
 async fn wait_ready(
     fixture: &Fixture,
     cdc: bool,
-    metrics: Option<SocketAddr>,
+    metrics: SocketAddr,
     child: &mut tokio::process::Child,
 ) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -736,9 +730,10 @@ async fn wait_ready(
                 .await?
                 .get(0)
         };
-        let streaming = match metrics {
-            Some(addr) if ready && cdc => scrape::ready(addr).await,
-            _ => ready,
+        let streaming = if ready && cdc {
+            scrape::ready(metrics).await
+        } else {
+            ready
         };
         if streaming {
             return Ok(());
