@@ -48,6 +48,7 @@ pub(crate) struct Instruments {
     confirm: ConfirmClock,
     transient_errors: Counter,
     reconnects: Counter,
+    read_pauses: Counter,
     heartbeat_round_trip: Histogram,
     /// Messages ignored: another prefix, another relay's outbox, not transactional.
     messages_ignored: [Counter; 3],
@@ -73,6 +74,7 @@ impl Instruments {
             confirm: ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED)),
             transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
             reconnects: ::metrics::counter!(m::RECONNECTS),
+            read_pauses: ::metrics::counter!(m::READ_PAUSES),
             heartbeat_round_trip: ::metrics::histogram!(m::HEARTBEAT_ROUND_TRIP),
             messages_ignored: ["foreign_prefix", "other_outbox", "not_transactional"]
                 .map(|reason| ::metrics::counter!(m::MESSAGES_IGNORED, "reason" => reason)),
@@ -131,11 +133,15 @@ impl Instruments {
         topic: &str,
         committed_at: i64,
         produced_at: Instant,
-        now: Instant,
+        reported_at: Instant,
     ) {
-        self.latency.record(since_commit(committed_at));
+        // The broker's ack, not the moment the relay handled its report (which may
+        // be a read pause later): that wait belongs to acked → confirmed.
+        let handled_later = Instant::now().saturating_duration_since(reported_at);
+        self.latency
+            .record((since_commit(committed_at) - handled_later.as_secs_f64()).max(0.0));
         self.produced_to_acked
-            .record(now.saturating_duration_since(produced_at));
+            .record(reported_at.saturating_duration_since(produced_at));
         self.confirm.acked();
         self.count(topic, |(relayed, _)| relayed);
     }
@@ -169,6 +175,11 @@ impl Instruments {
     /// A replication session was lost and is being re-established.
     pub(crate) fn reconnect(&self) {
         self.reconnects.increment(1);
+    }
+
+    /// The relay caught up with the walsender and pauses reading.
+    pub(crate) fn read_pause(&self) {
+        self.read_pauses.increment(1);
     }
 
     /// A logical-decoding message: our own heartbeat gives the round trip; any

@@ -98,6 +98,8 @@ pub(crate) const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal
 pub(crate) const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
 /// Counter: replication sessions lost and re-established.
 pub(crate) const RECONNECTS: &str = "outbox_relay_reconnects_total";
+/// Counter: pauses in reading the replication stream (`relay.read_pause_ms`).
+pub(crate) const READ_PAUSES: &str = "outbox_relay_read_pauses_total";
 /// Counter: logical decoding messages that are not events of this relay, by
 /// `reason` (`foreign_prefix`, `other_outbox`, `not_transactional`).
 pub(crate) const MESSAGES_IGNORED: &str = "outbox_relay_messages_ignored_total";
@@ -202,6 +204,10 @@ fn describe() {
         "Records carried by those produce requests (librdkafka statistics)"
     );
     describe_counter!(RECONNECTS, "Replication sessions re-established");
+    describe_counter!(
+        READ_PAUSES,
+        "Pauses in reading the replication stream once caught up (relay.read_pause_ms)"
+    );
     describe_counter!(
         MESSAGES_IGNORED,
         "Logical decoding messages that are not events of this relay, by reason"

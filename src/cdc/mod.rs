@@ -26,6 +26,7 @@ mod poison_policy;
 mod position_saver;
 pub mod progress;
 pub mod progress_record;
+mod read_pacing;
 mod resync;
 pub mod session;
 pub mod start;

@@ -59,6 +59,7 @@ use crate::cdc::position_saver::SaverEvent;
 use crate::cdc::progress::{
     Action, Core, CoreConfig, ProtocolError, StatusUpdate, TransactionLimits,
 };
+use crate::cdc::read_pacing::ReadPacing;
 use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartPlan};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
 use crate::config::{Config, RelayConfig, SlotLossMode};
@@ -314,6 +315,7 @@ pub async fn run_checked(
     let writer = PoisonWriter::new(conninfo.clone(), &config);
     tokio::spawn(crate::poison::run_writer(writer, poison_rx, outcome_tx));
 
+    let pacing = ReadPacing::new(config.relay.read_pause_ms);
     let core_config = CoreConfig {
         max_in_flight_events: config.relay.max_in_flight_events,
         max_in_flight_bytes: config.relay.max_in_flight_bytes,
@@ -365,6 +367,7 @@ pub async fn run_checked(
         alone: None,
         topic_limits,
         idle_gate: IdleGate::new(linger),
+        pacing,
         poison_tx,
         outcomes,
         current_commit_lsn: Lsn::ZERO,
@@ -528,6 +531,8 @@ struct Relay {
     /// When the stream goes idle between transactions, whether the producer may be
     /// told to send without lingering (`relay.flush_when_idle`, `kafka::idle_flush`).
     idle_gate: IdleGate,
+    /// `relay.read_pause_ms`: whether to wait before reading again once caught up.
+    pacing: ReadPacing,
     poison_tx: mpsc::Sender<PoisonRequest>,
     outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
@@ -1215,6 +1220,26 @@ impl Relay {
             if !can_read {
                 hearing.heard_at = Instant::now();
             }
+            let may_read = can_read && !calling && !settling && !self.core.in_transaction();
+            if let Some(pause) = self.pacing.pause_if_caught_up(may_read) {
+                match stream.frame_ready() {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        if self.idle_gate.may_nudge_before_pause() {
+                            self.nudge();
+                        }
+                        self.pacing.pausing();
+                        self.instruments.read_pause();
+                        match pause_reading(&mut stream, shutdown, pause).await {
+                            Ok(false) => continue,
+                            Ok(true) => return self.graceful_shutdown(stream).await,
+                            Err(e) => return Ok(SessionEnd::Lost(e.into())),
+                        }
+                    }
+                    Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
+                    Err(e) => return Err(replication_error(e)),
+                }
+            }
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
@@ -1258,6 +1283,7 @@ impl Relay {
                 frame = stream.next_frame(), if can_read => {
                     match frame {
                         Ok(Some(frame)) => {
+                            self.pacing.frame_read();
                             hearing.heard_at = Instant::now();
                             if hearing.asked {
                                 hearing.asked = false;
@@ -1276,14 +1302,25 @@ impl Relay {
                 // has no frame to give right now. `consume_budget` (not `ready`) so
                 // that a task whose cooperative budget ran out, for which every
                 // branch above is pending too, yields instead of taking it for idle.
-                () = tokio::task::coop::consume_budget(), if self.idle_gate.pending()
-                    && !self.core.in_transaction()
-                    && self.idle_gate.may_nudge(Instant::now(), self.publisher.queued()) => {
-                    self.idle_gate.nudged(Instant::now());
-                    self.publisher.stream_idle();
-                }
+                () = tokio::task::coop::consume_budget(), if self.may_nudge() => self.nudge(),
             }
         }
+    }
+
+    /// Whether the producer may be told that the stream went idle between
+    /// transactions (`kafka::idle_flush`): asked when the stream has nothing to read.
+    fn may_nudge(&self) -> bool {
+        self.idle_gate.pending()
+            && !self.core.in_transaction()
+            && self
+                .idle_gate
+                .may_nudge(Instant::now(), self.publisher.queued())
+    }
+
+    /// Sends what lingers in the producer at once.
+    fn nudge(&mut self) {
+        self.idle_gate.nudged(Instant::now());
+        self.publisher.stream_idle();
     }
 
     /// The producer watchdog: a fatal error, or messages in flight with no report
@@ -1539,8 +1576,12 @@ impl Relay {
                         ..
                     } = &pending
                     {
-                        self.instruments
-                            .delivered(&event.topic, *committed_at, *produced_at, now);
+                        self.instruments.delivered(
+                            &event.topic,
+                            *committed_at,
+                            *produced_at,
+                            report.reported_at,
+                        );
                         if !self.blocked_topics.is_empty() {
                             let topic = event.topic.clone();
                             self.topic_accepts(&topic);
@@ -2000,6 +2041,39 @@ impl Relay {
 /// the last reports (both `false` in at-least-once mode).
 fn transaction_waits(exactly_once: Option<&ExactlyOnce>) -> (bool, bool) {
     exactly_once.map_or((false, false), |eo| (eo.calling(), eo.settling()))
+}
+
+/// A pause in reading (`cdc::read_pacing`): waits `pause`, or until shutdown
+/// (`Ok(true)`), or until the socket holds so much that reading at once is better,
+/// without being woken by each segment the server sends meanwhile.
+///
+/// # Errors
+///
+/// The socket failed, or its readiness could not be released (its reads could then
+/// wait for ever): the connection is given up.
+async fn pause_reading(
+    stream: &mut ReplicationStream,
+    shutdown: &mut Shutdown,
+    pause: Duration,
+) -> std::result::Result<bool, ReplicationError> {
+    let held = match stream.hold_readiness() {
+        Ok(held) => held,
+        Err(e) => {
+            // Nothing changed on the socket: pause anyway, woken by every segment.
+            tracing::debug!(error = %e, "cannot hold the replication socket's readiness");
+            false
+        }
+    };
+    let outcome = tokio::select! {
+        biased;
+        () = &mut *shutdown => Ok(true),
+        () = tokio::time::sleep(pause) => Ok(false),
+        read = stream.read_more(), if held => read.map(|()| false),
+    };
+    if held {
+        stream.release_readiness()?;
+    }
+    outcome
 }
 
 /// Waits for the Kafka transaction call under way (pending forever without one).

@@ -475,6 +475,11 @@ pub struct RelayConfig {
     /// send the records the producer holds at once instead of waiting out
     /// `linger.ms`; while frames keep coming, `linger.ms` batches as configured.
     pub flush_when_idle: bool,
+    /// Milliseconds the relay waits, once it has read everything the walsender sent
+    /// so far, before it reads again, so that the transactions committed meanwhile
+    /// are read, produced and acknowledged together: fewer wake-ups per event for
+    /// up to this much more latency. 0 reads as soon as bytes arrive.
+    pub read_pause_ms: u64,
 }
 
 /// The Prometheus and health HTTP endpoint.
@@ -740,6 +745,11 @@ pub const DEFAULT_POISON_COPY_LIMIT: usize = 16 * 1024 * 1024;
 /// (payload, headers, `row_data` and error, each at most this long) far below
 /// jsonb's 256 MiB and a protocol message's 1 GiB.
 pub const MIN_POISON_COPY_LIMIT: usize = 1024;
+/// Default of `relay.read_pause_ms`.
+pub const DEFAULT_READ_PAUSE_MS: u64 = 2;
+/// Longest `relay.read_pause_ms`: a pause is for batching reads, far below every
+/// timeout the server or the relay keeps (`wal_sender_timeout`, the receive timeout).
+pub const MAX_READ_PAUSE_MS: u64 = 100;
 /// See [`MIN_POISON_COPY_LIMIT`].
 pub const MAX_POISON_COPY_LIMIT: usize = 128 * 1024 * 1024;
 
@@ -761,6 +771,7 @@ impl Default for RelayConfig {
             receive_timeout_secs: 60,
             position_save_interval_ms: 50,
             flush_when_idle: true,
+            read_pause_ms: DEFAULT_READ_PAUSE_MS,
         }
     }
 }
@@ -971,6 +982,12 @@ impl Config {
         {
             return invalid(format!(
                 "relay.poison_copy_limit_bytes must be {MIN_POISON_COPY_LIMIT}..={MAX_POISON_COPY_LIMIT}"
+            ));
+        }
+        if self.relay.read_pause_ms > MAX_READ_PAUSE_MS {
+            return invalid(format!(
+                "relay.read_pause_ms = {} is more than {MAX_READ_PAUSE_MS}: a pause delays every event read after it and every status update",
+                self.relay.read_pause_ms
             ));
         }
         let listen = self.metrics.listen.trim();
@@ -1489,6 +1506,22 @@ mod tests {
             text,
             env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
         )
+    }
+
+    #[test]
+    fn read_pause_is_bounded() {
+        let with = |ms: u64| load(&format!("{MINIMAL}\n[relay]\nread_pause_ms = {ms}\n"), &[]);
+        assert_eq!(
+            load(MINIMAL, &[]).unwrap().relay.read_pause_ms,
+            DEFAULT_READ_PAUSE_MS
+        );
+        assert_eq!(with(0).unwrap().relay.read_pause_ms, 0);
+        assert_eq!(
+            with(MAX_READ_PAUSE_MS).unwrap().relay.read_pause_ms,
+            MAX_READ_PAUSE_MS
+        );
+        let err = with(MAX_READ_PAUSE_MS + 1).unwrap_err().to_string();
+        assert!(err.contains("relay.read_pause_ms"), "{err}");
     }
 
     #[test]

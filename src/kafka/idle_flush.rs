@@ -188,6 +188,19 @@ impl IdleGate {
                 .is_none_or(|last| now.saturating_duration_since(last) >= self.min_interval)
     }
 
+    /// Whether a nudge may be given as the relay starts a read pause
+    /// (`relay.read_pause_ms`): something was produced since the last one and few
+    /// records linger. The pause is then the batching window: it ends with a read of
+    /// everything committed meanwhile, whose records leave together as the next
+    /// pause starts, so rules 1 and 2 (which keep a stream read as it arrives from
+    /// sending a request per transaction) would only add a linger to each batch.
+    /// Pauses are taken only when the relay caught up, so a backlog drain, whose
+    /// records pile up beyond [`SMALL_BATCH`], keeps its batches.
+    #[must_use]
+    pub fn may_nudge_before_pause(&self) -> bool {
+        self.pending > 0 && self.pending <= SMALL_BATCH
+    }
+
     /// The nudge was given at `now`: what was produced so far has left.
     pub fn nudged(&mut self, now: Instant) {
         self.pending = 0;
@@ -248,5 +261,27 @@ mod tests {
         eager.nudged(t0);
         eager.produced();
         assert!(eager.may_nudge(t0, 1));
+    }
+
+    #[test]
+    fn a_read_pause_sends_what_its_read_produced_unless_a_batch_is_filling() {
+        let t0 = Instant::now();
+        let mut gate = IdleGate::new(Duration::from_millis(5));
+        assert!(!gate.may_nudge_before_pause(), "nothing produced");
+        gate.produced();
+        gate.nudged(t0);
+        gate.produced();
+        assert!(
+            gate.may_nudge_before_pause(),
+            "neither the last nudge's age nor earlier records in flight hold a pause's batch"
+        );
+        assert!(!gate.may_nudge(t0, 5), "where the linger rule would");
+        for _ in 0..SMALL_BATCH {
+            gate.produced();
+        }
+        assert!(
+            !gate.may_nudge_before_pause(),
+            "more than a small batch lingers: a backlog, left to the linger"
+        );
     }
 }

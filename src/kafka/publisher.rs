@@ -59,6 +59,10 @@ pub struct DeliveryReport {
     /// `Ok((partition, offset))` once acked by all in-sync replicas, else the broker
     /// error code and librdkafka's message.
     pub result: Result<(i32, i64), (RDKafkaErrorCode, String)>,
+    /// When librdkafka reported it (on its delivery-report thread): the broker's
+    /// answer, which the relay may handle later (after a read pause,
+    /// `relay.read_pause_ms`).
+    pub reported_at: Instant,
 }
 
 impl DeliveryReport {
@@ -319,7 +323,11 @@ impl ProducerContext for RelayContext {
                 Err((code, err.to_string()))
             }
         };
-        self.forward(DeliveryReport { id, result });
+        self.forward(DeliveryReport {
+            id,
+            result,
+            reported_at: Instant::now(),
+        });
     }
 }
 
@@ -822,17 +830,20 @@ mod tests {
         let ok = DeliveryReport {
             id: EventId::from_raw(1),
             result: Ok((0, 7)),
+            reported_at: Instant::now(),
         };
         assert_eq!(ok.failure(), None);
         assert!(!ok.is_fatal());
         let big = DeliveryReport {
             id: EventId::from_raw(2),
             result: Err((RDKafkaErrorCode::MessageSizeTooLarge, "too large".into())),
+            reported_at: Instant::now(),
         };
         assert_eq!(big.failure(), Some(Failure::Permanent));
         let fatal = DeliveryReport {
             id: EventId::from_raw(3),
             result: Err((RDKafkaErrorCode::Fatal, "fatal".into())),
+            reported_at: Instant::now(),
         };
         assert_eq!(fatal.failure(), Some(Failure::Transient));
         assert!(fatal.is_fatal());

@@ -464,3 +464,85 @@ async fn on_poison_halt_stops_confirming_and_alerts_until_fixed() {
         "{audit}"
     );
 }
+
+/// The value of an unlabelled counter on a `/metrics` page.
+fn counter(page: &str, name: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// `relay.read_pause_ms`: live traffic read in pauses (concurrent writers, then a
+/// sparse tail) arrives whole, once, in each key's commit order, and the slot is
+/// confirmed past it; the pauses are counted, so they were taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_in_pauses_loses_nothing_and_keeps_order() {
+    let mut db = TestDb::create("ops_read_pause").await;
+    let relay = RelayProcess::start(
+        &db.config_path,
+        &[
+            ("OUTBOX_RELAY__RELAY__READ_PAUSE_MS", "5"),
+            ("OUTBOX_RELAY__METRICS__LISTEN", "127.0.0.1:0"),
+        ],
+    );
+    let addr = metrics_addr(&relay).await;
+    db.wait_streaming(&relay).await;
+    let workload = outbox_relay::tools::workload::Workload {
+        events: 2_000,
+        payload_bytes: 100,
+        rows_per_tx: 3,
+        writers: 4,
+        entities: 20,
+    };
+    let written = db
+        .writers(workload)
+        .varied()
+        .run()
+        .await
+        .expect("write the workload");
+    let mut expected = written.committed;
+    for i in 0..20 {
+        expected.push(
+            db.insert_event(
+                &format!("tail{}", i % 3),
+                "Tail",
+                &format!(r#"{{"i": {i}}}"#),
+            )
+            .await,
+        );
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    harness::consume_exactly(&db.topic, expected.len(), Duration::from_secs(90), &relay).await;
+    let records = harness::consume(&db.topic, expected.len() + 1, Duration::from_secs(3)).await;
+    let keys: Vec<&str> = records
+        .iter()
+        .map(|r| r.header("idempotency_key").expect("idempotency key"))
+        .collect();
+    let unique: std::collections::HashSet<&str> = keys.iter().copied().collect();
+    assert_eq!(unique.len(), keys.len(), "no duplicates when nothing fails");
+    assert_eq!(
+        unique,
+        expected.iter().map(String::as_str).collect(),
+        "exactly the committed events"
+    );
+    harness::assert_per_key_order(&records);
+    let last = records
+        .iter()
+        .map(|r| parse_lsn(r.header("source_lsn").expect("source_lsn")))
+        .max()
+        .unwrap_or(0);
+    let client = &db.client;
+    harness::wait_until(
+        Duration::from_secs(30),
+        "confirmed_flush_lsn past the last event",
+        || async { confirmed_flush(client, &db.slot).await > last },
+    )
+    .await;
+    let pauses = counter(&metrics_page(&addr).await, "outbox_relay_read_pauses_total");
+    assert!(
+        pauses.is_some_and(|n| n >= 20.0),
+        "a pause after each sparse event at least: {pauses:?}"
+    );
+    let status = relay.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "clean stop exits 0: {status:?}");
+    db.drop_slot().await;
+}

@@ -46,6 +46,17 @@ pub(super) struct RawMessage {
     pub(super) body: Bytes,
 }
 
+/// Whether [`take_message`] would return at once: a whole message is buffered, or
+/// the bytes buffered already make an invalid header (the error is then the answer).
+pub(super) fn message_buffered(buf: &[u8]) -> bool {
+    let Some(header) = buf.get(..5) else {
+        return false;
+    };
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    !(4..=MAX_MESSAGE_LEN).contains(&len) || buf.len() > len
+}
+
 /// Takes one complete message off the front of `buf`, or `None` when more bytes
 /// are needed (then reserves room for the rest of the message).
 pub(super) fn take_message(buf: &mut BytesMut) -> Result<Option<RawMessage>, ReplicationError> {

@@ -62,6 +62,12 @@ use super::messages::{
 };
 use super::transport::Conn;
 
+/// The low-water mark while readiness is held. Linux caps it at half the largest
+/// receive buffer (`net.ipv4.tcp_rmem`, 3 MiB by default) and grows the socket's
+/// receive buffer to hold that much, so the server is not stopped by a pause, and a
+/// burst that fills it (a backlog, better read at once) ends the pause.
+const HELD_READINESS_BYTES: i32 = i32::MAX;
+
 /// How long [`ReplicationStream::finish`] waits for the server to close.
 const FINISH_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -145,6 +151,56 @@ impl ReplicationStream {
             }
             self.conn.fill().await?;
         }
+    }
+
+    /// Whether [`Self::next_frame`] would answer without waiting: a whole message is
+    /// buffered, or the socket holds bytes right now (read into the buffer here; they
+    /// may still be only part of a message). Never waits and wakes no task later.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::next_frame`]'s read: [`ReplicationError::ConnectionClosed`] at EOF,
+    /// [`ReplicationError::Io`].
+    pub fn frame_ready(&mut self) -> Result<bool, ReplicationError> {
+        if self.done || self.conn.message_buffered() {
+            return Ok(true);
+        }
+        self.conn.fill_now()
+    }
+
+    /// Reads what arrives into the buffer, without taking a frame out (cancel-safe):
+    /// for waiting on the socket while not reading frames.
+    ///
+    /// # Errors
+    ///
+    /// [`ReplicationError::ConnectionClosed`] at EOF, [`ReplicationError::Io`].
+    pub async fn read_more(&mut self) -> Result<(), ReplicationError> {
+        self.conn.fill().await
+    }
+
+    /// Until [`Self::release_readiness`], bytes arriving on the socket wake nobody
+    /// (unless a great many arrive): for a pause in reading (`cdc::read_pacing`),
+    /// which would otherwise be interrupted by every segment the server sends.
+    /// `Ok(false)` where that cannot be done safely (a Unix socket, a kernel older
+    /// than Linux 4.18): nothing changed.
+    ///
+    /// # Errors
+    ///
+    /// [`ReplicationError::Io`] if the socket option cannot be set.
+    pub fn hold_readiness(&self) -> Result<bool, ReplicationError> {
+        Ok(self.conn.set_read_threshold(HELD_READINESS_BYTES)?)
+    }
+
+    /// Ends [`Self::hold_readiness`]: the socket is readable again as soon as a byte
+    /// is queued. Must succeed before the stream is read again.
+    ///
+    /// # Errors
+    ///
+    /// [`ReplicationError::Io`] if the socket option cannot be set; the caller must
+    /// then give the connection up, since its reads could wait for ever.
+    pub fn release_readiness(&self) -> Result<(), ReplicationError> {
+        self.conn.set_read_threshold(1)?;
+        Ok(())
     }
 
     /// Sends a standby status update and flushes it.

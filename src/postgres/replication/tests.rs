@@ -16,10 +16,10 @@ use super::commands::{
 use super::frames::{PRIMARY_KEEPALIVE, ServerFrame, StandbyStatus, XLOG_DATA};
 use super::messages::{
     AUTHENTICATION, BACKEND_KEY_DATA, COMMAND_COMPLETE, COPY_DATA, COPY_DONE, DATA_ROW,
-    ERROR_RESPONSE, NOTICE_RESPONSE, PARAMETER_STATUS, READY_FOR_QUERY, parse_data_row,
-    parse_error_fields, server_error, startup_error, take_message,
+    ERROR_RESPONSE, NOTICE_RESPONSE, PARAMETER_STATUS, READY_FOR_QUERY, message_buffered,
+    parse_data_row, parse_error_fields, server_error, startup_error, take_message,
 };
-use super::transport::{Conn, Transport};
+use super::transport::{Conn, Transport, low_water_signals};
 use super::*;
 use crate::config::quote_ident;
 use crate::delivery::ErrorClass;
@@ -705,4 +705,109 @@ fn timeline_history_files_parse_as_postgresql_writes_them() {
     for bad in ["x\t0/1\tr", "1\tnot-an-lsn\tr", "1"] {
         assert!(parse_timeline_history(bad).is_err(), "{bad:?}");
     }
+}
+
+#[test]
+fn knows_when_a_whole_message_is_buffered() {
+    let wire = xlog(1, b"abc");
+    for cut in 0..wire.len() {
+        assert!(!message_buffered(&wire[..cut]), "{cut} bytes");
+    }
+    assert!(message_buffered(&wire));
+    // An impossible header is an answer too: `take_message` returns its error.
+    assert!(message_buffered(&[b'd', 0, 0, 0, 3]));
+    assert!(message_buffered(&[b'd', 0x7f, 0xff, 0xff, 0xff]));
+}
+
+#[test]
+fn reads_which_kernels_signal_a_lowered_low_water_mark() {
+    assert!(low_water_signals("6.18.44-fc-v1252"));
+    assert!(low_water_signals("4.18.0-553.el8_10.x86_64"));
+    assert!(low_water_signals("5.4.0\n"));
+    assert!(!low_water_signals("4.17.19"));
+    assert!(!low_water_signals("3.10.0-1160.el7.x86_64"));
+    assert!(!low_water_signals("unknown"));
+    assert!(!low_water_signals(""));
+}
+
+#[tokio::test]
+async fn frame_ready_never_waits_and_reads_what_is_there() {
+    let (mut stream, mut server) = mock_stream();
+    assert!(!stream.frame_ready().unwrap(), "nothing sent yet");
+    let wire = xlog(1, b"abc");
+    server.write_all(&wire[..4]).await.unwrap();
+    assert!(
+        stream.frame_ready().unwrap(),
+        "bytes arrived: a read would not wait"
+    );
+    assert!(
+        !stream.frame_ready().unwrap(),
+        "part of a message buffered, nothing more arrived"
+    );
+    server.write_all(&wire[4..]).await.unwrap();
+    server.write_all(&keepalive(2, false)).await.unwrap();
+    assert!(stream.frame_ready().unwrap());
+    assert!(matches!(
+        stream.next_frame().await.unwrap(),
+        Some(ServerFrame::XLogData { .. })
+    ));
+    assert!(stream.frame_ready().unwrap(), "the keepalive is buffered");
+    assert!(matches!(
+        stream.next_frame().await.unwrap(),
+        Some(ServerFrame::Keepalive { .. })
+    ));
+    assert!(!stream.frame_ready().unwrap());
+    drop(server);
+    assert!(matches!(
+        stream.frame_ready(),
+        Err(ReplicationError::ConnectionClosed)
+    ));
+}
+
+/// Against the kernel's TCP: while readiness is held, bytes that arrive do not make
+/// the socket readable; releasing it does, at once, for the bytes already queued.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn held_readiness_wakes_nobody_until_released() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut server, _) = listener.accept().await.unwrap();
+    let mut stream = ReplicationStream {
+        conn: Conn::new(Transport::Tcp(client), "tcp".to_owned()),
+        done: false,
+    };
+    assert!(!stream.frame_ready().unwrap(), "nothing sent yet");
+    assert!(stream.hold_readiness().unwrap(), "TCP on Linux 4.18+");
+    server.write_all(&xlog(1, b"abc")).await.unwrap();
+    server.flush().await.unwrap();
+    let held =
+        tokio::time::timeout(std::time::Duration::from_millis(300), stream.read_more()).await;
+    assert!(
+        held.is_err(),
+        "a held socket must not turn readable for a few bytes"
+    );
+    stream.release_readiness().unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), stream.read_more())
+        .await
+        .expect("released: the queued bytes are announced at once")
+        .unwrap();
+    assert!(matches!(
+        stream.next_frame().await.unwrap(),
+        Some(ServerFrame::XLogData { .. })
+    ));
+}
+
+/// Unix sockets are not held (`Ok(false)`): the pause then simply waits.
+#[cfg(unix)]
+#[tokio::test]
+async fn unix_sockets_are_not_held() {
+    let (client, _server) = tokio::net::UnixStream::pair().unwrap();
+    let stream = ReplicationStream {
+        conn: Conn::new(Transport::Unix(client), "unix".to_owned()),
+        done: false,
+    };
+    assert!(!stream.hold_readiness().unwrap());
+    stream.release_readiness().unwrap();
 }

@@ -47,7 +47,7 @@ use crate::postgres::conninfo::{ConnInfo, Host, Keepalives, SslMode};
 use crate::postgres::tls::{TlsConnector, rustls_error, session_channel_binding};
 
 use super::error::ReplicationError;
-use super::messages::{Cursor, RawMessage, tag_name, take_message};
+use super::messages::{Cursor, RawMessage, message_buffered, tag_name, take_message};
 
 /// Bytes asked of the socket per read (more when a message is larger).
 const READ_CHUNK: usize = 64 * 1024;
@@ -69,6 +69,18 @@ pub(super) enum Transport {
 impl Transport {
     pub(super) fn is_tls(&self) -> bool {
         matches!(self, Transport::Tls(_))
+    }
+
+    /// The TCP socket underneath, if there is one.
+    fn tcp(&self) -> Option<&TcpStream> {
+        match self {
+            Transport::Tcp(tcp) => Some(tcp),
+            Transport::Tls(tls) => Some(tls.get_ref().0.get_ref()),
+            #[cfg(unix)]
+            Transport::Unix(_) => None,
+            #[cfg(test)]
+            Transport::Mock(_) => None,
+        }
     }
 }
 
@@ -293,6 +305,39 @@ impl Conn {
         take_message(&mut self.rbuf)
     }
 
+    /// Whether a whole message is buffered (or an invalid header, whose error the
+    /// next [`Self::take_message`] returns).
+    pub(super) fn message_buffered(&self) -> bool {
+        message_buffered(&self.rbuf)
+    }
+
+    /// Reads what the socket holds right now into the buffer, without waiting:
+    /// `Ok(true)` if bytes were read, `Ok(false)` if there were none. The read is
+    /// polled once with a waker that does nothing, so no task is woken for it later;
+    /// the next real read registers its own.
+    pub(super) fn fill_now(&mut self) -> Result<bool, ReplicationError> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match std::pin::pin!(self.fill()).poll(&mut cx) {
+            Poll::Ready(result) => result.map(|()| true),
+            Poll::Pending => Ok(false),
+        }
+    }
+
+    /// Holds back the socket's readiness until `bytes` are queued (`SO_RCVLOWAT`), or
+    /// with 1 signals it again at once if anything is queued. While it is raised, the
+    /// segments the server sends wake nobody; see `cdc::read_pacing`. `Ok(false)`
+    /// (nothing done) on sockets other than TCP and where the kernel would not
+    /// signal readiness again when the mark is lowered ([`low_water_signals`]).
+    pub(super) fn set_read_threshold(&self, bytes: i32) -> io::Result<bool> {
+        match self.io.tcp() {
+            Some(tcp) if kernel_signals_low_water() => {
+                set_receive_low_water(tcp, bytes)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Reads more bytes into the buffer (cancel-safe). EOF is `ConnectionClosed`.
     pub(super) async fn fill(&mut self) -> Result<(), ReplicationError> {
         if self.rbuf.capacity() - self.rbuf.len() < READ_CHUNK / 4 {
@@ -344,4 +389,63 @@ impl Conn {
             .map_err(|e| ReplicationError::Config(format!("cannot send query: {e}")))?;
         self.flush_writes().await
     }
+}
+
+/// Whether this kernel honours `SO_RCVLOWAT` in TCP's epoll readiness and signals
+/// readiness again when the mark is lowered over bytes already queued (Linux 4.18,
+/// `tcp_set_rcvlowat` calling `tcp_data_ready`). Before, lowering it would leave
+/// those bytes unannounced until the next segment arrives.
+fn kernel_signals_low_water() -> bool {
+    static SIGNALS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SIGNALS.get_or_init(|| {
+        cfg!(target_os = "linux")
+            && std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .is_ok_and(|release| low_water_signals(&release))
+    })
+}
+
+/// [`kernel_signals_low_water`] for a Linux release string (`6.1.0-18-amd64`).
+pub(super) fn low_water_signals(release: &str) -> bool {
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::parse::<u32>);
+    match (numbers.next(), numbers.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= (4, 18),
+        _ => false,
+    }
+}
+
+/// `setsockopt(SO_RCVLOWAT)`. On Linux (since 4.18 for TCP) epoll reports a socket
+/// readable only once this many bytes are queued (`tcp_data_ready`), and setting it
+/// signals readiness at once if enough already is (`tcp_set_rcvlowat`).
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn set_receive_low_water(tcp: &TcpStream, bytes: i32) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value: libc::c_int = bytes;
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>())
+        .map_err(|_| io::Error::other("socklen_t too small for an int"))?;
+    // SAFETY: the descriptor belongs to `tcp`, which is borrowed for the call, and
+    // the option value points at a live `c_int` whose size is passed with it;
+    // `setsockopt` only reads it.
+    let rc = unsafe {
+        libc::setsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw const value).cast(),
+            len,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_receive_low_water(_tcp: &TcpStream, _bytes: i32) -> io::Result<()> {
+    Ok(())
 }
