@@ -12,6 +12,10 @@
 //!    back-pressure reaches the walsender, and memory stays bounded whatever the
 //!    backlog or transaction size.
 //!
+//! Before the loop waits, it may pause reading for `relay.read_pause_ms` once it has
+//! read everything the walsender sent (`cdc::read_pacing`), so that live traffic is
+//! read, produced and acknowledged in batches instead of a wake-up per segment.
+//!
 //! After every wake-up the core's actions are executed: produce (never awaited — the
 //! delivery report arrives later on its channel), insert a poison row (handed to the
 //! poison task), send a standby status update. Status updates are therefore sent even
