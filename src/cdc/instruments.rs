@@ -136,13 +136,13 @@ impl Instruments {
         reported_at: Instant,
     ) {
         // The broker's ack, not the moment the relay handled its report (which may
-        // be a read pause later): that wait belongs to acked → confirmed.
+        // be a read pause later): that wait is counted in acked → confirmed.
         let handled_later = Instant::now().saturating_duration_since(reported_at);
         self.latency
             .record((since_commit(committed_at) - handled_later.as_secs_f64()).max(0.0));
         self.produced_to_acked
             .record(reported_at.saturating_duration_since(produced_at));
-        self.confirm.acked();
+        self.confirm.acked(reported_at);
         self.count(topic, |(relayed, _)| relayed);
     }
 
@@ -261,7 +261,8 @@ fn since_commit(committed_at: i64) -> f64 {
 }
 
 /// The acked → confirmed stage. Each time the commit watermark moves, a mark (the
-/// watermark, the instant, the events acked since the previous mark) is queued; a
+/// watermark, the earliest moment librdkafka reported one of its events, the events
+/// acked since the previous mark) is queued; a
 /// status update that confirms a mark records its age once per event it covers. The
 /// events of a mark are those acked since the previous one, which may include events
 /// of a later, not yet complete transaction: a close approximation, exact with one
@@ -274,6 +275,9 @@ struct ConfirmClock {
     noted: Lsn,
     /// Events acked since the newest mark.
     acked: usize,
+    /// When librdkafka reported the first of them: the relay may handle a report a
+    /// read pause later, and that wait belongs to this stage.
+    first_reported: Option<Instant>,
 }
 
 impl ConfirmClock {
@@ -283,11 +287,16 @@ impl ConfirmClock {
             marks: VecDeque::with_capacity(MAX_CONFIRM_MARKS),
             noted: Lsn::ZERO,
             acked: 0,
+            first_reported: None,
         }
     }
 
-    fn acked(&mut self) {
+    fn acked(&mut self, reported_at: Instant) {
         self.acked = self.acked.saturating_add(1);
+        self.first_reported = Some(
+            self.first_reported
+                .map_or(reported_at, |t| t.min(reported_at)),
+        );
     }
 
     fn resolved_up_to(&mut self, confirmed: Lsn, now: Instant) {
@@ -302,7 +311,8 @@ impl ConfirmClock {
         if self.marks.len() == MAX_CONFIRM_MARKS {
             self.marks.pop_front();
         }
-        self.marks.push_back((confirmed, now, self.acked));
+        let since = self.first_reported.take().map_or(now, |t| t.min(now));
+        self.marks.push_back((confirmed, since, self.acked));
         self.acked = 0;
     }
 
@@ -321,6 +331,7 @@ impl ConfirmClock {
         self.marks.clear();
         self.noted = start;
         self.acked = 0;
+        self.first_reported = None;
     }
 }
 
@@ -350,10 +361,10 @@ mod tests {
         let t0 = Instant::now();
         clock.restart(Lsn(100));
         // Two events acked, the watermark moves to 200; one more, then 300.
-        clock.acked();
-        clock.acked();
+        clock.acked(t0);
+        clock.acked(t0);
         clock.resolved_up_to(Lsn(200), t0);
-        clock.acked();
+        clock.acked(t0);
         clock.resolved_up_to(Lsn(300), t0);
         // A keepalive advance with nothing acked makes no mark.
         clock.resolved_up_to(Lsn(400), t0);
@@ -368,10 +379,38 @@ mod tests {
         assert_eq!(confirmed_count(&handle.render()), Some(3));
         assert!(clock.marks.is_empty());
         // A new session forgets what the old one did not confirm.
-        clock.acked();
+        clock.acked(t0);
         clock.resolved_up_to(Lsn(500), t0);
         clock.restart(Lsn(450));
         assert!(clock.marks.is_empty());
+    }
+
+    #[test]
+    fn a_report_handled_late_is_counted_from_when_it_was_reported() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut clock = ::metrics::with_local_recorder(&recorder, || {
+            ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED))
+        });
+        let reported = Instant::now();
+        let handled = reported + std::time::Duration::from_millis(40);
+        clock.restart(Lsn(100));
+        clock.acked(handled);
+        clock.acked(reported);
+        clock.resolved_up_to(Lsn(200), handled);
+        clock.status_sent(Lsn(200), handled + std::time::Duration::from_millis(10));
+        let sum_prefix = format!(
+            "{}_sum{{stage=\"{}\"}} ",
+            m::STAGE_LATENCY,
+            m::STAGE_ACKED_TO_CONFIRMED
+        );
+        let sum: f64 = handle
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&sum_prefix)?.trim().parse().ok())
+            .expect("the stage's sum");
+        // Two events, each 50 ms from the earliest report to the status.
+        assert!((sum - 0.1).abs() < 1e-6, "{sum}");
     }
 
     #[test]
@@ -379,7 +418,7 @@ mod tests {
         let mut clock = ConfirmClock::new(Histogram::noop());
         let t0 = Instant::now();
         for i in 1..=MAX_CONFIRM_MARKS as u64 + 10 {
-            clock.acked();
+            clock.acked(t0);
             clock.resolved_up_to(Lsn(i), t0);
         }
         assert_eq!(clock.marks.len(), MAX_CONFIRM_MARKS);

@@ -10,15 +10,20 @@
 //! of microseconds of its runtime thread (epoll, a socket read that also sends the
 //! TCP acknowledgement, cold caches for decode and produce), far more than the
 //! event's own work (`docs/benchmarks.md`, "Steady cost per event: where it goes").
-//! A backlog drain, where every read returns many transactions, costs a fraction.
+//! A backlog drain pays it too: the walsender decodes more slowly than the relay
+//! maps and produces, so the relay keeps catching up with it and waiting for its next
+//! segment.
 //!
-//! `relay.read_pause_ms` trades latency for those wake-ups: once the relay has read
-//! everything the walsender has sent and no transaction is open, it waits that long
-//! before reading again, so the transactions committed meanwhile arrive in one read,
-//! are produced together and their delivery reports are handled together. The
-//! first transaction after a quiet spell is read at once (nothing was read since the
-//! last pause, so there is no pause to take); one committed during a pause waits for
-//! its end, at most the pause.
+//! `relay.read_pause_ms` (2 ms by default) trades a little latency for those
+//! wake-ups: once the relay has read everything the walsender has sent and no
+//! transaction is open, it waits that long before reading again, with the socket's
+//! low-water mark raised so that the segments arriving meanwhile wake nobody
+//! (`ReplicationStream::hold_readiness`). The transactions committed meanwhile arrive
+//! in one read, are produced together and their delivery reports are handled
+//! together. The first transaction after a quiet spell is read at once (nothing was
+//! read since the last pause, so there is no pause to take); one committed during a
+//! pause waits for its end, at most the pause. Measured in `docs/benchmarks.md`,
+//! "Reading in pauses".
 //!
 //! # What it never changes
 //!
@@ -53,7 +58,9 @@ impl ReadPacing {
         }
     }
 
-    /// A frame was read.
+    /// A frame of WAL data was read (not a keepalive: the walsender sends one after
+    /// each transaction when it waits for more WAL, and a pause for it would only
+    /// delay the next transaction).
     pub(crate) fn frame_read(&mut self) {
         self.read_since_pause = true;
     }

@@ -1229,14 +1229,20 @@ impl Relay {
                 match stream.frame_ready() {
                     Ok(true) => {}
                     Ok(false) => {
-                        if self.idle_gate.may_nudge_before_pause() {
+                        if self
+                            .idle_gate
+                            .may_nudge_before_pause(self.publisher.queued())
+                        {
                             self.nudge();
                         }
                         self.pacing.pausing();
-                        self.instruments.read_pause();
                         match pause_reading(&mut stream, shutdown, pause).await {
-                            Ok(false) => continue,
-                            Ok(true) => return self.graceful_shutdown(stream).await,
+                            Ok(Pause::Taken) => {
+                                self.instruments.read_pause();
+                                continue;
+                            }
+                            Ok(Pause::NotTaken) => {}
+                            Ok(Pause::ShutDown) => return self.graceful_shutdown(stream).await,
                             Err(e) => return Ok(SessionEnd::Lost(e.into())),
                         }
                     }
@@ -1287,7 +1293,9 @@ impl Relay {
                 frame = stream.next_frame(), if can_read => {
                     match frame {
                         Ok(Some(frame)) => {
-                            self.pacing.frame_read();
+                            if matches!(frame, ServerFrame::XLogData { .. }) {
+                                self.pacing.frame_read();
+                            }
                             hearing.heard_at = Instant::now();
                             if hearing.asked {
                                 hearing.asked = false;
@@ -2047,9 +2055,21 @@ fn transaction_waits(exactly_once: Option<&ExactlyOnce>) -> (bool, bool) {
     exactly_once.map_or((false, false), |eo| (eo.calling(), eo.settling()))
 }
 
-/// A pause in reading (`cdc::read_pacing`): waits `pause`, or until shutdown
-/// (`Ok(true)`), or until the socket holds so much that reading at once is better,
-/// without being woken by each segment the server sends meanwhile.
+/// How a pause in reading ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pause {
+    /// It ran its length, or a burst of bytes ended it early.
+    Taken,
+    /// The socket's readiness cannot be held here (a Unix socket, an old kernel):
+    /// without the hold a burst could not end a pause, so none is taken.
+    NotTaken,
+    /// Shutdown came during it.
+    ShutDown,
+}
+
+/// A pause in reading (`cdc::read_pacing`): waits `pause`, or until shutdown, or
+/// until the socket holds so much that reading at once is better, without being
+/// woken by each segment the server sends meanwhile.
 ///
 /// # Errors
 ///
@@ -2059,25 +2079,31 @@ async fn pause_reading(
     stream: &mut ReplicationStream,
     shutdown: &mut Shutdown,
     pause: Duration,
-) -> std::result::Result<bool, ReplicationError> {
-    let held = match stream.hold_readiness() {
-        Ok(held) => held,
+) -> std::result::Result<Pause, ReplicationError> {
+    match stream.hold_readiness() {
+        Ok(true) => {}
+        Ok(false) => return Ok(Pause::NotTaken),
         Err(e) => {
-            // Nothing changed on the socket: pause anyway, woken by every segment.
-            tracing::debug!(error = %e, "cannot hold the replication socket's readiness");
-            false
+            tracing::debug!(error = %e, "cannot hold the replication socket's readiness; not pausing");
+            return Ok(Pause::NotTaken);
         }
-    };
+    }
     let outcome = tokio::select! {
         biased;
-        () = &mut *shutdown => Ok(true),
-        () = tokio::time::sleep(pause) => Ok(false),
-        read = stream.read_more(), if held => read.map(|()| false),
+        () = &mut *shutdown => Ok(Pause::ShutDown),
+        () = tokio::time::sleep(pause) => Ok(Pause::Taken),
+        read = stream.read_more() => read.map(|()| Pause::Taken),
     };
-    if held {
-        stream.release_readiness()?;
+    match (stream.release_readiness(), outcome) {
+        // Stopping anyway (the finished shutdown future must not be polled again):
+        // the shutdown goes on, its final reads bounded by their own timeout.
+        (Err(e), Ok(Pause::ShutDown)) => {
+            tracing::warn!(error = %e, "cannot release the replication socket's readiness at shutdown");
+            Ok(Pause::ShutDown)
+        }
+        (Err(e), _) => Err(e),
+        (Ok(()), outcome) => outcome,
     }
-    outcome
 }
 
 /// Waits for the Kafka transaction call under way (pending forever without one).

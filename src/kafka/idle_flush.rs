@@ -181,7 +181,7 @@ impl IdleGate {
     #[must_use]
     pub fn may_nudge(&self, now: Instant, in_flight: u64) -> bool {
         self.pending > 0
-            && self.pending <= SMALL_BATCH
+            && self.lingering(in_flight) <= SMALL_BATCH
             && in_flight <= self.pending
             && self
                 .last_nudge
@@ -197,8 +197,16 @@ impl IdleGate {
     /// Pauses are taken only when the relay caught up, so a backlog drain, whose
     /// records pile up beyond [`SMALL_BATCH`], keeps its batches.
     #[must_use]
-    pub fn may_nudge_before_pause(&self) -> bool {
-        self.pending > 0 && self.pending <= SMALL_BATCH
+    pub fn may_nudge_before_pause(&self, in_flight: u64) -> bool {
+        self.pending > 0 && self.lingering(in_flight) <= SMALL_BATCH
+    }
+
+    /// Records that may still linger: produced since the last nudge and not yet
+    /// reported. Not `pending` alone, which only a nudge resets: after a burst of
+    /// more than [`SMALL_BATCH`] (a backlog at start) it would forbid every later
+    /// nudge, and so its own reset, for the rest of the process.
+    fn lingering(&self, in_flight: u64) -> u64 {
+        self.pending.min(in_flight)
     }
 
     /// The nudge was given at `now`: what was produced so far has left.
@@ -267,12 +275,12 @@ mod tests {
     fn a_read_pause_sends_what_its_read_produced_unless_a_batch_is_filling() {
         let t0 = Instant::now();
         let mut gate = IdleGate::new(Duration::from_millis(5));
-        assert!(!gate.may_nudge_before_pause(), "nothing produced");
+        assert!(!gate.may_nudge_before_pause(0), "nothing produced");
         gate.produced();
         gate.nudged(t0);
         gate.produced();
         assert!(
-            gate.may_nudge_before_pause(),
+            gate.may_nudge_before_pause(5),
             "neither the last nudge's age nor earlier records in flight hold a pause's batch"
         );
         assert!(!gate.may_nudge(t0, 5), "where the linger rule would");
@@ -280,8 +288,29 @@ mod tests {
             gate.produced();
         }
         assert!(
-            !gate.may_nudge_before_pause(),
+            !gate.may_nudge_before_pause(SMALL_BATCH + 1),
             "more than a small batch lingers: a backlog, left to the linger"
+        );
+    }
+
+    #[test]
+    fn a_burst_acked_in_full_does_not_shut_the_gate_for_good() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut gate = IdleGate::new(Duration::from_millis(5));
+        // A backlog at start: hundreds produced without a nudge, all acked since.
+        for _ in 0..500 {
+            gate.produced();
+        }
+        gate.produced();
+        assert!(
+            gate.may_nudge(ms(10), 1),
+            "one record lingers, none older in flight"
+        );
+        assert!(gate.may_nudge_before_pause(1));
+        assert!(
+            !gate.may_nudge(ms(10), 300),
+            "while the burst is in flight, no nudge"
         );
     }
 }

@@ -154,8 +154,9 @@ impl ReplicationStream {
     }
 
     /// Whether [`Self::next_frame`] would answer without waiting: a whole message is
-    /// buffered, or the socket holds bytes right now (read into the buffer here; they
-    /// may still be only part of a message). Never waits and wakes no task later.
+    /// buffered, or the socket holds bytes right now (read into the buffer here if
+    /// tokio already knows of them, else seen in the kernel's receive queue; they may
+    /// still be only part of a message). Never waits and wakes no task later.
     ///
     /// # Errors
     ///
@@ -165,7 +166,7 @@ impl ReplicationStream {
         if self.done || self.conn.message_buffered() {
             return Ok(true);
         }
-        self.conn.fill_now()
+        Ok(self.conn.fill_now()? || self.conn.kernel_has_bytes())
     }
 
     /// Reads what arrives into the buffer, without taking a frame out (cancel-safe):

@@ -323,6 +323,14 @@ impl Conn {
         }
     }
 
+    /// Whether the kernel holds bytes of this connection not read yet (`FIONREAD`
+    /// on TCP). Tokio's view can lag: it clears readiness after a short read and
+    /// learns of new bytes only when its driver next polls epoll, so a read polled
+    /// now may say "nothing" while bytes wait. `false` where it cannot tell.
+    pub(super) fn kernel_has_bytes(&self) -> bool {
+        self.io.tcp().is_some_and(queued_bytes_nonzero)
+    }
+
     /// Holds back the socket's readiness until `bytes` are queued (`SO_RCVLOWAT`), or
     /// with 1 signals it again at once if anything is queued. While it is raised, the
     /// segments the server sends wake nobody; see `cdc::read_pacing`. `Ok(false)`
@@ -443,6 +451,23 @@ fn set_receive_low_water(tcp: &TcpStream, bytes: i32) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// `ioctl(FIONREAD)`: bytes received and not yet read. An error counts as none.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn queued_bytes_nonzero(tcp: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: the descriptor belongs to `tcp`, borrowed for the call; FIONREAD
+    // writes one `c_int` through the pointer, which points at a live local.
+    let rc = unsafe { libc::ioctl(tcp.as_raw_fd(), libc::FIONREAD, &raw mut queued) };
+    rc == 0 && queued > 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn queued_bytes_nonzero(_tcp: &TcpStream) -> bool {
+    false
 }
 
 #[cfg(not(target_os = "linux"))]
