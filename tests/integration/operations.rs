@@ -505,7 +505,7 @@ async fn reading_in_pauses_loses_nothing_and_keeps_order() {
             db.insert_event(
                 &format!("tail{}", i % 3),
                 "Tail",
-                &format!(r#"{{"i": {i}}}"#),
+                &format!(r#"{{"seq": {i}}}"#),
             )
             .await,
         );
