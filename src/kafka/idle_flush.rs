@@ -195,7 +195,7 @@ impl IdleGate {
     /// pause starts, so rules 1 and 2 (which keep a stream read as it arrives from
     /// sending a request per transaction) would only add a linger to each batch.
     /// Pauses are taken only when the relay caught up, so a backlog drain, whose
-    /// records pile up beyond [`SMALL_BATCH`], keeps its batches.
+    /// records pile up beyond a small batch (64), keeps its batches.
     #[must_use]
     pub fn may_nudge_before_pause(&self, in_flight: u64) -> bool {
         self.pending > 0 && self.lingering(in_flight) <= SMALL_BATCH
