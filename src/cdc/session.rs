@@ -1228,24 +1228,26 @@ impl Relay {
             if let Some(pause) = self.pacing.pause_if_caught_up(may_read) {
                 match stream.frame_ready() {
                     Ok(true) => {}
-                    Ok(false) => {
+                    // Caught up. Only where the socket's readiness can be held: a
+                    // pause without it could not be ended by a burst.
+                    Ok(false) if hold_for_pause(&stream) => {
+                        self.pacing.pausing();
                         if self
                             .idle_gate
                             .may_nudge_before_pause(self.publisher.queued())
                         {
                             self.nudge();
                         }
-                        self.pacing.pausing();
                         match pause_reading(&mut stream, shutdown, pause).await {
                             Ok(Pause::Taken) => {
                                 self.instruments.read_pause();
                                 continue;
                             }
-                            Ok(Pause::NotTaken) => {}
                             Ok(Pause::ShutDown) => return self.graceful_shutdown(stream).await,
                             Err(e) => return Ok(SessionEnd::Lost(e.into())),
                         }
                     }
+                    Ok(false) => self.pacing.pausing(),
                     Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
                     Err(e) => return Err(replication_error(e)),
                 }
@@ -2060,16 +2062,24 @@ fn transaction_waits(exactly_once: Option<&ExactlyOnce>) -> (bool, bool) {
 enum Pause {
     /// It ran its length, or a burst of bytes ended it early.
     Taken,
-    /// The socket's readiness cannot be held here (a Unix socket, an old kernel):
-    /// without the hold a burst could not end a pause, so none is taken.
-    NotTaken,
     /// Shutdown came during it.
     ShutDown,
 }
 
-/// A pause in reading (`cdc::read_pacing`): waits `pause`, or until shutdown, or
-/// until the socket holds so much that reading at once is better, without being
-/// woken by each segment the server sends meanwhile.
+/// Raises the socket's low-water mark for a pause; `false` where that cannot be
+/// done (a Unix socket, a kernel before Linux 4.18, a failed `setsockopt`), and then
+/// no pause is taken and the producer's idle flush keeps its usual rules.
+fn hold_for_pause(stream: &ReplicationStream) -> bool {
+    stream.hold_readiness().unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "cannot hold the replication socket's readiness; not pausing");
+        false
+    })
+}
+
+/// A pause in reading (`cdc::read_pacing`), the socket's readiness held
+/// ([`hold_for_pause`]): waits `pause`, or until shutdown, or until the socket holds
+/// so much that reading at once is better, without being woken by each segment the
+/// server sends meanwhile; then releases the readiness.
 ///
 /// # Errors
 ///
@@ -2080,14 +2090,6 @@ async fn pause_reading(
     shutdown: &mut Shutdown,
     pause: Duration,
 ) -> std::result::Result<Pause, ReplicationError> {
-    match stream.hold_readiness() {
-        Ok(true) => {}
-        Ok(false) => return Ok(Pause::NotTaken),
-        Err(e) => {
-            tracing::debug!(error = %e, "cannot hold the replication socket's readiness; not pausing");
-            return Ok(Pause::NotTaken);
-        }
-    }
     let outcome = tokio::select! {
         biased;
         () = &mut *shutdown => Ok(Pause::ShutDown),
