@@ -134,10 +134,11 @@ impl Instruments {
         committed_at: i64,
         produced_at: Instant,
         reported_at: Instant,
+        now: Instant,
     ) {
-        // The broker's ack, not the moment the relay handled its report (which may
-        // be a read pause later): that wait is counted in acked → confirmed.
-        let handled_later = Instant::now().saturating_duration_since(reported_at);
+        // The broker's ack, not the moment the relay handled its report (`now`, which
+        // may be a read pause later): that wait is counted in acked → confirmed.
+        let handled_later = now.saturating_duration_since(reported_at);
         self.latency
             .record((since_commit(committed_at) - handled_later.as_secs_f64()).max(0.0));
         self.produced_to_acked
@@ -351,13 +352,18 @@ mod tests {
             .and_then(|v| v.trim().parse().ok())
     }
 
-    #[test]
-    fn a_status_records_the_events_of_the_marks_it_confirms() {
+    /// A clock whose histogram a local Prometheus recorder renders.
+    fn recorded_clock() -> (ConfirmClock, metrics_exporter_prometheus::PrometheusHandle) {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        let mut clock = ::metrics::with_local_recorder(&recorder, || {
+        let clock = ::metrics::with_local_recorder(&recorder, || {
             ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED))
         });
+        (clock, recorder.handle())
+    }
+
+    #[test]
+    fn a_status_records_the_events_of_the_marks_it_confirms() {
+        let (mut clock, handle) = recorded_clock();
         let t0 = Instant::now();
         clock.restart(Lsn(100));
         // Two events acked, the watermark moves to 200; one more, then 300.
@@ -387,11 +393,7 @@ mod tests {
 
     #[test]
     fn a_report_handled_late_is_counted_from_when_it_was_reported() {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        let mut clock = ::metrics::with_local_recorder(&recorder, || {
-            ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED))
-        });
+        let (mut clock, handle) = recorded_clock();
         let reported = Instant::now();
         let handled = reported + std::time::Duration::from_millis(40);
         clock.restart(Lsn(100));

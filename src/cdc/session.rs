@@ -1228,26 +1228,29 @@ impl Relay {
             if let Some(pause) = self.pacing.pause_if_caught_up(may_read) {
                 match stream.frame_ready() {
                     Ok(true) => {}
-                    // Caught up. Only where the socket's readiness can be held: a
-                    // pause without it could not be ended by a burst.
-                    Ok(false) if hold_for_pause(&stream) => {
+                    // Caught up. Pause only where the socket's readiness can be
+                    // held: a pause without it could not be ended by a burst.
+                    Ok(false) => {
                         self.pacing.pausing();
-                        if self
-                            .idle_gate
-                            .may_nudge_before_pause(self.publisher.queued())
-                        {
-                            self.nudge();
-                        }
-                        match pause_reading(&mut stream, shutdown, pause).await {
-                            Ok(Pause::Taken) => {
-                                self.instruments.read_pause();
-                                continue;
+                        if hold_for_pause(&stream) {
+                            if self
+                                .idle_gate
+                                .may_nudge_before_pause(self.publisher.queued())
+                            {
+                                self.nudge();
                             }
-                            Ok(Pause::ShutDown) => return self.graceful_shutdown(stream).await,
-                            Err(e) => return Ok(SessionEnd::Lost(e.into())),
+                            match pause_reading(&mut stream, shutdown, pause).await {
+                                Ok(Pause::Taken) => {
+                                    self.instruments.read_pause();
+                                    continue;
+                                }
+                                Ok(Pause::ShutDown) => {
+                                    return self.graceful_shutdown(stream).await;
+                                }
+                                Err(e) => return Ok(SessionEnd::Lost(e.into())),
+                            }
                         }
                     }
-                    Ok(false) => self.pacing.pausing(),
                     Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
                     Err(e) => return Err(replication_error(e)),
                 }
@@ -1595,6 +1598,7 @@ impl Relay {
                             *committed_at,
                             *produced_at,
                             report.reported_at,
+                            now,
                         );
                         if !self.blocked_topics.is_empty() {
                             let topic = event.topic.clone();

@@ -828,6 +828,18 @@ pub async fn confirmed_flush(client: &Client, slot: &str) -> u64 {
         .map_or(0, |v| u64::try_from(v).unwrap_or(0))
 }
 
+/// Waits (up to 30 s) until the slot's `confirmed_flush_lsn` is past `lsn`, the
+/// `source_lsn` of the last event the relay delivered.
+pub async fn wait_confirmed_past(db: &TestDb, lsn: u64) {
+    let client = &db.client;
+    wait_until(
+        Duration::from_secs(30),
+        "confirmed_flush_lsn past the last event",
+        || async { confirmed_flush(client, &db.slot).await > lsn },
+    )
+    .await;
+}
+
 /// Parses a `X/Y` LSN header value.
 pub fn parse_lsn(text: &str) -> u64 {
     text.parse::<outbox_relay::Lsn>()

@@ -530,13 +530,7 @@ async fn reading_in_pauses_loses_nothing_and_keeps_order() {
         .map(|r| parse_lsn(r.header("source_lsn").expect("source_lsn")))
         .max()
         .unwrap_or(0);
-    let client = &db.client;
-    harness::wait_until(
-        Duration::from_secs(30),
-        "confirmed_flush_lsn past the last event",
-        || async { confirmed_flush(client, &db.slot).await > last },
-    )
-    .await;
+    harness::wait_confirmed_past(&db, last).await;
     let pauses = counter(&metrics_page(&addr).await, "outbox_relay_read_pauses_total");
     assert!(
         pauses.is_some_and(|n| n >= 20.0),

@@ -110,13 +110,7 @@ async fn relays_concurrent_writers_exactly_once_in_commit_order() {
     assert_per_key_order(&records);
 
     // The slot confirms past the last event once it is acked.
-    let client = &db.client;
-    harness::wait_until(
-        Duration::from_secs(30),
-        "confirmed_flush_lsn past the last event",
-        || async { confirmed_flush(client, &db.slot).await > max_source_lsn },
-    )
-    .await;
+    harness::wait_confirmed_past(&db, max_source_lsn).await;
     let status = relay.terminate(Duration::from_secs(30)).await;
     assert!(status.success(), "clean stop exits 0: {status:?}");
     db.drop_slot().await;

@@ -46,39 +46,46 @@ pub(super) struct RawMessage {
     pub(super) body: Bytes,
 }
 
+/// The header at the front of `buf`: `None` until its 5 bytes are there, else the
+/// message's tag and whole length (tag byte included), or the error for a length
+/// PostgreSQL never sends.
+fn header(buf: &[u8]) -> Option<Result<(u8, usize), ReplicationError>> {
+    let header = buf.get(..5)?;
+    let tag = header[0];
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    if len < 4 {
+        return Some(Err(ReplicationError::Protocol(format!(
+            "message {} has invalid length {len}",
+            tag_name(tag)
+        ))));
+    }
+    if len > MAX_MESSAGE_LEN {
+        return Some(Err(ReplicationError::Protocol(format!(
+            "message {} claims {len} bytes, more than PostgreSQL ever sends",
+            tag_name(tag)
+        ))));
+    }
+    Some(Ok((tag, len + 1)))
+}
+
 /// Whether [`take_message`] would return at once: a whole message is buffered, or
 /// the bytes buffered already make an invalid header (the error is then the answer).
 pub(super) fn message_buffered(buf: &[u8]) -> bool {
-    let Some(header) = buf.get(..5) else {
-        return false;
-    };
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-    let len = usize::try_from(len).unwrap_or(usize::MAX);
-    !(4..=MAX_MESSAGE_LEN).contains(&len) || buf.len() > len
+    match header(buf) {
+        None => false,
+        Some(Err(_)) => true,
+        Some(Ok((_, total))) => buf.len() >= total,
+    }
 }
 
 /// Takes one complete message off the front of `buf`, or `None` when more bytes
 /// are needed (then reserves room for the rest of the message).
 pub(super) fn take_message(buf: &mut BytesMut) -> Result<Option<RawMessage>, ReplicationError> {
-    let Some(header) = buf.get(..5) else {
+    let Some(header) = header(buf) else {
         return Ok(None);
     };
-    let tag = header[0];
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-    let len = usize::try_from(len).unwrap_or(usize::MAX);
-    if len < 4 {
-        return Err(ReplicationError::Protocol(format!(
-            "message {} has invalid length {len}",
-            tag_name(tag)
-        )));
-    }
-    if len > MAX_MESSAGE_LEN {
-        return Err(ReplicationError::Protocol(format!(
-            "message {} claims {len} bytes, more than PostgreSQL ever sends",
-            tag_name(tag)
-        )));
-    }
-    let total = len + 1;
+    let (tag, total) = header?;
     if buf.len() < total {
         buf.reserve(total - buf.len());
         return Ok(None);
