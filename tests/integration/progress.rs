@@ -436,6 +436,15 @@ async fn a_fatally_failed_producer_is_replaced() {
     mock.create_topic(&db.topic, 3, 1).expect("mock topic");
     let mut config = db.config();
     config.kafka.brokers = mock.bootstrap_servers();
+    // The mock checks sequence numbers for transactional producers only: after the
+    // injected error it would accept a later request of the same partition already
+    // in flight, which a real broker refuses (the sequence has a gap), and that
+    // request's events would land before the failed ones. One request in flight
+    // keeps the injected fault one a real broker could give.
+    config
+        .kafka
+        .producer
+        .insert("max.in.flight.requests.per.connection".into(), "1".into());
     let relay = harness::InProcessRelay::start(&db, config).await;
     mock.request_errors(
         RDKafkaApiKey::Produce,
