@@ -189,18 +189,16 @@ impl IdleGate {
     }
 
     /// Whether a nudge may be given as the relay starts a read pause
-    /// (`relay.read_pause_ms`): something was produced since the last one, nothing
-    /// sent earlier still waits for its ack, and few records linger (rules 1 and 3).
-    /// The pause is the batching window, so rule 2 (once per linger) would only add
-    /// a linger to each batch. Rule 1 stays: a nudge must not put a second request
-    /// for a partition in flight beside an unanswered one, or a fatal error of the
-    /// first (which fails the lingering records, not those already sent) could leave
-    /// a later event of a key acked before an earlier one is produced again. Pauses
-    /// are taken only when the relay caught up, so a backlog drain, whose records pile
-    /// up beyond a small batch (64), keeps its batches.
+    /// (`relay.read_pause_ms`): something was produced since the last one and few
+    /// records linger. The pause is then the batching window: it ends with a read of
+    /// everything committed meanwhile, whose records leave together as the next
+    /// pause starts, so rules 1 and 2 (which keep a stream read as it arrives from
+    /// sending a request per transaction) would only add a linger to each batch.
+    /// Pauses are taken only when the relay caught up, so a backlog drain, whose
+    /// records pile up beyond a small batch (64), keeps its batches.
     #[must_use]
     pub fn may_nudge_before_pause(&self, in_flight: u64) -> bool {
-        self.pending > 0 && in_flight <= self.pending && self.lingering(in_flight) <= SMALL_BATCH
+        self.pending > 0 && self.lingering(in_flight) <= SMALL_BATCH
     }
 
     /// Records that may still linger: produced since the last nudge and not yet
@@ -282,14 +280,10 @@ mod tests {
         gate.nudged(t0);
         gate.produced();
         assert!(
-            gate.may_nudge_before_pause(1),
-            "the last nudge's age does not hold a pause's batch"
+            gate.may_nudge_before_pause(5),
+            "neither the last nudge's age nor earlier records in flight hold a pause's batch"
         );
-        assert!(!gate.may_nudge(t0, 1), "where the linger rule would");
-        assert!(
-            !gate.may_nudge_before_pause(5),
-            "an earlier record still in flight: no second request beside it"
-        );
+        assert!(!gate.may_nudge(t0, 5), "where the linger rule would");
         for _ in 0..SMALL_BATCH {
             gate.produced();
         }
