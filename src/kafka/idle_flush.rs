@@ -39,19 +39,20 @@
 //! the walsender for a moment, frequent nudges turned large batches into small ones:
 //! measured, the drain fell by a third and its CPU per event rose by 40 %. And at
 //! thousands of transactions a second, a produce request per transaction costs the
-//! broker more than the linger saves. So two rules, both Nagle's for TCP in spirit:
+//! broker more than the linger saves. So three rules, Nagle's for TCP in spirit
+//! (numbered as in `docs/benchmarks.md`, in the order measuring found them):
 //!
-//! 1. a nudge only when every record the producer holds was produced since the last
+//! 1. at most one nudge per `linger.ms`, so however the traffic looks, a nudge ends at
+//!    most one linger early per linger period;
+//! 2. a nudge only when every record the producer holds was produced since the last
 //!    nudge (`in_flight <= pending`): nothing sent earlier still waits for its
 //!    acknowledgement. A busy stream always has earlier records in flight, so it
 //!    keeps its batches; a sparse one has none, so its records leave at once;
-//! 2. at most one nudge per `linger.ms`, so however the traffic looks, a nudge ends at
-//!    most one linger early per linger period;
 //! 3. a nudge only while few records linger ([`SMALL_BATCH`]): with more, the linger
 //!    is filling batches, which is its job, and the stream is busy enough that the
 //!    next frame is near anyway.
 //!
-//! [`IdleGate`] keeps both, without I/O. What they bought is measured in
+//! [`IdleGate`] keeps all three, without I/O. What they bought is measured in
 //! `docs/benchmarks.md`, "Where the time goes".
 //!
 //! Nudges that arrive while a flush is held are merged into one (a channel of one
