@@ -465,12 +465,6 @@ async fn on_poison_halt_stops_confirming_and_alerts_until_fixed() {
     );
 }
 
-/// The value of an unlabelled counter on a `/metrics` page.
-fn counter(page: &str, name: &str) -> Option<f64> {
-    page.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// `relay.read_pause_ms`: live traffic read in pauses (concurrent writers, then a
 /// sparse tail) arrives whole, once, in each key's commit order, and the slot is
 /// confirmed past it; each sparse event is followed by a counted pause, so they
@@ -504,7 +498,7 @@ async fn reading_in_pauses_loses_nothing_and_keeps_order() {
     // The writers' burst is relayed first, so each sparse event below reaches an
     // idle relay: it is read alone and followed by a pause, whatever the load.
     harness::consume_exactly(&db.topic, expected.len(), Duration::from_secs(90), &relay).await;
-    let pauses = || async { counter(&metrics_page(&addr).await, "outbox_relay_read_pauses_total") };
+    let pauses = || async { sample(&metrics_page(&addr).await, "outbox_relay_read_pauses_total") };
     for i in 0..20 {
         let before = pauses().await.unwrap_or(0.0);
         expected.push(
