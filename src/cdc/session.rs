@@ -1225,35 +1225,15 @@ impl Relay {
                 hearing.heard_at = Instant::now();
             }
             let may_read = can_read && !calling && !settling && !self.core.in_transaction();
-            if let Some(pause) = self.pacing.pause_if_caught_up(may_read) {
-                match stream.frame_ready() {
-                    Ok(true) => {}
-                    // Caught up. Pause only where the socket's readiness can be
-                    // held: a pause without it could not be ended by a burst.
-                    Ok(false) => {
-                        self.pacing.pausing();
-                        if hold_for_pause(&stream) {
-                            if self
-                                .idle_gate
-                                .may_nudge_before_pause(self.publisher.queued())
-                            {
-                                self.nudge();
-                            }
-                            match pause_reading(&mut stream, shutdown, pause).await {
-                                Ok(Pause::Taken) => {
-                                    self.instruments.read_pause();
-                                    continue;
-                                }
-                                Ok(Pause::ShutDown) => {
-                                    return self.graceful_shutdown(stream).await;
-                                }
-                                Err(e) => return Ok(SessionEnd::Lost(e.into())),
-                            }
-                        }
-                    }
-                    Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
-                    Err(e) => return Err(replication_error(e)),
-                }
+            match self
+                .pause_if_caught_up(&mut stream, shutdown, may_read)
+                .await
+            {
+                Ok(None) => {}
+                Ok(Some(Pause::Taken)) => continue,
+                Ok(Some(Pause::ShutDown)) => return self.graceful_shutdown(stream).await,
+                Err(e) if e.is_transient() => return Ok(SessionEnd::Lost(e.into())),
+                Err(e) => return Err(replication_error(e)),
             }
             tokio::select! {
                 biased;
@@ -1322,6 +1302,44 @@ impl Relay {
                 () = tokio::task::coop::consume_budget(), if self.may_nudge() => self.nudge(),
             }
         }
+    }
+
+    /// A pause in reading before the loop waits (`cdc::read_pacing`), when the loop
+    /// may read (`may_read`) and the stream has nothing more right now; `None`: read
+    /// as usual. A pause is taken only where the socket's readiness can be held: one
+    /// without it could not be ended by a burst. What the last read produced is sent
+    /// first, if few records linger.
+    ///
+    /// # Errors
+    ///
+    /// The stream's: checking it, waiting on it or releasing its readiness failed.
+    async fn pause_if_caught_up(
+        &mut self,
+        stream: &mut ReplicationStream,
+        shutdown: &mut Shutdown,
+        may_read: bool,
+    ) -> std::result::Result<Option<Pause>, ReplicationError> {
+        let Some(pause) = self.pacing.pause_if_caught_up(may_read) else {
+            return Ok(None);
+        };
+        if stream.frame_ready()? {
+            return Ok(None);
+        }
+        self.pacing.pausing();
+        if !hold_for_pause(stream) {
+            return Ok(None);
+        }
+        if self
+            .idle_gate
+            .may_nudge_before_pause(self.publisher.queued())
+        {
+            self.nudge();
+        }
+        let paused = pause_reading(stream, shutdown, pause).await?;
+        if paused == Pause::Taken {
+            self.instruments.read_pause();
+        }
+        Ok(Some(paused))
     }
 
     /// Whether the producer may be told that the stream went idle between
