@@ -1176,6 +1176,51 @@ impl Drop for PrivateBroker {
     }
 }
 
+/// Reads `topic` again from its start for `extra` (late duplicates count too), and
+/// at least as far as `earlier`, a read of the same topic, got on each partition.
+/// A partition's log only grows, so a re-read that ends short of it is the shared
+/// broker being slow under the suite's load, not a loss: it is read again, for up to
+/// a minute, and then returned as it is for the caller's assertions.
+pub async fn reread(topic: &str, earlier: &[Record], extra: Duration) -> Vec<Record> {
+    fn reached(records: &[Record]) -> HashMap<i32, i64> {
+        let mut ends = HashMap::new();
+        for r in records {
+            let end = ends.entry(r.partition).or_insert(r.offset);
+            *end = (*end).max(r.offset);
+        }
+        ends
+    }
+    let want = reached(earlier);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let records = consume(topic, usize::MAX, extra).await;
+        let got = reached(&records);
+        let covers = want
+            .iter()
+            .all(|(p, end)| got.get(p).is_some_and(|g| g >= end));
+        if covers || Instant::now() >= deadline {
+            return records;
+        }
+        eprintln!("a re-read of {topic} ended short of an earlier read; reading again");
+    }
+}
+
+/// Reads `topic` from its start until every one of `keys` (idempotency keys) is on
+/// it or `timeout` passed; returns the last read for the caller's assertions.
+pub async fn read_until_keys(topic: &str, keys: &[String], timeout: Duration) -> Vec<Record> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let records = consume(topic, usize::MAX, Duration::from_secs(3)).await;
+        let seen: HashSet<&str> = records
+            .iter()
+            .filter_map(|r| r.header("idempotency_key"))
+            .collect();
+        if keys.iter().all(|k| seen.contains(k.as_str())) || Instant::now() >= deadline {
+            return records;
+        }
+    }
+}
+
 /// Reads the topic until `n` distinct idempotency keys arrived (duplicates do not
 /// count), failing with the relay's log at the deadline. Returns every record read.
 pub async fn consume_unique(

@@ -291,10 +291,10 @@ async fn pg17_failover_resumes_from_the_synced_slot_on_the_promoted_standby() {
     let resume_start = Instant::now();
     let relay = RelayProcess::start(&promoted_config, &[]);
     let total = usize::try_from(before_kill + AFTER_PROMOTION).unwrap();
-    consume_unique(&db.topic, total, Duration::from_secs(180), &relay).await;
+    let first = consume_unique(&db.topic, total, Duration::from_secs(180), &relay).await;
     let caught_up = resume_start.elapsed();
     // Read a little longer: late duplicates count too.
-    let records = consume(&db.topic, usize::MAX, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
     let (unique, duplicates) = tally(&records);
     let lost = total.saturating_sub(unique);
     eprintln!(
