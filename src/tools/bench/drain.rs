@@ -468,7 +468,7 @@ impl RelayChild {
 
 /// What `pg_recvlogical` asks pgoutput for besides protocol version 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Options {
+pub(crate) enum Options {
     Plain,
     /// Protocol v2, `streaming 'on'`.
     Streaming,
@@ -477,6 +477,18 @@ enum Options {
 }
 
 async fn recvlogical(fixture: &Fixture, target: Target, options: Options) -> Result<Drained> {
+    let mut cmd = recvlogical_command(fixture, options)?;
+    cmd.arg("--endpos").arg(target.end_lsn.to_string());
+    let child = RelayChild::start(cmd, "pg_recvlogical", &fixture.name)?;
+    child.watch(target, fixture, || async { Ok(false) }).await
+}
+
+/// `pg_recvlogical` streaming the fixture's slot from where it stands to
+/// `/dev/null` with `options`, until it is stopped (or given `--endpos`).
+pub(crate) fn recvlogical_command(
+    fixture: &Fixture,
+    options: Options,
+) -> Result<tokio::process::Command> {
     let Some(exe) = find_pg_tool("pg_recvlogical") else {
         return Err(BenchError::Missing(
             "pg_recvlogical (install the PostgreSQL client/server binaries)".into(),
@@ -497,11 +509,8 @@ async fn recvlogical(fixture: &Fixture, target: Target, options: Options) -> Res
         })
         .arg("-o")
         .arg(format!("publication_names={}", config.postgres.publication))
-        .args(["--file", "/dev/null", "--fsync-interval", "0"])
-        .arg("--endpos")
-        .arg(target.end_lsn.to_string());
-    let child = RelayChild::start(cmd, "pg_recvlogical", &fixture.name)?;
-    child.watch(target, fixture, || async { Ok(false) }).await
+        .args(["--file", "/dev/null", "--fsync-interval", "0"]);
+    Ok(cmd)
 }
 
 /// A PostgreSQL client tool on `PATH` or in `/usr/lib/postgresql/*/bin` (newest).

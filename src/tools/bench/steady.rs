@@ -33,6 +33,17 @@
 //!
 //! `cdc-message` runs the CDC relay on the message outbox (`outbox_emit`, with its
 //! ledger); its no-relay point is the row writers'.
+//!
+//! # What PostgreSQL alone charges for a slot
+//!
+//! [`RECVLOGICAL`] (with `--modes pg-ceiling`) attaches PostgreSQL's own
+//! `pg_recvlogical` to the slot, writing to `/dev/null`: the walsender decodes and
+//! sends every transaction as it does for the relay, and nothing past it does any
+//! work. Its point shows what any logical-decoding consumer costs the database's
+//! cores and the writers' rate, so a CDC point can be read against it: what is
+//! above it is the relay's (or the broker's) doing, what is not is PostgreSQL's.
+//! Nothing is consumed, so it has no latency; its "relay" CPU is
+//! `pg_recvlogical`'s.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -46,7 +57,8 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 use super::args::{BenchArgs, Rate};
 use super::drain::{
-    CDC_EXACTLY_ONCE, CDC_MESSAGE, Mode, StopOnDrop, exactly_once_env, relay_command,
+    CDC_EXACTLY_ONCE, CDC_MESSAGE, Mode, Options, StopOnDrop, exactly_once_env,
+    recvlogical_command, relay_command,
 };
 use super::error::{BenchError, Result};
 use super::fixture::{Fixture, Writes};
@@ -80,11 +92,22 @@ const WRITE_SLACK: Duration = Duration::from_secs(2);
 /// fast the writers go without any relay.
 pub(crate) const NO_RELAY: &str = "no-relay";
 
+/// Label of the point with `pg_recvlogical` on the slot: PostgreSQL's share of a
+/// consumer's cost (see the module doc).
+pub(crate) const RECVLOGICAL: &str = "pg-ceiling-recvlogical";
+
+/// How long a walsender may take to decode the last writes once the writers
+/// stopped before its point fails.
+const DECODE_GRACE: Duration = Duration::from_secs(30);
+
 /// Which contenders run the steady workload: the writers alone, then the real
 /// relays.
 #[must_use]
 pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
     let mut out = vec![NO_RELAY];
+    if modes.contains(&Mode::RecvLogical) {
+        out.push(RECVLOGICAL);
+    }
     if modes.contains(&Mode::Cdc) {
         out.push("cdc");
     }
@@ -385,10 +408,14 @@ async fn one_run(
 ) -> Result<Outcome> {
     let result = until_interrupted(async {
         let fixture = Fixture::create(config).await?;
-        let result = if mode == NO_RELAY {
-            writers_alone(&fixture, workload, events_per_s, duration, watch).await
-        } else {
-            run_in(&fixture, workload, mode, events_per_s, duration, watch).await
+        let result = match mode {
+            NO_RELAY => {
+                writers_alone(&fixture, workload, events_per_s, duration, watch, None).await
+            }
+            RECVLOGICAL => {
+                recvlogical_attached(&fixture, workload, events_per_s, duration, watch).await
+            }
+            _ => run_in(&fixture, workload, mode, events_per_s, duration, watch).await,
         };
         fixture.cleanup().await;
         result
@@ -537,19 +564,28 @@ async fn run_in(
     })
 }
 
+/// A consumer of the slot that nothing is measured after: `pg_recvlogical`.
+struct Reader {
+    pid: Option<u32>,
+    walsenders: Vec<u32>,
+}
+
 /// The no-relay point: the writers alone at the rate (no slot, no relay), for the
-/// database's own cost per event and the rate it sustains.
+/// database's own cost per event and the rate it sustains; with a `reader`, the
+/// same beside it, charged until its walsender has decoded every write.
 async fn writers_alone(
     fixture: &Fixture,
     workload: &Workload,
     events_per_s: f64,
     duration: Duration,
     watch: &Watch,
+    reader: Option<&Reader>,
 ) -> Result<Outcome> {
     let schedule = Schedule::new(events_per_s, workload.rows_per_tx, duration)
         .ok_or(BenchError::NoSchedule { events_per_s })?;
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
-    let cpu_start = CpuReading::take(watch, None, &[]);
+    let (pid, walsenders) = reader.map_or((None, &[][..]), |r| (r.pid, &r.walsenders[..]));
+    let cpu_start = CpuReading::take(watch, pid, walsenders);
     let started = Instant::now();
     let written = write(
         fixture,
@@ -561,7 +597,10 @@ async fn writers_alone(
     .await?;
     let elapsed = started.elapsed();
     let achieved = rate(written, elapsed.max(duration));
-    let cpu = cpu_start.per_event(&CpuReading::take(watch, None, &[]), written);
+    if reader.is_some() {
+        decoded(fixture, walsenders).await?;
+    }
+    let cpu = cpu_start.per_event(&CpuReading::take(watch, pid, walsenders), written);
     if written < scheduled {
         return Ok(Outcome::Failed {
             reason: format!(
@@ -578,6 +617,119 @@ async fn writers_alone(
         stages: Vec::new(),
         drift: None,
     })
+}
+
+/// The writers beside `pg_recvlogical` on the slot: PostgreSQL's cost of a
+/// logical-decoding consumer, with nothing past the walsender.
+async fn recvlogical_attached(
+    fixture: &Fixture,
+    workload: &Workload,
+    events_per_s: f64,
+    duration: Duration,
+    watch: &Watch,
+) -> Result<Outcome> {
+    fixture.create_slot().await?;
+    let mut cmd = recvlogical_command(fixture, Options::Plain)?;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|source| BenchError::Spawn {
+        what: "pg_recvlogical".into(),
+        source,
+    })?;
+    let result = async {
+        let walsenders = walsenders_of(fixture, &mut child).await?;
+        let reader = Reader {
+            pid: child.id(),
+            walsenders,
+        };
+        writers_alone(
+            fixture,
+            workload,
+            events_per_s,
+            duration,
+            watch,
+            Some(&reader),
+        )
+        .await
+    }
+    .await;
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    result
+}
+
+/// The walsenders of the fixture's slot, once `child` holds it.
+async fn walsenders_of(fixture: &Fixture, child: &mut tokio::process::Child) -> Result<Vec<u32>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        let pids: Vec<u32> = fixture
+            .walsender_pids()
+            .await
+            .iter()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        if !pids.is_empty() {
+            return Ok(pids);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(BenchError::Child {
+                what: "pg_recvlogical".into(),
+                message: format!("exited with {status} before it held the slot"),
+            });
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Child {
+                what: "pg_recvlogical".into(),
+                message: "did not hold the slot within 30 s".into(),
+            });
+        }
+    }
+}
+
+/// Waits until `walsenders` have decoded the WAL written so far, so that a point
+/// charges them for every write.
+async fn decoded(fixture: &Fixture, walsenders: &[u32]) -> Result<()> {
+    let end = fixture.wal_lsn().await?.to_string();
+    let pids: Vec<i32> = walsenders
+        .iter()
+        .filter_map(|&p| i32::try_from(p).ok())
+        .collect();
+    let deadline = Instant::now() + DECODE_GRACE;
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        let row = fixture
+            .client()
+            .query_one(
+                "SELECT count(*), count(*) FILTER (WHERE sent_lsn >= $2::text::pg_lsn)
+                   FROM pg_stat_replication WHERE pid = ANY($1)",
+                &[&pids, &end],
+            )
+            .await?;
+        let (serving, caught_up): (i64, i64) = (row.get(0), row.get(1));
+        if serving < i64::try_from(pids.len()).unwrap_or(i64::MAX) {
+            return Err(BenchError::Child {
+                what: "the walsender".into(),
+                message: "stopped before it decoded the last writes".into(),
+            });
+        }
+        if caught_up == serving {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Child {
+                what: "the walsender".into(),
+                message: format!(
+                    "had not decoded up to {end} {} s after the writers stopped",
+                    DECODE_GRACE.as_secs()
+                ),
+            });
+        }
+    }
 }
 
 /// The CPU counters of a point's processes at one instant.
@@ -854,7 +1006,12 @@ mod tests {
         };
         assert_eq!(
             modes(&[Mode::RecvLogical, Mode::Cdc, Mode::CdcExactlyOnce, poll]),
-            vec![NO_RELAY, "cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
+            vec![NO_RELAY, RECVLOGICAL, "cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
+        );
+        assert_eq!(
+            modes(&[Mode::RecvLogical, Mode::Ours]),
+            vec![NO_RELAY, RECVLOGICAL],
+            "PostgreSQL's own consumer is a steady point; our null sink is not"
         );
         assert_eq!(
             modes(&[Mode::CdcExactlyOnce]),
@@ -867,7 +1024,7 @@ mod tests {
         );
         assert!(
             modes(&[Mode::CdcMessageUnaudited, Mode::RecvLogicalMessage]).is_empty(),
-            "the unaudited message outbox and pg_recvlogical are backlog modes only"
+            "the unaudited message outbox and its pg_recvlogical are backlog modes only"
         );
     }
 }

@@ -22,18 +22,21 @@ const STAGE_COLUMNS: [(&str, &str); 5] = [
     (COMMIT_TO_ACK, "commit→ack"),
 ];
 
+/// Width of the mode column: the longest label (`pg-ceiling-recvlogical`).
+const MODE_WIDTH: usize = 22;
+
 /// The steady tables; `workload` describes the points (duration, rows/tx, writers).
 pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nsteady rate, {workload}; latency from created_at to consumer (ms), drift = p50 of the last quarter against the first:\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
+        "\nsteady rate, {workload}; latency from created_at to consumer (ms), drift = p50 of the last quarter against the first:\n{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         "mode", "rate", "target/s", "achieved/s", "p50", "p95", "p99", "max", "drift"
     );
     for s in steady {
         let _ = writeln!(out, "{}", steady_row(s));
         for failure in &s.failures {
-            let _ = writeln!(out, "{:<16} FAILED: {failure}", "");
+            let _ = writeln!(out, "{:<MODE_WIDTH$} FAILED: {failure}", "");
         }
     }
     if steady
@@ -42,14 +45,14 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     {
         let _ = writeln!(
             out,
-            "\nCPU per event written (µs; PostgreSQL = all its processes, walsender included; bench = writers' client side and consumer):\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
+            "\nCPU per event written (µs; PostgreSQL = all its processes, walsender included; bench = writers' client side and consumer):\n{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18}",
             "mode", "rate", "achieved/s", "PostgreSQL", "walsender", "relay", "broker", "bench"
         );
         for s in steady {
             let [db, walsender, relay, broker, bench] = s.cpu.cells();
             let _ = writeln!(
                 out,
-                "{:<16} {:>6} {:>10} {db:>18} {walsender:>18} {relay:>18} {broker:>18} {bench:>18}",
+                "{:<MODE_WIDTH$} {:>6} {:>10} {db:>18} {walsender:>18} {relay:>18} {broker:>18} {bench:>18}",
                 s.mode,
                 rate_text(s),
                 s.achieved_events_per_s
@@ -60,7 +63,7 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
     if steady.iter().any(|s| s.cpu.has_traffic()) {
         let _ = writeln!(
             out,
-            "\nper event: produce requests (per record sent, from the relay's librdkafka statistics) and wake-ups (voluntary context switches of the relay's threads, of the walsender):\n{:<16} {:>6} {:>10} {:>18} {:>18} {:>18}",
+            "\nper event: produce requests (per record sent, from the relay's librdkafka statistics) and wake-ups (voluntary context switches of the relay's threads, of the walsender):\n{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18} {:>18}",
             "mode",
             "rate",
             "achieved/s",
@@ -72,7 +75,7 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             let [requests, relay, walsender] = s.cpu.traffic_cells();
             let _ = writeln!(
                 out,
-                "{:<16} {:>6} {:>10} {requests:>18} {relay:>18} {walsender:>18}",
+                "{:<MODE_WIDTH$} {:>6} {:>10} {requests:>18} {relay:>18} {walsender:>18}",
                 s.mode,
                 rate_text(s),
                 s.achieved_events_per_s
@@ -245,7 +248,7 @@ fn steady_row(s: &SteadyResult) -> String {
     );
     let drift = drift_cell(s.drift_pct);
     format!(
-        "{:<16} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
+        "{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18} {:>18} {:>18} {:>18} {:>8}",
         s.mode,
         rate_text(s),
         target,
