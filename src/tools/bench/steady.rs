@@ -132,7 +132,8 @@ pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
 enum Outcome {
     Measured {
         achieved: f64,
-        /// `None` for the no-relay point (nothing is consumed).
+        /// `None` for the no-relay and `pg_recvlogical` points (nothing is
+        /// consumed).
         latency: Option<Latency>,
         /// CPU per event by process.
         cpu: PerEvent,
@@ -597,10 +598,6 @@ async fn writers_alone(
     .await?;
     let elapsed = started.elapsed();
     let achieved = rate(written, elapsed.max(duration));
-    if reader.is_some() {
-        decoded(fixture, walsenders).await?;
-    }
-    let cpu = cpu_start.per_event(&CpuReading::take(watch, pid, walsenders), written);
     if written < scheduled {
         return Ok(Outcome::Failed {
             reason: format!(
@@ -610,6 +607,10 @@ async fn writers_alone(
             achieved: Some(achieved),
         });
     }
+    if reader.is_some() {
+        decoded(fixture, walsenders).await?;
+    }
+    let cpu = cpu_start.per_event(&CpuReading::take(watch, pid, walsenders), written);
     Ok(Outcome::Measured {
         achieved,
         latency: None,
