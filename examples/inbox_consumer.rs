@@ -17,8 +17,10 @@
 //! (required); `INBOX_GROUP` (consumer group, default `inbox-example`),
 //! `INBOX_CONSUMER` (the inbox's consumer name, default `inbox-example`),
 //! `INBOX_TABLE` (default `public.outbox_inbox`), `INBOX_IDLE_EXIT_SECS` (stop after
-//! this long without a record; default: run until stopped), `INBOX_RETENTION_HOURS`
-//! (prune claimed keys older than this at start; default 168).
+//! this long without a record; default: run until stopped), `INBOX_EXIT_AFTER_RECORDS`
+//! (stop once this many records were handled, for scripts that know how many to
+//! expect; default: no limit), `INBOX_RETENTION_HOURS` (prune claimed keys older than
+//! this at start; default 168).
 
 use std::time::Duration;
 
@@ -49,6 +51,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
         .map(Duration::from_secs);
+    let exit_after = std::env::var("INBOX_EXIT_AFTER_RECORDS")
+        .ok()
+        .map(|s| s.parse::<u64>())
+        .transpose()?;
     let retention_hours: u64 = setting_or("INBOX_RETENTION_HOURS", "168").parse()?;
 
     let mut client = outbox_relay::postgres::connect(&url).await?;
@@ -71,8 +77,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .create()?;
     consumer.subscribe(&[&topic])?;
 
-    let (mut applied, mut skipped) = (0_u64, 0_u64);
+    let (mut applied, mut skipped, mut handled) = (0_u64, 0_u64, 0_u64);
     loop {
+        if exit_after.is_some_and(|n| handled >= n) {
+            break;
+        }
         let received = match idle {
             Some(idle) => match tokio::time::timeout(idle, consumer.recv()).await {
                 Ok(received) => received,
@@ -81,6 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => consumer.recv().await,
         };
         let message = received?;
+        handled += 1;
         let key = message.headers().and_then(|headers| {
             headers
                 .iter()

@@ -28,15 +28,18 @@ fn example_binary() -> PathBuf {
     profile_dir.join("examples").join("inbox_consumer")
 }
 
-/// Runs the example until it has been idle for 5 s; returns (applied, skipped).
-fn run_example(bin: &PathBuf, db: &TestDb, group: &str) -> (u64, u64) {
+/// Runs the example until it has handled `records` records (or, should fewer be
+/// on the topic, been idle for 60 s: a consumer group's first join on the shared
+/// broker can take seconds); returns (applied, skipped).
+fn run_example(bin: &PathBuf, db: &TestDb, group: &str, records: usize) -> (u64, u64) {
     let out = Command::new(bin)
         .env("INBOX_DATABASE_URL", &db.url)
         .env("INBOX_BROKERS", &harness::env().brokers)
         .env("INBOX_TOPIC", &db.topic)
-        .env("INBOX_GROUP", group)
+        .env("INBOX_GROUP", format!("{}-{group}", db.name))
         .env("INBOX_CONSUMER", "billing")
-        .env("INBOX_IDLE_EXIT_SECS", "5")
+        .env("INBOX_EXIT_AFTER_RECORDS", records.to_string())
+        .env("INBOX_IDLE_EXIT_SECS", "60")
         .output()
         .expect("run the inbox example");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -101,7 +104,7 @@ async fn the_inbox_example_applies_each_event_once_across_relay_kills_and_replay
     assert_eq!(events, keys.len(), "relay log:\n{}", relay.log());
 
     let bin = example_binary();
-    let (applied, skipped) = run_example(&bin, &db, "billing-1");
+    let (applied, skipped) = run_example(&bin, &db, "billing-1", records.len());
     assert_eq!(applied, u64::try_from(keys.len()).unwrap());
     assert_eq!(skipped, u64::try_from(duplicates).unwrap());
     let counted: i64 = db
@@ -114,7 +117,7 @@ async fn the_inbox_example_applies_each_event_once_across_relay_kills_and_replay
 
     // A new consumer group reads the topic again from its start: every record is
     // redelivered, none applied.
-    let (again, skipped_again) = run_example(&bin, &db, "billing-2");
+    let (again, skipped_again) = run_example(&bin, &db, "billing-2", records.len());
     assert_eq!(again, 0);
     assert_eq!(skipped_again, u64::try_from(records.len()).unwrap());
     let counted: i64 = db
