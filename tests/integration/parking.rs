@@ -10,7 +10,7 @@ use std::time::Duration;
 use outbox_relay::ops::replay::{self, KeyOutcome, ReplayArgs};
 
 use crate::harness::{
-    self, RelayProcess, TestDb, consume, consume_exactly, key_sequence as sequence,
+    self, RelayProcess, TestDb, consume_exactly, key_sequence as sequence,
     oversize_payload as oversize,
 };
 
@@ -95,12 +95,12 @@ async fn park_key_keeps_per_entity_order_through_poison_restart_and_replay() {
     db.wait_streaming(&relay).await;
     insert_seq(&db, "a", 4).await;
     insert_seq(&db, "b", 3).await;
-    consume_exactly(&db.topic, 5, Duration::from_secs(60), &relay).await;
+    let first = consume_exactly(&db.topic, 5, Duration::from_secs(60), &relay).await;
     harness::wait_until(Duration::from_secs(60), "a:4 parked too", || async {
         parked_rows(&db).await == (1, 3)
     })
     .await;
-    let records = consume(&db.topic, 6, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
     assert_eq!(
         sequence(&records, "a"),
         vec![0],

@@ -142,8 +142,8 @@ async fn restart_after_clean_stop_resends_nothing() {
         .await;
     }
     let relay = RelayProcess::start(&db.config_path, &[]);
-    consume_exactly(&db.topic, 150, Duration::from_secs(60), &relay).await;
-    let records = consume(&db.topic, 151, Duration::from_secs(3)).await;
+    let first = consume_exactly(&db.topic, 150, Duration::from_secs(60), &relay).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
     assert_eq!(
         records.len(),
         150,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use outbox_relay::tools::workload::Workload;
 
-use crate::harness::{self, RelayProcess, TestDb, assert_per_key_order, consume, consume_exactly};
+use crate::harness::{self, RelayProcess, TestDb, assert_per_key_order, consume_exactly};
 
 const SHARDS: u32 = 2;
 
@@ -122,8 +122,8 @@ async fn two_shards_relay_every_event_once_and_keep_each_key_in_one_shard() {
         shard0.len(),
         shard1.len()
     );
-    consume_exactly(&db.topic, shard0.len(), Duration::from_secs(60), &first).await;
-    let records = consume(&db.topic, written, Duration::from_secs(3)).await;
+    let earlier = consume_exactly(&db.topic, shard0.len(), Duration::from_secs(60), &first).await;
+    let records = harness::reread(&db.topic, &earlier, Duration::from_secs(3)).await;
     let seen: HashSet<String> = keys_of(&records).into_iter().collect();
     assert_eq!(
         seen, shard0,
@@ -136,8 +136,8 @@ async fn two_shards_relay_every_event_once_and_keep_each_key_in_one_shard() {
     wait_streaming(&db, &second, 1).await;
     let written_second = write(&db, 40).await;
     let total = written + written_second.len();
-    consume_exactly(&db.topic, total, Duration::from_secs(90), &second).await;
-    let records = consume(&db.topic, total + 1, Duration::from_secs(3)).await;
+    let earlier = consume_exactly(&db.topic, total, Duration::from_secs(90), &second).await;
+    let records = harness::reread(&db.topic, &earlier, Duration::from_secs(3)).await;
     let keys = keys_of(&records);
     let unique: HashSet<&String> = keys.iter().collect();
     assert_eq!(
