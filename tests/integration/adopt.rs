@@ -231,7 +231,7 @@ async fn poller_outbox_without_topic_and_headers_is_relayed() {
     assert_eq!(key, "3");
     assert_eq!(streamed.header("event_type"), Some("Paid"));
     assert_eq!(streamed.payload.as_deref(), Some(&br#"{"n": 2}"#[..]));
-    let extra = harness::consume(&db.topic, 3, Duration::from_secs(2)).await;
+    let extra = harness::reread(&db.topic, &records, Duration::from_secs(2)).await;
     assert_eq!(
         extra.len(),
         2,

@@ -101,7 +101,7 @@ async fn switching_from_the_poller_loses_nothing_and_sends_nothing_twice() {
     let records =
         consume_unique(&db.topic, committed.len(), Duration::from_secs(120), &relay).await;
     // A little longer, to see late duplicates.
-    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &records, Duration::from_secs(3)).await;
     let counts = deliveries(&records);
     let lost: Vec<&String> = committed
         .iter()
@@ -284,7 +284,7 @@ async fn cutover_publishes_only_unsent_unpoisoned_rows() {
     let records =
         harness::consume_exactly(&db.topic, unsent.len() + 1, Duration::from_secs(30), &relay)
             .await;
-    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &records, Duration::from_secs(3)).await;
     assert_eq!(records.len(), unsent.len() + 1, "nothing re-sent by run");
     let streamed = records
         .iter()
@@ -348,7 +348,7 @@ async fn a_crash_mid_cutover_is_resumed_without_loss() {
     }
     let expected = 20_040;
     let records = consume_unique(&db.topic, expected, Duration::from_secs(180), &relay).await;
-    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &records, Duration::from_secs(3)).await;
     let counts = deliveries(&records);
     assert_eq!(counts.len(), expected, "every event delivered");
     let duplicates: usize = counts.values().map(|n| n - 1).sum();
@@ -394,7 +394,7 @@ async fn an_outbox_without_poller_columns_is_not_cut_over() {
     db.wait_streaming(&relay).await;
     let after = insert(&db, Some("e"), 1).await;
     let records = harness::consume_exactly(&db.topic, 1, Duration::from_secs(30), &relay).await;
-    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &records, Duration::from_secs(3)).await;
     let keys: Vec<&str> = records
         .iter()
         .filter_map(|r| r.header("idempotency_key"))
@@ -455,7 +455,7 @@ async fn two_relays_starting_together_cut_over_once() {
     db.wait_streaming(&active).await;
     insert(&db, Some("late"), 0).await;
     let records = consume_unique(&db.topic, 3001, Duration::from_secs(120), &active).await;
-    let records = consume(&db.topic, records.len() + 1, Duration::from_secs(3)).await;
+    let records = harness::reread(&db.topic, &records, Duration::from_secs(3)).await;
     let counts = deliveries(&records);
     assert_eq!(counts.len(), 3001);
     assert!(

@@ -1205,22 +1205,6 @@ pub async fn reread(topic: &str, earlier: &[Record], extra: Duration) -> Vec<Rec
     }
 }
 
-/// Reads `topic` from its start until every one of `keys` (idempotency keys) is on
-/// it or `timeout` passed; returns the last read for the caller's assertions.
-pub async fn read_until_keys(topic: &str, keys: &[String], timeout: Duration) -> Vec<Record> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let records = consume(topic, usize::MAX, Duration::from_secs(3)).await;
-        let seen: HashSet<&str> = records
-            .iter()
-            .filter_map(|r| r.header("idempotency_key"))
-            .collect();
-        if keys.iter().all(|k| seen.contains(k.as_str())) || Instant::now() >= deadline {
-            return records;
-        }
-    }
-}
-
 /// Reads the topic until `n` distinct idempotency keys arrived (duplicates do not
 /// count), failing with the relay's log at the deadline. Returns every record read.
 pub async fn consume_unique(
@@ -1387,6 +1371,19 @@ impl Drop for DevBroker {
 
 /// Reads `topic` until every key of `expected` arrived (90 s at most).
 pub async fn read_all(topic: &str, expected: &HashSet<&str>, relay: &RelayProcess) -> Vec<Record> {
+    let (records, missing) = read_keys(topic, expected).await;
+    assert_eq!(
+        missing,
+        0,
+        "events missing from {topic}; relay log:\n{}",
+        relay.log()
+    );
+    records
+}
+
+/// Reads `topic` until every key of `expected` arrived or 90 s passed; returns the
+/// last read and how many keys it lacks, for the caller to assert on.
+pub async fn read_keys(topic: &str, expected: &HashSet<&str>) -> (Vec<Record>, usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(90);
     let mut want = expected.len();
     loop {
@@ -1395,17 +1392,12 @@ pub async fn read_all(topic: &str, expected: &HashSet<&str>, relay: &RelayProces
             .iter()
             .filter_map(|r| r.header("idempotency_key"))
             .collect();
-        if expected.iter().all(|k| seen.contains(k)) {
-            return records;
-        }
         let missing = expected.iter().filter(|k| !seen.contains(*k)).count();
+        if missing == 0 || std::time::Instant::now() >= deadline {
+            return (records, missing);
+        }
         // Duplicates take places: ask for as many more records as are missing.
         want = records.len() + missing;
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{missing} events missing from {topic}; relay log:\n{}",
-            relay.log()
-        );
     }
 }
 

@@ -517,8 +517,9 @@ async fn reading_in_pauses_loses_nothing_and_keeps_order() {
         )
         .await;
     }
-    harness::consume_exactly(&db.topic, expected.len(), Duration::from_secs(90), &relay).await;
-    let records = harness::consume(&db.topic, expected.len() + 1, Duration::from_secs(3)).await;
+    let first =
+        harness::consume_exactly(&db.topic, expected.len(), Duration::from_secs(90), &relay).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
     let keys: Vec<&str> = records
         .iter()
         .map(|r| r.header("idempotency_key").expect("idempotency key"))
