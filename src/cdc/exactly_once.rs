@@ -367,7 +367,11 @@ pub(crate) fn make_transactional(
         return None;
     }
     let id = kafka::transactional_id(&config.postgres.slot_name());
-    kafka::transactional_config(producer_config, &id);
+    kafka::transactional_config(
+        producer_config,
+        &id,
+        std::time::Duration::from_millis(config.kafka.transaction_timeout_ms),
+    );
     Some(id)
 }
 

@@ -118,7 +118,8 @@ pub(crate) const RESYNCED_ROWS: &str = "outbox_relay_resynced_rows_total";
 /// Counter: producers replaced because they stopped reporting (or failed fatally).
 pub(crate) const PRODUCER_RESTARTS: &str = "outbox_relay_producer_restarts_total";
 /// Kafka transactions ended (`kafka.delivery = "exactly-once"`), by `outcome`:
-/// `committed` or `aborted`.
+/// `committed`, `aborted`, or `timed_out` (the coordinator aborted it on its timeout
+/// and fenced the producer while this relay held the slot).
 pub(crate) const KAFKA_TRANSACTIONS: &str = "outbox_relay_kafka_transactions_total";
 /// Gauge: sessions in a row that ended at the same confirmed position (0 when the
 /// last session made progress).

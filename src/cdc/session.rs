@@ -61,7 +61,8 @@ use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
 use crate::cdc::position_saver::SaverEvent;
 use crate::cdc::progress::{
-    Action, Core, CoreConfig, ProtocolError, StatusUpdate, TransactionLimits,
+    Action, Core, CoreConfig, MissingRecord, ProtocolError, Records, StatusUpdate,
+    TransactionLimits,
 };
 use crate::cdc::read_pacing::ReadPacing;
 use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartPlan};
@@ -192,6 +193,27 @@ enum Lost {
          (relay.receive_timeout_secs): the connection is taken as lost"
     )]
     ServerSilent { silent_secs: u64 },
+    /// The core asked for a produce the shell holds no record of (a broken
+    /// invariant, `progress::records`): the session ends and the server sends the
+    /// event's transaction again, instead of the event being resolved unsent.
+    #[error(transparent)]
+    MissingRecord(#[from] MissingRecord),
+    /// The coordinator fenced the producer while this session held the slot: it
+    /// aborted the transaction itself on its timeout (`Relay::transaction_failure_in`).
+    #[error(
+        "the Kafka transaction coordinator aborted the open transaction on its timeout and \
+         fenced the producer ({0}); this relay still holds the slot: replacing the producer"
+    )]
+    CoordinatorAborted(crate::kafka::TransactionError),
+}
+
+/// Who holds the slot, as the server says ([`Relay::slot_holder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotHolder {
+    /// This session's walsender.
+    ThisSession,
+    /// Another backend (its pid), none, or the server could not say.
+    Other(Option<i32>),
 }
 
 impl Lost {
@@ -199,7 +221,10 @@ impl Lost {
     fn needs_new_producer(&self) -> bool {
         matches!(
             self,
-            Lost::ProducerStalled { .. } | Lost::ProducerFatal { .. } | Lost::Transaction(_)
+            Lost::ProducerStalled { .. }
+                | Lost::ProducerFatal { .. }
+                | Lost::Transaction(_)
+                | Lost::CoordinatorAborted(_)
         )
     }
 }
@@ -259,7 +284,7 @@ enum FrameError {
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
-    run_with_health(config, shutdown, Health::default()).await
+    Box::pin(run_with_health(config, shutdown, Health::default())).await
 }
 
 /// [`run`], reporting streaming state and progress to `health` (for `/readyz`).
@@ -353,7 +378,7 @@ pub async fn run_checked(
         config,
         conninfo,
         core: Core::new(core_config, Lsn::ZERO, now),
-        pending: HashMap::default(),
+        records: Records::default(),
         mapper,
         publisher,
         producer_config,
@@ -496,10 +521,9 @@ struct Relay {
     config: Config,
     conninfo: ConnInfo,
     core: Core,
-    /// Every event between admission and resolution. Keyed by sequential ids that
-    /// are no attacker's choice, so foldhash instead of SipHash: this map is
-    /// written and read for every event (SipHash was ~3 % of a backlog drain).
-    pending: HashMap<EventId, InFlight, foldhash::fast::RandomState>,
+    /// Every event's record between admission and the core's resolution of it
+    /// (`progress::records`: an ack inside a Kafka transaction does not drop it).
+    records: Records<InFlight>,
     mapper: OutboxMapper,
     publisher: Publisher,
     /// To make a new producer when the current one is wedged.
@@ -678,7 +702,10 @@ impl Relay {
         {
             // Exactly-once: what is written commits now, before the core restarts.
             self.core.commit_now();
-            self.execute_offline_actions();
+            if let Err(e) = self.execute_offline_actions() {
+                tracing::error!(error = %e, "draining the lost session");
+                break;
+            }
             if let Some(lost) = self.transaction_failure()? {
                 tracing::warn!(%lost, "the Kafka transaction could not end; the next producer aborts it");
                 self.producer_fatal
@@ -694,7 +721,9 @@ impl Relay {
                 break;
             }
         }
-        self.execute_offline_actions();
+        if let Err(e) = self.execute_offline_actions() {
+            tracing::error!(error = %e, "draining the lost session");
+        }
         Ok(false)
     }
 
@@ -746,10 +775,15 @@ impl Relay {
 
     /// Executes the core's actions without a replication stream: produce, poison and
     /// save as usual; status updates have nowhere to go.
-    fn execute_offline_actions(&mut self) {
+    ///
+    /// # Errors
+    ///
+    /// A produce without a record ([`MissingRecord`]): nothing more is executed.
+    fn execute_offline_actions(&mut self) -> std::result::Result<(), MissingRecord> {
+        self.forget_resolved(Instant::now());
         while let Some(action) = self.core.next_action() {
             match action {
-                Action::Produce { id, attempt } => self.produce(id, attempt),
+                Action::Produce { id, attempt } => self.produce(id, attempt)?,
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 // No stream to send it on: the next session starts from what is
@@ -759,6 +793,7 @@ impl Relay {
                 Action::AbortTransaction => self.abort_transaction(),
             }
         }
+        Ok(())
     }
 
     /// Exactly-once: writes the progress record and starts the commit.
@@ -771,6 +806,10 @@ impl Relay {
     /// Exactly-once: starts the abort.
     fn abort_transaction(&mut self) {
         if let Some(eo) = self.exactly_once.as_mut() {
+            tracing::info!(
+                events = self.core.transaction_events(),
+                "aborting the Kafka transaction: a record in it failed; its events are produced again"
+            );
             eo.abort(&self.publisher);
         }
     }
@@ -797,6 +836,66 @@ impl Relay {
             Some(e) if e.needs_operator() => Err(e.into()),
             Some(e) => Ok(Some(Lost::Transaction(e))),
             None => Ok(None),
+        }
+    }
+
+    /// [`Relay::transaction_failure`] while `stream` holds the slot. A fence is then
+    /// told apart from a takeover: relays initialise the slot's `transactional.id`
+    /// only once they hold the slot, so while this session's walsender is the slot's
+    /// active one, no other relay can have fenced this producer. The fence is the
+    /// coordinator's own: it aborted the transaction when `transaction.timeout.ms`
+    /// passed (a broker stall, a coordinator that lost the transaction) and bumped
+    /// the epoch. The producer is replaced and the events are sent again, instead of
+    /// the process exiting as if another relay had taken over.
+    async fn transaction_failure_in(&mut self, stream: &ReplicationStream) -> Result<Option<Lost>> {
+        let Some(e) = self
+            .exactly_once
+            .as_mut()
+            .and_then(ExactlyOnce::take_failure)
+        else {
+            return Ok(None);
+        };
+        if !e.is_fenced() {
+            return match e {
+                e if e.needs_operator() => Err(e.into()),
+                e => Ok(Some(Lost::Transaction(e))),
+            };
+        }
+        // Boxed: the connection's future is large, and this path is rare.
+        match Box::pin(self.slot_holder(stream)).await {
+            SlotHolder::ThisSession => {
+                tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
+                ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
+                Ok(Some(Lost::CoordinatorAborted(e)))
+            }
+            SlotHolder::Other(pid) => {
+                tracing::error!(error = %e, slot_pid = ?pid, "fenced, and the slot is not this session's: another relay took over");
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Who holds the slot according to the server (a short connection of its own;
+    /// any failure answers "another", the safe side).
+    async fn slot_holder(&self, stream: &ReplicationStream) -> SlotHolder {
+        const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+        let ours = stream.backend_pid();
+        let slot = self.config.postgres.slot_name();
+        let ask = async {
+            let client = crate::postgres::connect_info(&self.conninfo).await.ok()?;
+            let row = client
+                .query_opt(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .ok()??;
+            row.try_get::<_, Option<i32>>(0).ok()
+        };
+        match tokio::time::timeout(ASK_TIMEOUT, ask).await {
+            Ok(Some(active)) if active.is_some() && active == ours => SlotHolder::ThisSession,
+            Ok(Some(active)) => SlotHolder::Other(active),
+            _ => SlotHolder::Other(None),
         }
     }
 
@@ -1177,7 +1276,7 @@ impl Relay {
         };
         self.history = Some(history);
         self.instruments.session_started(start);
-        self.pending.clear();
+        self.records.clear();
         self.mapper.reset_session();
         self.last_report_at = now;
     }
@@ -1200,13 +1299,13 @@ impl Relay {
         };
         loop {
             self.settle_transaction();
-            if let Err(e) = self.execute_actions(&mut stream).await {
-                return Ok(SessionEnd::Lost(e.into()));
+            if let Err(lost) = self.execute_actions(&mut stream).await {
+                return Ok(SessionEnd::Lost(lost));
             }
             if let Some((code, message)) = self.producer_fatal.take() {
                 return Ok(SessionEnd::Lost(Lost::ProducerFatal { code, message }));
             }
-            if let Some(lost) = self.transaction_failure()? {
+            if let Some(lost) = self.transaction_failure_in(&stream).await? {
                 return Ok(SessionEnd::Lost(lost));
             }
             let (calling, settling) = transaction_waits(self.exactly_once.as_ref());
@@ -1552,37 +1651,35 @@ impl Relay {
                     .core
                     .admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
                 self.instruments.received(self.current_commit_time);
-                if self.core.is_in_flight(id) {
-                    self.pending.insert(
-                        id,
-                        InFlight::Event {
-                            event,
-                            committed_at: self.current_commit_time,
-                            received_at: now,
-                            produced_at: now,
-                            last_error: None,
-                            parked: false,
-                            recorded_before: false,
-                            alone: false,
-                        },
-                    );
-                }
+                self.records.admitted(
+                    &self.core,
+                    id,
+                    InFlight::Event {
+                        event,
+                        committed_at: self.current_commit_time,
+                        received_at: now,
+                        produced_at: now,
+                        last_error: None,
+                        parked: false,
+                        recorded_before: false,
+                        alone: false,
+                    },
+                );
                 Ok(())
             }
             Mapped::Unmappable(row) => {
                 let size = row.fields.payload.as_ref().map_or(0, String::len);
                 let id = self.core.admit_unmappable(size)?;
-                if self.core.is_in_flight(id) {
-                    self.pending.insert(
-                        id,
-                        InFlight::Unmappable {
-                            fields: Box::new(row.fields),
-                            error_kind: row.error_kind,
-                            reason: row.reason,
-                            lsn: self.current_commit_lsn,
-                        },
-                    );
-                }
+                self.records.admitted(
+                    &self.core,
+                    id,
+                    InFlight::Unmappable {
+                        fields: Box::new(row.fields),
+                        error_kind: row.error_kind,
+                        reason: row.reason,
+                        lsn: self.current_commit_lsn,
+                    },
+                );
                 Ok(())
             }
         }
@@ -1602,33 +1699,21 @@ impl Relay {
         match report.result {
             Ok((partition, offset)) => {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
-                if let Some(pending) = self.pending.remove(&report.id) {
-                    self.summary.delivered += 1;
-                    if let InFlight::Event {
-                        event,
-                        committed_at,
-                        produced_at,
-                        ..
-                    } = &pending
-                    {
-                        self.instruments.delivered(
-                            &event.topic,
-                            *committed_at,
-                            *produced_at,
-                            report.reported_at,
-                            now,
-                        );
-                        if !self.blocked_topics.is_empty() {
-                            let topic = event.topic.clone();
-                            self.topic_accepts(&topic);
-                        }
-                    }
+                // The record stays until the core resolves the event: in a Kafka
+                // transaction an ack is a write, and an abort asks for it again.
+                if let Some(InFlight::Event { event, .. }) =
+                    self.records.acked(report.id, report.reported_at)
+                    && self.blocked_topics.contains_key(&event.topic)
+                {
+                    let topic = event.topic.clone();
+                    self.topic_accepts(&topic);
                 }
                 if self.producer_alerted {
                     self.producer_alerted = false;
                     self.health.set_alert("producer", None);
                 }
                 self.core.delivered(report.id, now);
+                self.forget_resolved(now);
             }
             Err((code, message)) => {
                 if fatal {
@@ -1660,6 +1745,31 @@ impl Relay {
         }
     }
 
+    /// Drops the records of the events the core resolved, counting the delivered ones
+    /// (the poisoned ones were counted and dropped when their row committed).
+    fn forget_resolved(&mut self, now: Instant) {
+        let (instruments, summary) = (&mut self.instruments, &mut self.summary);
+        self.records
+            .forget_resolved(&mut self.core, |record, acked_at| {
+                if let InFlight::Event {
+                    event,
+                    committed_at,
+                    produced_at,
+                    ..
+                } = record
+                {
+                    summary.delivered += 1;
+                    instruments.delivered(
+                        &event.topic,
+                        committed_at,
+                        produced_at,
+                        acked_at.unwrap_or(now),
+                        now,
+                    );
+                }
+            });
+    }
+
     /// A configuration error (missing topic, no authorization…) for the event `id`:
     /// counted; in `block` mode its topic is recorded as blocked, said once at error
     /// with the fix, and `/readyz` turns 503 until a delivery to the topic succeeds.
@@ -1669,7 +1779,7 @@ impl Relay {
         if self.config.relay.on_config_error.poisons() {
             return;
         }
-        let Some(InFlight::Event { event, .. }) = self.pending.get(&id) else {
+        let Some(InFlight::Event { event, .. }) = self.records.get(id) else {
             return;
         };
         if self.blocked_topics.contains_key(&event.topic) {
@@ -1721,7 +1831,7 @@ impl Relay {
     fn record_failure(&mut self, id: EventId, kind: &'static str, message: &str, failure: Failure) {
         if let Some(InFlight::Event {
             last_error, event, ..
-        }) = self.pending.get_mut(&id)
+        }) = self.records.get_mut(id)
         {
             if failure == Failure::Permanent {
                 tracing::debug!(%id, topic = %event.topic, kind, message, "delivery failed");
@@ -1734,7 +1844,7 @@ impl Relay {
         let now = Instant::now();
         match outcome.result {
             Ok(Parked::Recorded) => {
-                if let Some(pending) = self.pending.remove(&outcome.id) {
+                if let Some(pending) = self.records.remove(outcome.id) {
                     if let InFlight::Event { parked: true, .. } = pending {
                         self.summary.parked += 1;
                         ::metrics::counter!(m::EVENTS_PARKED).increment(1);
@@ -1747,7 +1857,7 @@ impl Relay {
             }
             Ok(Parked::Released) => {
                 if let Some(InFlight::Event { event, parked, .. }) =
-                    self.pending.get_mut(&outcome.id)
+                    self.records.get_mut(outcome.id)
                 {
                     *parked = false;
                     self.policy.released(event);
@@ -1762,12 +1872,13 @@ impl Relay {
     async fn execute_actions(
         &mut self,
         stream: &mut ReplicationStream,
-    ) -> std::result::Result<(), ReplicationError> {
-        self.instruments
-            .resolved_up_to(self.core.confirmed(), Instant::now());
+    ) -> std::result::Result<(), Lost> {
+        let now = Instant::now();
+        self.forget_resolved(now);
+        self.instruments.resolved_up_to(self.core.confirmed(), now);
         while let Some(action) = self.core.next_action() {
             match action {
-                Action::Produce { id, attempt } => self.produce(id, attempt),
+                Action::Produce { id, attempt } => self.produce(id, attempt)?,
                 Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 Action::SendStatus(status) => {
@@ -1803,21 +1914,25 @@ impl Relay {
         }
     }
 
-    fn produce(&mut self, id: EventId, attempt: u32) {
+    /// Hands the record of `id` to the producer (or refuses, parks or fails it, and
+    /// tells the core so). A produce the core asks for without a record kept is a
+    /// broken invariant that ends the session ([`MissingRecord`]).
+    fn produce(&mut self, id: EventId, attempt: u32) -> std::result::Result<(), MissingRecord> {
         if self.recorded_before(id) {
             // Resolved as poisoned without an insert (`request_poison`). Any attempt:
             // a produce handed out again after an abort may never have been sent.
             self.core.refuse(id, Instant::now());
-            return;
+            return Ok(());
         }
-        let Some(InFlight::Event { event, parked, .. }) = self.pending.get_mut(&id) else {
-            return;
+        let InFlight::Event { event, parked, .. } = self.records.to_produce(id, attempt)? else {
+            // An unmappable row is never produced: the core poisons it at admission.
+            return Err(MissingRecord { id, attempt });
         };
         if attempt == 1 && self.policy.parks(event) {
             // Its key waits for `replay` (relay.on_poison = "park-key").
             *parked = true;
             self.core.park(id, Instant::now());
-            return;
+            return Ok(());
         }
         tracing::trace!(%id, topic = %event.topic, "produce");
         let now = Instant::now();
@@ -1834,7 +1949,7 @@ impl Relay {
                 Failure::Permanent,
             );
             self.core.refuse(id, Instant::now());
-            return;
+            return Ok(());
         }
         if let Some(eo) = self.exactly_once.as_mut()
             && !eo.before_produce(&self.publisher)
@@ -1842,7 +1957,7 @@ impl Relay {
             // The producer cannot begin a transaction: the session ends and the
             // event goes out with the next producer.
             self.core.delivery_failed(id, Failure::Transient, now);
-            return;
+            return Ok(());
         }
         let publisher = if self.make_alone_publisher(id) {
             self.alone.as_ref().unwrap_or(&self.publisher)
@@ -1854,12 +1969,13 @@ impl Relay {
             received_at,
             produced_at,
             ..
-        }) = self.pending.get_mut(&id)
+        }) = self.records.get_mut(id)
         else {
-            return;
+            return Err(MissingRecord { id, attempt });
         };
         let sent = publisher.send_event(id, event);
         if sent.is_ok() {
+            self.core.produce_sent(id);
             self.idle_gate.produced();
             // The instant before the send: a clock read less per event, for a
             // microsecond of the produced → acked stage.
@@ -1877,6 +1993,7 @@ impl Relay {
             self.core
                 .delivery_failed(id, rejected.failure, Instant::now());
         }
+        Ok(())
     }
 
     /// Whether an earlier process already recorded `id` in the poison table
@@ -1885,8 +2002,7 @@ impl Relay {
         if self.recorded.is_empty() {
             return false;
         }
-        let (Some(pending), Some(origin)) = (self.pending.get_mut(&id), self.core.origin(id))
-        else {
+        let (Some(pending), Some(origin)) = (self.records.get_mut(id), self.core.origin(id)) else {
             return false;
         };
         match pending {
@@ -1923,7 +2039,7 @@ impl Relay {
             return false;
         }
         if !matches!(
-            self.pending.get(&id),
+            self.records.get(id),
             Some(InFlight::Event { alone: true, .. })
         ) {
             return false;
@@ -1946,7 +2062,7 @@ impl Relay {
         }
         let producer_limit = self.publisher.max_message_bytes();
         let compressed = self.publisher.compresses();
-        let Some(InFlight::Event { event, alone, .. }) = self.pending.get_mut(&id) else {
+        let Some(InFlight::Event { event, alone, .. }) = self.records.get_mut(id) else {
             return false;
         };
         let topic_limit = self.topic_limits.limit(&event.topic, Instant::now());
@@ -1965,7 +2081,7 @@ impl Relay {
     }
 
     fn request_poison(&mut self, id: EventId, attempts: u32) {
-        let (Some(pending), Some(origin)) = (self.pending.get(&id), self.core.origin(id)) else {
+        let (Some(pending), Some(origin)) = (self.records.get(id), self.core.origin(id)) else {
             return;
         };
         if let InFlight::Event {
@@ -1974,7 +2090,7 @@ impl Relay {
         } = pending
         {
             // Its row is committed already.
-            self.pending.remove(&id);
+            self.records.remove(id);
             self.core.poison_committed(id, Instant::now());
             return;
         }
@@ -1993,7 +2109,7 @@ impl Relay {
     /// `relay.on_poison = "halt"`: `id` is not poisoned; it holds the relay, with an
     /// error log and an alert that say which event and why.
     fn halt(&mut self, id: EventId, attempts: u32) {
-        let (Some(pending), Some(origin)) = (self.pending.get(&id), self.core.origin(id)) else {
+        let (Some(pending), Some(origin)) = (self.records.get(id), self.core.origin(id)) else {
             return;
         };
         let row = pending.poison_row(attempts, Parking::None, origin);
@@ -2037,7 +2153,8 @@ impl Relay {
         while self.core.resolvable_events() > 0 || self.transaction_unfinished() {
             // Exactly-once: what is written commits now.
             self.core.commit_now();
-            if self.execute_actions(&mut stream).await.is_err() {
+            if let Err(lost) = self.execute_actions(&mut stream).await {
+                tracing::warn!(%lost, "shutting down: the session ended early; unconfirmed events will be re-sent on the next start");
                 break;
             }
             if self.transaction_failure()?.is_some() {

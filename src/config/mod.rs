@@ -397,6 +397,12 @@ pub struct KafkaConfig {
     /// (`read_committed` consumers see it only after the commit).
     #[serde(default = "default_transaction_interval_ms")]
     pub transaction_interval_ms: u64,
+    /// Exactly-once: `transaction.timeout.ms` of the producer, which is also its
+    /// `message.timeout.ms` (a record not delivered by then fails its transaction,
+    /// which is aborted and produced again). At most the cluster's
+    /// `transaction.max.timeout.ms`; 1000-60000.
+    #[serde(default = "default_transaction_timeout_ms")]
+    pub transaction_timeout_ms: u64,
     /// Exactly-once: the compacted topic holding each relay's progress record (key:
     /// the slot name), written in every Kafka transaction; `migrate` creates it.
     #[serde(default = "default_progress_topic")]
@@ -658,6 +664,9 @@ fn default_transaction_max_events() -> usize {
 }
 fn default_transaction_interval_ms() -> u64 {
     100
+}
+fn default_transaction_timeout_ms() -> u64 {
+    60_000
 }
 fn default_progress_topic() -> String {
     "outbox_relay_progress".into()
@@ -1129,6 +1138,16 @@ impl Config {
                 kafka.transaction_interval_ms
             ));
         }
+        if !(1_000..=60_000).contains(&kafka.transaction_timeout_ms)
+            || kafka.transaction_timeout_ms <= kafka.transaction_interval_ms
+        {
+            return invalid(format!(
+                "kafka.transaction_timeout_ms = {}: use 1000..=60000, above \
+                 kafka.transaction_interval_ms ({}), and at most the cluster's \
+                 transaction.max.timeout.ms",
+                kafka.transaction_timeout_ms, kafka.transaction_interval_ms
+            ));
+        }
         if kafka.delivery == DeliveryMode::ExactlyOnce && !is_topic_name(&kafka.progress_topic) {
             return invalid(format!(
                 "kafka.progress_topic = {:?}: a topic name is 1-249 letters, digits, '.', '_' or '-'",
@@ -1444,6 +1463,7 @@ impl fmt::Debug for KafkaConfig {
             .field("delivery", &self.delivery)
             .field("transaction_max_events", &self.transaction_max_events)
             .field("transaction_interval_ms", &self.transaction_interval_ms)
+            .field("transaction_timeout_ms", &self.transaction_timeout_ms)
             .field("progress_topic", &self.progress_topic)
             .finish()
     }

@@ -17,7 +17,8 @@
 //!
 //! At-least-once producers never time a record out (`message.timeout.ms = 0`). In a
 //! transaction a record must be delivered before the broker's transaction timeout, so
-//! here `message.timeout.ms` is `transaction.timeout.ms` (60 s): a record that times
+//! here `message.timeout.ms` is `transaction.timeout.ms` (`kafka.transaction_timeout_ms`,
+//! 60 s by default, at most [`TRANSACTION_TIMEOUT`]): a record that times
 //! out fails its transaction, which is aborted and produced again in order
 //! (`cdc::progress::transactions`); nothing is lost or reordered by it.
 //!
@@ -44,16 +45,18 @@ use rdkafka::producer::{BaseProducer, Producer};
 
 use super::publisher::{Publisher, RelayContext};
 
-/// `transaction.timeout.ms`: how long the broker lets a transaction stay open before
-/// it aborts it (Kafka's default, below the brokers' usual 15-minute maximum).
+/// The longest `transaction.timeout.ms` (`kafka.transaction_timeout_ms`): how long the
+/// broker lets a transaction stay open before it aborts it (Kafka's default, below the
+/// brokers' usual 15-minute maximum). The progress record's reader waits past it.
 pub const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long one `init_transactions`, commit or abort may take before it is retried.
 pub const TRANSACTION_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Makes `cfg` (from [`super::producer_config`]) transactional under `id`.
-pub fn transactional_config(cfg: &mut ClientConfig, id: &str) {
-    let timeout = TRANSACTION_TIMEOUT.as_millis().to_string();
+/// Makes `cfg` (from [`super::producer_config`]) transactional under `id`, with
+/// `timeout` as `transaction.timeout.ms` and `message.timeout.ms`.
+pub fn transactional_config(cfg: &mut ClientConfig, id: &str, timeout: Duration) {
+    let timeout = timeout.min(TRANSACTION_TIMEOUT).as_millis().to_string();
     cfg.set("transactional.id", id)
         .set("transaction.timeout.ms", &timeout)
         .set("message.timeout.ms", &timeout);
@@ -114,6 +117,14 @@ impl TransactionError {
             self,
             TransactionError::Fenced { .. } | TransactionError::Unsupported { .. }
         )
+    }
+
+    /// Fenced: a producer of the same `transactional.id` with a newer epoch exists,
+    /// or the coordinator bumped the epoch itself when it aborted a transaction on
+    /// its timeout (the session tells the two apart).
+    #[must_use]
+    pub fn is_fenced(&self) -> bool {
+        matches!(self, TransactionError::Fenced { .. })
     }
 
     fn classify(id: &str, error: &KafkaError) -> TransactionError {
@@ -293,7 +304,11 @@ mod tests {
     fn the_transactional_settings_time_records_out_with_the_transaction() {
         let mut cfg = ClientConfig::new();
         cfg.set("message.timeout.ms", "0");
-        transactional_config(&mut cfg, &transactional_id("outbox_relay_shard1"));
+        transactional_config(
+            &mut cfg,
+            &transactional_id("outbox_relay_shard1"),
+            TRANSACTION_TIMEOUT,
+        );
         assert_eq!(
             cfg.get("transactional.id"),
             Some("outbox-relay.outbox_relay_shard1")

@@ -152,6 +152,10 @@ pub(super) enum Phase {
 pub(super) struct KafkaTransaction {
     /// Events produced in it (state `Producing` or `Written`), by id (admission order).
     pub(super) members: BTreeSet<EventId>,
+    /// Members the shell said it handed to the producer ([`Core::produce_sent`]): a
+    /// commit resolves only these and the written ones, never a produce that was
+    /// handed out and not sent.
+    pub(super) sent: BTreeSet<EventId>,
     /// Members in state `Written`.
     pub(super) written: usize,
     /// When the first member was written (the commit interval runs from there).
@@ -203,6 +207,9 @@ pub struct Core {
     pub(super) saving: Saving,
     /// The open Kafka transaction, in transactional mode (`transactions.rs`).
     pub(super) kafka: KafkaTransaction,
+    /// Events resolved since the shell last drained them ([`Core::drain_resolved`]):
+    /// the shell keeps each event's record until its id comes out here.
+    pub(super) resolved_log: Vec<EventId>,
 }
 
 impl Core {
@@ -234,6 +241,7 @@ impl Core {
             resend: ResendGuard::default(),
             saving: Saving::new(confirmed, now),
             kafka: KafkaTransaction::default(),
+            resolved_log: Vec::new(),
         }
     }
 
@@ -275,6 +283,15 @@ impl Core {
     #[must_use]
     pub fn is_in_flight(&self, id: EventId) -> bool {
         self.events.contains_key(&id)
+    }
+
+    /// The events resolved since the last call, in the order they resolved (acked,
+    /// committed in a Kafka transaction, poisoned, or resolved at admission). The
+    /// shell keeps an event's record until its id comes out here, and only then:
+    /// an acked record inside an open Kafka transaction is not resolved, and the
+    /// core asks for it again if that transaction is aborted (`transactions.rs`).
+    pub fn drain_resolved(&mut self) -> std::vec::Drain<'_, EventId> {
+        self.resolved_log.drain(..)
     }
 
     /// The name of in-flight event `id` across resends of its transaction; `None`

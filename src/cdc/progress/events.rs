@@ -163,7 +163,7 @@ impl Core {
     }
 
     /// Whether a produce of `id` is requested or outstanding.
-    fn producing(&self, id: EventId) -> bool {
+    pub(super) fn producing(&self, id: EventId) -> bool {
         self.events
             .get(&id)
             .is_some_and(|e| matches!(e.state, EventState::Producing { .. }))
@@ -255,6 +255,7 @@ impl Core {
             && !event.failed
         {
             self.kafka.members.remove(&id);
+            self.kafka.sent.remove(&id);
             let Some(event) = self.events.get_mut(&id) else {
                 return;
             };
@@ -393,6 +394,7 @@ impl Core {
         let Some(event) = self.events.remove(&id) else {
             return;
         };
+        self.resolved_log.push(id);
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(event.bytes);
         self.resolved_since_status = self.resolved_since_status.saturating_add(1);
         self.saving.resolved();

@@ -87,6 +87,12 @@ impl Core {
                 e.state
             );
         }
+        for id in &self.kafka.sent {
+            assert!(
+                self.kafka.members.contains(id),
+                "{id} sent outside the transaction"
+            );
+        }
         if !self.transactional() {
             assert!(
                 self.kafka.members.is_empty(),

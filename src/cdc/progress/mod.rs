@@ -22,6 +22,8 @@
 //! * `transactions.rs`: Kafka transactions (`kafka.delivery = "exactly-once"`): an
 //!   event resolves when its transaction commits, with the progress record that
 //!   lets the next process skip what is durable;
+//! * `records.rs`: the shell's copy of each in-flight event, dropped only when the core
+//!   resolves it (an ack inside a Kafka transaction is not a resolution);
 //! * `config.rs`: [`CoreConfig`] and its normalisation; `error.rs`: [`ProtocolError`].
 //!
 //! The seeded simulator (`simulator.rs`) drives the core against a model walsender,
@@ -48,6 +50,7 @@ mod config;
 mod core;
 mod error;
 mod events;
+mod records;
 mod resend;
 mod saving;
 mod status;
@@ -64,5 +67,6 @@ mod tests;
 pub use self::config::{CoreConfig, TransactionLimits};
 pub use self::core::{Action, Core, StatusUpdate};
 pub use self::error::ProtocolError;
+pub use self::records::{MissingRecord, Records};
 pub use self::resend::{Origin, PartialTx, ProgressMark};
 pub use self::saving::SavePhase;

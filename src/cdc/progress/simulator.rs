@@ -219,6 +219,9 @@ struct Sim {
     server: Server,
     // The shell.
     ids: HashMap<EventId, (usize, usize)>,
+    /// The shell's records of the current core's events (the relay's own store:
+    /// every produce must find its record).
+    records: Records<(usize, usize)>,
     broker: Vec<EventId>,
     poison_db: Vec<EventId>,
     done_ids: Vec<EventId>,
@@ -291,6 +294,7 @@ impl Sim {
             core: Core::new(cfg.clone(), slot, now),
             server: Server::connect(&wal, slot),
             ids: HashMap::new(),
+            records: Records::default(),
             broker: Vec::new(),
             poison_db: Vec::new(),
             done_ids: Vec::new(),
@@ -433,6 +437,7 @@ impl Sim {
                     if self.ids.insert(id, (i, k)).is_some() {
                         self.fail(&format!("{id} issued twice"));
                     }
+                    self.records.admitted(&self.core, id, (i, k));
                     if self.core.origin(id).is_none() {
                         // Resolved at admission: a lost session must have done it.
                         self.stats.resend_skipped += 1;
@@ -467,6 +472,7 @@ impl Sim {
     }
 
     fn drain_actions(&mut self) {
+        self.records.forget_resolved(&mut self.core, |_, _| {});
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.on_produce(id, attempt),
@@ -595,9 +601,11 @@ impl Sim {
     }
 
     fn on_produce(&mut self, id: EventId, attempt: u32) {
-        let Some(&(i, k)) = self.ids.get(&id) else {
-            self.fail("produce of an unknown id")
+        let (i, k) = match self.records.to_produce(id, attempt) {
+            Ok(&mut ik) => ik,
+            Err(e) => self.fail(&e.to_string()),
         };
+        self.core.produce_sent(id);
         if self.wal[i].events[k].unmappable {
             self.fail("an unmappable row was produced");
         }
@@ -692,7 +700,9 @@ impl Sim {
         match roll {
             0..80 => {
                 self.mark_resolved(id);
+                self.records.acked(id, now);
                 self.core.delivered(id, now);
+                self.records.forget_resolved(&mut self.core, |_, _| {});
                 self.done_ids.push(id);
                 if let (true, Some(ik)) = (current, event) {
                     self.failed_now.remove(&ik);
@@ -732,6 +742,7 @@ impl Sim {
                 self.failed_now.remove(&ik);
             }
             self.mark_resolved(id);
+            self.records.remove(id);
             self.core.poison_committed(id, self.now);
             self.done_ids.push(id);
         } else {
@@ -816,6 +827,7 @@ impl Sim {
         self.start_session(from);
         self.core = Core::new(self.cfg.clone(), from, self.now);
         self.ids.clear();
+        self.records.clear();
         self.done_ids.clear();
         self.permanent.clear();
         self.transient_at.clear();
@@ -848,6 +860,7 @@ impl Sim {
         let placeholder = Core::new(self.cfg.clone(), Lsn::ZERO, self.now);
         let old = std::mem::replace(&mut self.core, placeholder);
         self.core = old.restart(from, self.now);
+        self.records.clear();
         self.after_restart();
     }
 

@@ -103,16 +103,48 @@ impl Core {
         if self.kafka.phase != Phase::Committing {
             return;
         }
+        let committed: Vec<EventId> = self
+            .kafka
+            .members
+            .iter()
+            .copied()
+            .filter(|&id| self.commits_with_transaction(id))
+            .collect();
         let members = std::mem::take(&mut self.kafka.members);
         self.end_transaction();
-        for id in members {
-            if self.events.get(&id).is_some_and(|e| {
-                matches!(e.state, EventState::Producing { .. } | EventState::Written)
-            }) {
-                self.resolve(id);
+        for &id in &committed {
+            self.resolve(id);
+        }
+        // A member whose produce was handed out but never sent is not in the
+        // committed transaction: it goes out (first) in the next one.
+        for &id in members.iter().rev() {
+            if self.producing(id) && !committed.contains(&id) {
+                self.actions
+                    .retain(|p| !matches!(p, Pending::Produce { id: queued, .. } if *queued == id));
+                self.produce_again(id, false);
             }
         }
         self.poll_status(now);
+    }
+
+    /// The shell handed the produce of member `id` to the producer: if the open
+    /// transaction commits, the record is in it. Ignored unless `id` is a member
+    /// whose produce is outstanding.
+    pub fn produce_sent(&mut self, id: EventId) {
+        if self.kafka.members.contains(&id) && self.producing(id) {
+            self.kafka.sent.insert(id);
+        }
+    }
+
+    /// Whether member `id` is in the open transaction if it commits: written, or
+    /// handed to the producer (a commit flushes it, or fails).
+    fn commits_with_transaction(&self, id: EventId) -> bool {
+        self.kafka.members.contains(&id)
+            && self.events.get(&id).is_some_and(|e| match e.state {
+                EventState::Written => true,
+                EventState::Producing { .. } => self.kafka.sent.contains(&id),
+                _ => false,
+            })
     }
 
     /// Asks for the open Kafka transaction to be committed now if anything was
@@ -162,6 +194,7 @@ impl Core {
 
     /// Clears the transaction's bookkeeping (members are taken by the caller).
     fn end_transaction(&mut self) {
+        self.kafka.sent.clear();
         self.kafka.written = 0;
         self.kafka.first_write = None;
         self.kafka.abort_due = false;
@@ -234,6 +267,7 @@ impl Core {
     /// A member left the transaction without being written (failed, refused,
     /// parked): the transaction must be aborted if the member was sent.
     pub(super) fn left_transaction(&mut self, id: EventId, sent: bool) {
+        self.kafka.sent.remove(&id);
         if self.kafka.members.remove(&id) && sent {
             self.kafka.abort_due = true;
         }
@@ -296,7 +330,9 @@ impl Core {
     fn mark_if_committed(&self) -> ProgressMark {
         let mut members_per_tx: HashMap<u64, usize> = HashMap::new();
         for id in &self.kafka.members {
-            if let Some(e) = self.events.get(id) {
+            if let Some(e) = self.events.get(id)
+                && self.commits_with_transaction(*id)
+            {
                 *members_per_tx.entry(e.tx).or_default() += 1;
             }
         }
@@ -311,7 +347,7 @@ impl Core {
         let unresolved = self
             .events
             .iter()
-            .filter(|(id, _)| !self.kafka.members.contains(id))
+            .filter(|(id, _)| !self.commits_with_transaction(**id))
             .map(|(_, e)| e.origin);
         self.resend.mark(watermark, unresolved)
     }
@@ -337,13 +373,17 @@ mod tests {
         }
     }
 
-    /// Drains actions: saves are taken at once, statuses left out.
+    /// Drains actions: saves are taken at once, statuses left out, produces sent.
     fn work(core: &mut Core) -> Vec<Action> {
         let mut out = Vec::new();
         while let Some(a) = core.next_action() {
             match a {
                 Action::Save { lsn, .. } => core.saved(lsn, core.last_status_at),
                 Action::SendStatus(_) => {}
+                Action::Produce { id, .. } => {
+                    core.produce_sent(id);
+                    out.push(a);
+                }
                 a => out.push(a),
             }
         }

@@ -544,6 +544,10 @@ fn relay_toml(base: &Config, name: &str) -> Result<String> {
             Value::Integer(i64::try_from(base.kafka.transaction_interval_ms).unwrap_or(i64::MAX)),
         ),
         (
+            "transaction_timeout_ms",
+            Value::Integer(i64::try_from(base.kafka.transaction_timeout_ms).unwrap_or(i64::MAX)),
+        ),
+        (
             "progress_topic",
             Value::String(base.kafka.progress_topic.clone()),
         ),

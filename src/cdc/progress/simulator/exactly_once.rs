@@ -6,6 +6,13 @@
 //! process discards them), the poison table, a slot, the relay's position table, and a
 //! process that is killed, loses its connection, or sees commits and aborts fail.
 //!
+//! The shell's record store is the relay's own ([`Records`]): a record is kept from
+//! admission until the core resolves its event, marked at an ack, dropped when its
+//! poison row commits, and every `Produce` the core hands out must find its record
+//! (a produce without one is the silent loss of an aborted transaction's acked
+//! event, which the simulator reports). A produce that found its record is reported
+//! sent ([`Core::produce_sent`]), as the shell does.
+//!
 //! After every step it checks, against the committed log: no record is committed
 //! twice (exactly once, across every crash), per-key order in the committed log, the
 //! watermark, the saved position and the slot never pass an event that is neither
@@ -56,6 +63,8 @@ struct Sim {
     core: Core,
     server: Server,
     ids: HashMap<EventId, (usize, usize)>,
+    /// The shell's records of the current core's events.
+    records: Records<(usize, usize)>,
     /// Produced and not reported yet (current producer).
     in_flight: Vec<EventId>,
     /// Produced in the open Kafka transaction, in produce order (the order a
@@ -121,6 +130,7 @@ impl Sim {
             wal,
             now,
             ids: HashMap::new(),
+            records: Records::default(),
             in_flight: Vec::new(),
             txn_records: Vec::new(),
             txn_failed: false,
@@ -207,6 +217,7 @@ impl Sim {
                 id.map(|id| {
                     self.log(|| format!("admit {id} ({i}, {k}) key {}", e.key));
                     self.ids.insert(id, (i, k));
+                    self.records.admitted(&self.core, id, (i, k));
                     if self.core.origin(id).is_none() {
                         self.stats.resumed_skips += 1;
                         if !self.durable((i, k)) {
@@ -228,6 +239,7 @@ impl Sim {
     }
 
     fn drain_actions(&mut self) {
+        self.records.forget_resolved(&mut self.core, |_, _| {});
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, .. } if self.recorded_before(id) => {
@@ -239,6 +251,7 @@ impl Sim {
                     self.core.refuse(id, self.now);
                 }
                 Action::InsertPoison { id, .. } if self.recorded_before(id) => {
+                    self.records.remove(id);
                     self.core.poison_committed(id, self.now);
                 }
                 Action::Produce { id, attempt } => {
@@ -246,6 +259,10 @@ impl Sim {
                     if self.ending != Ending::None {
                         self.fail("produced while the transaction is being ended");
                     }
+                    if let Err(e) = self.records.to_produce(id, attempt) {
+                        self.fail(&format!("{e} ({:?})", self.ids.get(&id)));
+                    }
+                    self.core.produce_sent(id);
                     self.in_flight.push(id);
                     if let Some(&ik) = self.ids.get(&id) {
                         self.txn_records.push((ik, false));
@@ -314,7 +331,9 @@ impl Sim {
                 if let Some(r) = self.txn_records.iter_mut().rev().find(|(r, _)| *r == ik) {
                     r.1 = true;
                 }
+                self.records.acked(id, now);
                 self.core.delivered(id, now);
+                self.records.forget_resolved(&mut self.core, |_, _| {});
             }
             85..92 => {
                 self.txn_failed = true;
@@ -439,6 +458,7 @@ impl Sim {
                 self.late_poisoned.insert(ik);
             }
             self.stats.poisoned += 1;
+            self.records.remove(id);
             self.core.poison_committed(id, self.now);
         } else {
             self.core.poison_insert_failed(id, self.now);
@@ -469,6 +489,7 @@ impl Sim {
             self.core.resume_from(mark);
         }
         self.ids.clear();
+        self.records.clear();
         self.stale_inserts.clear();
         self.recorded = self.poisoned.clone();
         self.server = Server::connect(&self.wal, from);
@@ -500,6 +521,7 @@ impl Sim {
         let placeholder = Core::new(self.cfg.clone(), Lsn::ZERO, self.now);
         let old = std::mem::replace(&mut self.core, placeholder);
         self.core = old.restart(from, self.now);
+        self.records.clear();
         // Every session start reads the last committed record and merges it.
         if let Some(mark) = &self.progress {
             self.core.resume_from(mark);
