@@ -407,6 +407,11 @@ pub struct KafkaConfig {
     /// the slot name), written in every Kafka transaction; `migrate` creates it.
     #[serde(default = "default_progress_topic")]
     pub progress_topic: String,
+    /// Exactly-once: the replication factor `migrate` creates the progress topic
+    /// with; unset, the cluster's `default.replication.factor` (never 1 silently:
+    /// with `min.insync.replicas = 2` a topic of one replica refuses every commit).
+    #[serde(default)]
+    pub progress_topic_replication_factor: Option<i16>,
 }
 
 /// `kafka.delivery`: what a consumer of the topics sees after a crash.
@@ -1154,6 +1159,14 @@ impl Config {
                 kafka.progress_topic
             ));
         }
+        if let Some(factor) = kafka.progress_topic_replication_factor
+            && factor < 1
+        {
+            return invalid(format!(
+                "kafka.progress_topic_replication_factor = {factor}: use 1 or more, or leave it \
+                 out for the cluster's default.replication.factor"
+            ));
+        }
         Ok(())
     }
 }
@@ -1465,6 +1478,10 @@ impl fmt::Debug for KafkaConfig {
             .field("transaction_interval_ms", &self.transaction_interval_ms)
             .field("transaction_timeout_ms", &self.transaction_timeout_ms)
             .field("progress_topic", &self.progress_topic)
+            .field(
+                "progress_topic_replication_factor",
+                &self.progress_topic_replication_factor,
+            )
             .finish()
     }
 }

@@ -11,7 +11,12 @@
 //! `migrate` creates `kafka.progress_topic` when `kafka.delivery = "exactly-once"`:
 //! one partition (every relay's record is small and keyed by its slot), compacted
 //! (only each slot's latest record matters), with the connection settings of
-//! `kafka.producer` (a production cluster wants its SASL and TLS).
+//! `kafka.producer` (a production cluster wants its SASL and TLS). Its replication
+//! factor is `kafka.progress_topic_replication_factor`, or else the cluster's
+//! `default.replication.factor` (a factor of -1 in CreateTopics, KIP-464): never 1
+//! by default, because a progress topic with fewer replicas than the cluster's
+//! `min.insync.replicas` refuses the record written in every commit, and one on a
+//! single broker stops every commit when that broker goes.
 
 use std::time::Duration;
 
@@ -21,6 +26,10 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use super::error::{BrokerError, BrokerUnavailable};
 use crate::config::KafkaConfig;
+
+/// A replication factor of -1: the cluster's `default.replication.factor` (KIP-464,
+/// CreateTopics v4 and later).
+const BROKER_DEFAULT_REPLICATION: i32 = -1;
 
 /// How long the broker may take to create the topic.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,8 +62,15 @@ pub(crate) async fn create_topic(
 /// [`BrokerError::Unavailable`] when the request fails or the broker refuses.
 pub async fn create_progress_topic(kafka: &KafkaConfig) -> Result<(), BrokerError> {
     let cfg = super::consumer::connection_config(kafka);
-    let topic = NewTopic::new(&kafka.progress_topic, 1, TopicReplication::Fixed(1))
-        .set("cleanup.policy", "compact");
+    let replication = kafka
+        .progress_topic_replication_factor
+        .map_or(BROKER_DEFAULT_REPLICATION, i32::from);
+    let topic = NewTopic::new(
+        &kafka.progress_topic,
+        1,
+        TopicReplication::Fixed(replication),
+    )
+    .set("cleanup.policy", "compact");
     create(&cfg, &kafka.brokers, &topic).await
 }
 

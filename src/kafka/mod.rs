@@ -14,6 +14,7 @@
 //! | `publisher.rs` | [`Publisher`], [`DeliveryReport`], [`SendRejected`] | the librdkafka callback plumbing |
 //! | `idle_flush.rs` | ends `linger.ms` early when the relay's stream goes idle | a blocking librdkafka call on a thread of its own |
 //! | `admin.rs` | `create_topic`, `create_progress_topic` | for the tools, and `migrate`'s progress topic: the relay never creates event topics |
+//! | `progress_topic.rs` | [`ProgressTopicLayout`], [`judge_progress_topic`] | what exactly-once needs of the progress topic and the coordinator, for `check` and `run` |
 //! | `error.rs` | [`BrokerError`]: set-up failures with their exit codes | this layer sits below [`crate::error`] |
 //!
 //! # Driving it
@@ -48,6 +49,7 @@ mod config;
 mod consumer;
 mod error;
 mod idle_flush;
+mod progress_topic;
 mod publisher;
 mod topic_limits;
 mod transactions;
@@ -60,6 +62,8 @@ pub use config::{compresses, linger, producer_config, report_capacity};
 pub use consumer::{Isolation, ReaderContext, reader_config};
 pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
+pub(crate) use progress_topic::describe as describe_progress_topic;
+pub use progress_topic::{LayoutProblem, ProgressTopicLayout, judge as judge_progress_topic};
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
 pub(crate) use publisher::{PRODUCE_REQUESTS, RECORDS_TRANSMITTED};
 pub(crate) use topic_limits::{TopicLimits, read_limits};

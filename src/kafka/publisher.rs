@@ -627,6 +627,48 @@ impl Publisher {
         .map_err(BrokerError::CheckTask)?
     }
 
+    /// `topic`'s partitions and fewest replicas, the cluster's broker count and one
+    /// broker's id, from one metadata request for all topics (see
+    /// [`Publisher::topic_partitions`]); `None` when the topic does not exist.
+    ///
+    /// # Errors
+    ///
+    /// As [`Publisher::check_broker`].
+    pub async fn topic_layout(
+        &self,
+        topic: &str,
+        timeout: Duration,
+    ) -> Result<Option<(super::ProgressTopicLayout, Option<i32>)>, BrokerError> {
+        let producer = Arc::clone(&self.producer);
+        let brokers = self.brokers.clone();
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
+            let Some(t) = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic && t.error().is_none())
+            else {
+                return Ok(None);
+            };
+            let layout = super::ProgressTopicLayout {
+                partitions: t.partitions().len(),
+                replicas: t
+                    .partitions()
+                    .iter()
+                    .map(|p| p.replicas().len())
+                    .min()
+                    .unwrap_or(0),
+                brokers: metadata.brokers().len(),
+                ..super::ProgressTopicLayout::default()
+            };
+            let broker_id = metadata.brokers().first().map(|b| b.id());
+            Ok(Some((layout, broker_id)))
+        })
+        .await
+        .map_err(BrokerError::CheckTask)?
+    }
+
     /// Queues the record of an outbox event (the record contract of `docs/architecture.md#the-kafka-record`,
     /// shared by the relay, the poller and `replay`); see [`Publisher::send`].
     pub(crate) fn send_event(

@@ -88,6 +88,15 @@ pub enum TransactionError {
         code: RDKafkaErrorCode,
         message: String,
     },
+    /// The cluster refuses this relay's transactions for a reason no retry and no new
+    /// producer can change (a timeout above the coordinator's maximum, a missing
+    /// ACL): the operator must act.
+    #[error("the cluster refuses this relay's Kafka transactions ({code:?}: {message}); {fix}")]
+    Refused {
+        code: RDKafkaErrorCode,
+        message: String,
+        fix: &'static str,
+    },
     /// The producer is unusable (not fenced): replace it.
     #[error("the transactional producer failed fatally ({code:?}: {message})")]
     Fatal {
@@ -115,7 +124,9 @@ impl TransactionError {
     pub fn needs_operator(&self) -> bool {
         matches!(
             self,
-            TransactionError::Fenced { .. } | TransactionError::Unsupported { .. }
+            TransactionError::Fenced { .. }
+                | TransactionError::Unsupported { .. }
+                | TransactionError::Refused { .. }
         )
     }
 
@@ -163,6 +174,11 @@ impl TransactionError {
             | RDKafkaErrorCode::UnsupportedForMessageFormat => {
                 TransactionError::Unsupported { code, message }
             }
+            code if refusal_fix(code).is_some() => TransactionError::Refused {
+                code,
+                message,
+                fix: refusal_fix(code).unwrap_or_default(),
+            },
             _ if flags.fatal => TransactionError::Fatal { code, message },
             _ if flags.abortable => TransactionError::Abortable { code, message },
             _ if flags.retriable || code == RDKafkaErrorCode::OperationTimedOut => {
@@ -171,6 +187,25 @@ impl TransactionError {
             _ => TransactionError::Abortable { code, message },
         }
     }
+}
+
+/// The fix for a refusal no retry can change, or `None` for any other code.
+fn refusal_fix(code: RDKafkaErrorCode) -> Option<&'static str> {
+    Some(match code {
+        RDKafkaErrorCode::InvalidTransactionTimeout => {
+            "kafka.transaction_timeout_ms is above the brokers' transaction.max.timeout.ms: \
+             lower it, or raise transaction.max.timeout.ms (`outbox-relay check` shows both)"
+        }
+        RDKafkaErrorCode::TransactionalIdAuthorizationFailed => {
+            "grant the relay's principal WRITE and DESCRIBE on the TransactionalId \
+             outbox-relay.<slot> (a prefixed ACL on `outbox-relay.` covers every slot)"
+        }
+        RDKafkaErrorCode::ClusterAuthorizationFailed => {
+            "grant the relay's principal IDEMPOTENT_WRITE on the cluster (older brokers need it \
+             for transactional producers)"
+        }
+        _ => return None,
+    })
 }
 
 /// What librdkafka says about a transactional error, beside its code.
@@ -334,5 +369,27 @@ mod tests {
             TransactionError::classify("t", &fenced),
             TransactionError::Fenced { .. }
         ));
+    }
+
+    #[test]
+    fn refusals_no_retry_can_fix_end_the_process_with_their_fix() {
+        for (code, fix) in [
+            (
+                RDKafkaErrorCode::InvalidTransactionTimeout,
+                "transaction.max.timeout.ms",
+            ),
+            (
+                RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
+                "TransactionalId",
+            ),
+            (
+                RDKafkaErrorCode::ClusterAuthorizationFailed,
+                "IDEMPOTENT_WRITE",
+            ),
+        ] {
+            let e = TransactionError::classify("t", &KafkaError::Global(code));
+            assert!(e.needs_operator(), "{code:?}: {e}");
+            assert!(e.to_string().contains(fix), "{code:?}: {e}");
+        }
     }
 }

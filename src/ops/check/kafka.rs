@@ -274,17 +274,9 @@ pub(super) async fn delivery(publisher: &Publisher, config: &Config) -> Check {
         );
     }
     let topic = &config.kafka.progress_topic;
-    match publisher.topic_partitions(TIMEOUT).await {
-        Ok(topics) if topics.contains_key(topic) => Check::ok(
-            NAME,
-            format!(
-                "exactly-once: read_committed consumers see each event once; progress in \
-                 {topic:?} (transactions are tried by `run` at start; a resync after a \
-                 lost slot marks sent, without publishing them again, the rows whose \
-                 records the topic already holds)"
-            ),
-        ),
-        Ok(_) => Check::problem(
+    match publisher.topic_layout(topic, TIMEOUT).await {
+        Ok(Some((layout, broker_id))) => progress_topic(config, topic, layout, broker_id).await,
+        Ok(None) => Check::problem(
             NAME,
             format!("exactly-once, but the progress topic {topic:?} does not exist"),
             "run `outbox-relay migrate` (it creates it, compacted), or create it with \
@@ -295,5 +287,58 @@ pub(super) async fn delivery(publisher: &Publisher, config: &Config) -> Check {
             format!("exactly-once, but the progress topic could not be looked up: {e}"),
             "see kafka.broker",
         ),
+    }
+}
+
+/// `kafka.delivery` in exactly-once mode once the progress topic exists: its shape
+/// and the coordinator's timeout limit (`kafka::progress_topic`).
+async fn progress_topic(
+    config: &Config,
+    topic: &str,
+    layout: crate::kafka::ProgressTopicLayout,
+    broker_id: Option<i32>,
+) -> Check {
+    const NAME: &str = "kafka.delivery";
+    let layout = match crate::kafka::producer_config(&config.kafka, &config.relay) {
+        Ok(producer) => {
+            crate::kafka::describe_progress_topic(&producer, topic, broker_id, layout).await
+        }
+        Err(_) => layout,
+    };
+    let (problems, warning) =
+        crate::kafka::judge_progress_topic(&layout, config.kafka.transaction_timeout_ms);
+    if let Some(first) = problems.first() {
+        let detail = problems
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        let fix = problems
+            .iter()
+            .map(|p| p.fix(topic))
+            .collect::<Vec<_>>()
+            .join("; ");
+        tracing::debug!(first = %first, "the progress topic is not fit for exactly-once");
+        return Check::problem(NAME, format!("exactly-once, but {detail}"), fix);
+    }
+    let detail = format!(
+        "exactly-once: read_committed consumers see each event once; progress in {topic:?} \
+         ({} partition, {} replica(s), cleanup.policy {}; transactions are tried by `run` at \
+         start; a resync after a lost slot marks sent, without publishing them again, the \
+         rows whose records the topic already holds)",
+        layout.partitions,
+        layout.replicas,
+        layout.cleanup_policy.as_deref().unwrap_or("not told"),
+    );
+    match warning {
+        Some(warning) => Check::warn(
+            NAME,
+            format!("{detail}; {warning}"),
+            format!(
+                "raise {topic:?}'s replication factor (kafka.progress_topic_replication_factor \
+                 for a new one)"
+            ),
+        ),
+        None => Check::ok(NAME, detail),
     }
 }
