@@ -321,7 +321,20 @@ fn produce_partition(
     first.ok_or_else(|| (code(ResponseError::InvalidRecord), "no batch".into()))
 }
 
+/// The message of a partition answered with an injected error.
+const INJECTED: &str = "injected by the dev broker's fail-produce";
+
 pub(super) fn produce(b: &mut Broker, req: ProduceRequest) -> ProduceResponse {
+    let touched: Vec<(String, i32)> = req
+        .topic_data
+        .iter()
+        .flat_map(|t| {
+            t.partition_data
+                .iter()
+                .map(|p| (t.name.0.to_string(), p.index))
+        })
+        .collect();
+    let mut injected = b.faults.take_produce(&touched).into_iter();
     let mut r = ProduceResponse::default();
     for t in req.topic_data {
         let name = t.name.0.to_string();
@@ -332,7 +345,11 @@ pub(super) fn produce(b: &mut Broker, req: ProduceRequest) -> ProduceResponse {
                 .with_index(p.index)
                 .with_log_append_time_ms(-1)
                 .with_log_start_offset(0);
-            match produce_partition(b, &name, p.index, p.records.as_ref()) {
+            let outcome = match injected.next().flatten() {
+                Some(error_code) => Err((error_code, INJECTED.to_owned())),
+                None => produce_partition(b, &name, p.index, p.records.as_ref()),
+            };
+            match outcome {
                 Ok(base_offset) => pr.base_offset = base_offset,
                 Err((error_code, message)) => {
                     tracing::debug!(topic = %name, partition = p.index, error_code, %message, "produce refused");
@@ -498,12 +515,21 @@ pub(super) fn offset_for_leader_epoch(
 }
 
 pub(super) fn find_coordinator(
-    b: &Broker,
+    b: &mut Broker,
     req: &FindCoordinatorRequest,
 ) -> FindCoordinatorResponse {
     let mut r = FindCoordinatorResponse::default();
+    let injected = if req.key_type == 1 {
+        b.faults.take_coordinator("FindCoordinator")
+    } else {
+        None
+    };
     // 0: group, 1: transaction; this broker coordinates both.
-    if req.key_type == 0 || req.key_type == 1 {
+    if let Some(error_code) = injected {
+        r.error_code = error_code;
+        r.node_id = BrokerId(-1);
+        r.port = -1;
+    } else if req.key_type == 0 || req.key_type == 1 {
         r.node_id = BrokerId(NODE_ID);
         r.host = s(&b.settings.host);
         r.port = b.settings.port;
@@ -522,6 +548,14 @@ pub(super) fn init_producer_id(
 ) -> InitProducerIdResponse {
     let mut r = InitProducerIdResponse::default();
     let tid = req.transactional_id.as_ref().map(|t| t.0.as_str());
+    if tid.is_some()
+        && let Some(error_code) = b.faults.take_coordinator("InitProducerId")
+    {
+        r.error_code = error_code;
+        r.producer_id = ProducerId(-1);
+        r.producer_epoch = -1;
+        return r;
+    }
     match b.coordinator.init_producer_id(
         tid,
         req.transaction_timeout_ms,
@@ -573,9 +607,13 @@ pub(super) fn add_partitions_to_txn(
             })
         })
         .collect();
+    let injected = b.faults.take_coordinator("AddPartitionsToTxn");
     let missing = |tp: &TopicPartition| b.topics.partition(&tp.topic, tp.partition).is_none();
-    let any_missing = wanted.iter().any(missing);
-    let mut per_partition: Vec<(TopicPartition, i16)> = if any_missing {
+    let any_missing = injected.is_none() && wanted.iter().any(missing);
+    let mut per_partition: Vec<(TopicPartition, i16)> = if let Some(c) = injected {
+        // Request-level: every partition gets it, nothing is added.
+        wanted.iter().map(|tp| (tp.clone(), c)).collect()
+    } else if any_missing {
         // As Kafka: the unknown ones fail, the others are not attempted.
         wanted
             .iter()
@@ -591,7 +629,7 @@ pub(super) fn add_partitions_to_txn(
     } else {
         Vec::new()
     };
-    if !any_missing {
+    if injected.is_none() && !any_missing {
         let outcome = b.coordinator.add_partitions(
             &tid,
             req.v3_and_below_producer_id.0,
@@ -635,6 +673,10 @@ pub(super) fn add_offsets_to_txn(
     now: Instant,
 ) -> AddOffsetsToTxnResponse {
     let mut r = AddOffsetsToTxnResponse::default();
+    if let Some(error_code) = b.faults.take_coordinator("AddOffsetsToTxn") {
+        r.error_code = error_code;
+        return r;
+    }
     if let Err(e) = b.coordinator.add_offsets(
         req.transactional_id.0.as_str(),
         req.producer_id.0,
@@ -699,6 +741,10 @@ pub(super) fn txn_offset_commit(
 pub(super) fn end_txn(b: &mut Broker, req: &EndTxnRequest, version: i16) -> EndTxnResponse {
     let mut r = EndTxnResponse::default();
     let tid = req.transactional_id.0.as_str();
+    if let Some(error_code) = b.faults.take_end_txn() {
+        r.error_code = error_code;
+        return r;
+    }
     match b
         .coordinator
         .end_txn(tid, req.producer_id.0, req.producer_epoch, req.committed)
@@ -1106,6 +1152,186 @@ mod tests {
         assert_eq!(
             fetch_one(&b, 7, 0, 0).error_code,
             code(ResponseError::UnknownTopicOrPartition)
+        );
+    }
+
+    fn arm(b: &mut Broker, line: &str) -> String {
+        let command = super::super::faults::parse(line).expect(line);
+        b.control(command, Instant::now())
+    }
+
+    fn add_partitions(b: &mut Broker, tid: &str, pid: i64, epoch: i16) -> Vec<i16> {
+        let req = AddPartitionsToTxnRequest::default()
+            .with_v3_and_below_transactional_id(TransactionalId(s(tid)))
+            .with_v3_and_below_producer_id(ProducerId(pid))
+            .with_v3_and_below_producer_epoch(epoch)
+            .with_v3_and_below_topics(vec![
+                kafka_protocol::messages::add_partitions_to_txn_request::AddPartitionsToTxnTopic::default()
+                    .with_name(TopicName(s("t")))
+                    .with_partitions(vec![0, 1]),
+            ]);
+        add_partitions_to_txn(b, req, 3, Instant::now())
+            .results_by_topic_v3_and_below
+            .iter()
+            .flat_map(|t| {
+                t.results_by_partition
+                    .iter()
+                    .map(|p| p.partition_error_code)
+            })
+            .collect()
+    }
+
+    fn end(b: &mut Broker, tid: &str, pid: i64, epoch: i16, commit: bool) -> i16 {
+        let req = EndTxnRequest::default()
+            .with_transactional_id(TransactionalId(s(tid)))
+            .with_producer_id(ProducerId(pid))
+            .with_producer_epoch(epoch)
+            .with_committed(commit);
+        end_txn(b, &req, 3).error_code
+    }
+
+    #[test]
+    fn fail_produce_answers_the_error_once_then_appends() {
+        let mut b = broker();
+        let (issued, _) = b
+            .coordinator
+            .init_producer_id(None, 0, -1, -1)
+            .expect("init");
+        let pid = issued.producer_id;
+        let reply = arm(&mut b, "fail-produce t 0 NOT_LEADER_OR_FOLLOWER");
+        assert_eq!(reply, "t 0 NOT_LEADER_OR_FOLLOWER (6) x1");
+        // The other partition is not touched.
+        assert_eq!(
+            produce_one(&mut b, 1, produced(pid, 0, 0, 1, false)),
+            (0, 0)
+        );
+        assert_eq!(
+            produce_one(&mut b, 0, produced(pid, 0, 0, 2, false)),
+            (code(ResponseError::NotLeaderOrFollower), -1)
+        );
+        assert_eq!(fetch_one(&b, 0, 0, 0).high_watermark, 0, "nothing appended");
+        // The retry (same sequence) is appended, at offset 0.
+        assert_eq!(
+            produce_one(&mut b, 0, produced(pid, 0, 0, 2, false)),
+            (0, 0)
+        );
+        assert_eq!(fetch_one(&b, 0, 0, 0).high_watermark, 2);
+        // Numeric codes, `*`, counts.
+        arm(&mut b, "fail-produce t * 44 2");
+        for _ in 0..2 {
+            assert_eq!(
+                produce_one(&mut b, 1, produced(pid, 0, 1, 1, false)),
+                (44, -1)
+            );
+        }
+        assert_eq!(
+            produce_one(&mut b, 1, produced(pid, 0, 1, 1, false)),
+            (0, 1)
+        );
+    }
+
+    #[test]
+    fn end_txn_error_leaves_the_transaction_open() {
+        let mut b = broker();
+        let (pid, epoch) = init(&mut b, "x");
+        assert_eq!(add_partitions(&mut b, "x", pid, epoch), vec![0, 0]);
+        assert_eq!(
+            produce_one(&mut b, 0, produced(pid, epoch, 0, 1, true)),
+            (0, 0)
+        );
+        arm(&mut b, "end-txn-error CONCURRENT_TRANSACTIONS 2");
+        for commit in [true, false] {
+            assert_eq!(
+                end(&mut b, "x", pid, epoch, commit),
+                code(ResponseError::ConcurrentTransactions)
+            );
+        }
+        let open = fetch_one(&b, 0, 0, 1);
+        assert_eq!((open.high_watermark, open.last_stable_offset), (1, 0));
+        // Still open: more records go in, then the commit goes through.
+        assert_eq!(
+            produce_one(&mut b, 1, produced(pid, epoch, 0, 1, true)),
+            (0, 0)
+        );
+        assert_eq!(end(&mut b, "x", pid, epoch, true), 0);
+        let committed = fetch_one(&b, 0, 0, 1);
+        assert_eq!(
+            (committed.high_watermark, committed.last_stable_offset),
+            (2, 2)
+        );
+    }
+
+    #[test]
+    fn coordinator_error_changes_no_state() {
+        let mut b = broker();
+        let (pid, epoch) = init(&mut b, "x");
+        arm(&mut b, "coordinator-error NOT_COORDINATOR 5");
+        let not_coordinator = code(ResponseError::NotCoordinator);
+        // Group lookups and idempotent producers are not the transaction
+        // coordinator's: untouched, and they spend nothing.
+        let group = FindCoordinatorRequest::default().with_key_type(0);
+        assert_eq!(find_coordinator(&mut b, &group).error_code, 0);
+        let idempotent = InitProducerIdRequest::default()
+            .with_transactional_id(None)
+            .with_producer_id(ProducerId(-1))
+            .with_producer_epoch(-1);
+        assert_eq!(init_producer_id(&mut b, &idempotent, 4).error_code, 0);
+
+        let txn = FindCoordinatorRequest::default()
+            .with_key_type(1)
+            .with_key(s("x"));
+        let found = find_coordinator(&mut b, &txn);
+        assert_eq!((found.error_code, found.node_id.0), (not_coordinator, -1));
+        let req = InitProducerIdRequest::default()
+            .with_transactional_id(Some(TransactionalId(s("x"))))
+            .with_transaction_timeout_ms(60_000)
+            .with_producer_id(ProducerId(-1))
+            .with_producer_epoch(-1);
+        assert_eq!(
+            init_producer_id(&mut b, &req, 4).error_code,
+            not_coordinator
+        );
+        assert_eq!(
+            add_partitions(&mut b, "x", pid, epoch),
+            vec![not_coordinator, not_coordinator]
+        );
+        // Not added: a transactional produce is refused.
+        assert_eq!(
+            produce_one(&mut b, 0, produced(pid, epoch, 0, 1, true)).0,
+            code(ResponseError::InvalidTxnState)
+        );
+        let offsets = AddOffsetsToTxnRequest::default()
+            .with_transactional_id(TransactionalId(s("x")))
+            .with_producer_id(ProducerId(pid))
+            .with_producer_epoch(epoch);
+        assert_eq!(
+            add_offsets_to_txn(&mut b, &offsets, 3, Instant::now()).error_code,
+            not_coordinator
+        );
+        assert_eq!(end(&mut b, "x", pid, epoch, false), not_coordinator);
+        // Spent: the epoch was not bumped by the refused InitProducerId.
+        assert_eq!(add_partitions(&mut b, "x", pid, epoch), vec![0, 0]);
+        assert_eq!(find_coordinator(&mut b, &txn).error_code, 0);
+    }
+
+    #[test]
+    fn abort_transactions_aborts_and_fences() {
+        let mut b = broker();
+        let (pid, epoch) = init(&mut b, "x");
+        assert_eq!(arm(&mut b, "abort-transactions"), "0 aborted");
+        add_partitions(&mut b, "x", pid, epoch);
+        assert_eq!(
+            produce_one(&mut b, 0, produced(pid, epoch, 0, 1, true)),
+            (0, 0)
+        );
+        assert_eq!(arm(&mut b, "abort-transactions"), "1 aborted");
+        let after = fetch_one(&b, 0, 0, 1);
+        // The record and the ABORT marker, both settled.
+        assert_eq!((after.high_watermark, after.last_stable_offset), (2, 2));
+        assert_eq!(after.aborted_transactions.map(|a| a.len()), Some(1));
+        assert_eq!(
+            end(&mut b, "x", pid, epoch, true),
+            code(ResponseError::ProducerFenced)
         );
     }
 

@@ -24,6 +24,12 @@
 //! lists, long polling), ListOffsets, and the committed offsets a consumer that
 //! `assign()`s partitions uses.
 //!
+//! With `--control HOST:PORT` it also listens for plain-text commands that make
+//! it misbehave on purpose, as a real cluster does during a rolling restart, a
+//! coordinator failover or a stall: errors on chosen partitions, late or lost
+//! acknowledgements, a paused broker, aborted transactions, coordinator errors
+//! (`faults.rs` has the commands, and what librdkafka does with each).
+//!
 //! # What it does not do
 //!
 //! No replication (one node, id 1, leader epoch 0), no persistence beyond the
@@ -43,10 +49,13 @@
 //!                                               │             ├─ batch (v2 headers, markers)
 //!                                               │             └─ sequence (idempotence)
 //!                                               ├─ txn (producer ids, transactions)
-//!                                               └─ groups (committed offsets)
+//!                                               ├─ groups (committed offsets)
+//!  control TCP ──► server ──► faults::parse ──► └─ faults (armed; spent by handlers,
+//!                                                  and by server for acks and stalls)
 //! ```
 
 mod batch;
+mod faults;
 mod groups;
 mod handlers;
 mod log;
@@ -84,6 +93,13 @@ pub struct DevBrokerArgs {
     /// (`--auto-create-topics false` to turn off).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub auto_create_topics: bool,
+    /// Also listen here (port 0 picks a free port) for fault-injection commands,
+    /// one a line (`fail-produce`, `delay-acks`, `drop-acks`, `stall`,
+    /// `abort-transactions`, `coordinator-error`, `end-txn-error`, `reset`); prints
+    /// `control on <host:port>` after the first line. For tests: no
+    /// authentication, so keep it on loopback.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub control: Option<String>,
 }
 
 /// Why the broker could not start.
@@ -118,8 +134,8 @@ fn advertised(bound: SocketAddr) -> (String, i32) {
     (ip.to_string(), i32::from(bound.port()))
 }
 
-/// Binds, prints `listening on <host:port>` on stdout, and serves until `shutdown`
-/// completes.
+/// Binds, prints `listening on <host:port>` on stdout (then `control on
+/// <host:port>` with `--control`), and serves until `shutdown` completes.
 pub async fn run(
     args: &DevBrokerArgs,
     shutdown: impl Future<Output = ()>,
@@ -135,6 +151,18 @@ pub async fn run(
         .await
         .map_err(listen_error)?;
     let bound = listener.local_addr().map_err(listen_error)?;
+    let control = match &args.control {
+        Some(address) => {
+            let control_error = |source| DevBrokerError::Listen {
+                address: address.clone(),
+                source,
+            };
+            let listener = TcpListener::bind(address).await.map_err(control_error)?;
+            let bound = listener.local_addr().map_err(control_error)?;
+            Some((listener, bound))
+        }
+        None => None,
+    };
     let (host, port) = advertised(bound);
     let shared = Arc::new(Shared::new(Broker::new(Settings {
         host,
@@ -144,6 +172,19 @@ pub async fn run(
     })));
     println!("listening on {bound}");
     tracing::info!(address = %bound, partitions = args.partitions, auto_create_topics = args.auto_create_topics, "dev broker started");
+    let control = {
+        let shared = Arc::clone(&shared);
+        if let Some((_, control_bound)) = &control {
+            println!("control on {control_bound}");
+            tracing::info!(address = %control_bound, "fault-injection control listener started");
+        }
+        async move {
+            match control {
+                Some((listener, _)) => server::accept_control(listener, shared).await,
+                None => std::future::pending().await,
+            }
+        }
+    };
 
     let expiry = {
         let shared = Arc::clone(&shared);
@@ -159,6 +200,7 @@ pub async fn run(
     tokio::select! {
         () = shutdown => {}
         () = server::accept(listener, shared) => {}
+        () = control => {}
         () = expiry => {}
     }
     tracing::info!("dev broker stopped");

@@ -8,6 +8,10 @@
 //! client sends can panic the broker: lengths are checked before any slicing and the
 //! codecs return errors.
 //!
+//! The control listener (`--control`) takes one text command a line and answers
+//! one line each (see [`super::faults`]); a stall holds every broker connection
+//! but not the control ones.
+//!
 //! One known hole, upstream's: kafka-protocol 0.18 reserves a decoded array's
 //! capacity from the element count on the wire before checking that the bytes are
 //! there (kafka-protocol-rs pull requests #152, #161, #200, open), so a crafted
@@ -38,10 +42,11 @@ use kafka_protocol::messages::produce_request::ProduceRequest;
 use kafka_protocol::messages::txn_offset_commit_request::TxnOffsetCommitRequest;
 use kafka_protocol::messages::{ApiKey, ResponseHeader};
 use kafka_protocol::protocol::{Decodable, Encodable, decode_request_header_from_buffer};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use super::faults::{self, Ack};
 use super::handlers;
 use super::state::Broker;
 
@@ -75,11 +80,13 @@ pub(super) enum ConnectionError {
     },
 }
 
-/// The state shared by all connections, and the signal that wakes waiting fetches.
+/// The state shared by all connections, the signal that wakes waiting fetches,
+/// and the one that wakes requests held by a stall when the faults change.
 #[derive(Debug)]
 pub(super) struct Shared {
     broker: Mutex<Broker>,
     changes: watch::Sender<u64>,
+    faults_changed: watch::Sender<u64>,
 }
 
 impl Shared {
@@ -87,6 +94,7 @@ impl Shared {
         Shared {
             broker: Mutex::new(broker),
             changes: watch::Sender::new(0),
+            faults_changed: watch::Sender::new(0),
         }
     }
 
@@ -149,8 +157,101 @@ async fn serve(stream: TcpStream, shared: &Shared) -> Result<(), ConnectionError
         };
         let mut frame = vec![0; size];
         read.read_exact(&mut frame).await?;
+        // A stalled broker reads nothing, so handles nothing...
+        wait_out_stall(shared).await;
         if let Some(response) = handle(shared, Bytes::from(frame)).await? {
-            write.write_all(&response).await?;
+            if !response.delay.is_zero() {
+                tokio::time::sleep(response.delay).await;
+            }
+            // ...and answers nothing, not even what it had handled before.
+            wait_out_stall(shared).await;
+            write.write_all(&response.bytes).await?;
+        }
+    }
+}
+
+/// Returns once no stall is under way (at once if none is).
+async fn wait_out_stall(shared: &Shared) {
+    loop {
+        // Subscribed before reading: a `reset` after the read is not missed.
+        let mut changed = shared.faults_changed.subscribe();
+        let Some(until) = shared.with(|b| b.faults.hold(Instant::now())) else {
+            return;
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(until.into()) => {}
+            _ = changed.changed() => {}
+        }
+    }
+}
+
+/// Accepts control connections until the listener fails (the caller drops this
+/// future to stop).
+pub(super) async fn accept_control(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let shared = Arc::clone(&shared);
+                tokio::spawn(async move {
+                    if let Err(e) = control(stream, &shared).await {
+                        tracing::debug!(%peer, error = %e, "control connection closed");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed on the control listener");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One control connection: a reply line for every command line, until the
+/// client closes it (or sends a line longer than [`faults::MAX_LINE`]).
+async fn control(stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::new(read);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let limit = u64::try_from(faults::MAX_LINE).unwrap_or(u64::MAX);
+        let n = (&mut read).take(limit).read_until(b'\n', &mut line).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() != Some(&b'\n') && line.len() >= faults::MAX_LINE {
+            write
+                .write_all(
+                    format!("error line longer than {} bytes\n", faults::MAX_LINE).as_bytes(),
+                )
+                .await?;
+            return Ok(());
+        }
+        let reply = control_reply(shared, &line);
+        write.write_all(reply.as_bytes()).await?;
+    }
+}
+
+/// The reply line (with its newline) to one control line.
+fn control_reply(shared: &Shared, line: &[u8]) -> String {
+    let Ok(text) = std::str::from_utf8(line) else {
+        return "error not UTF-8\n".to_owned();
+    };
+    match faults::parse(text) {
+        Ok(command) => {
+            let detail = shared.with(|b| b.control(command, Instant::now()));
+            shared
+                .faults_changed
+                .send_modify(|n| *n = n.wrapping_add(1));
+            if detail.is_empty() {
+                "ok\n".to_owned()
+            } else {
+                format!("ok {detail}\n")
+            }
+        }
+        Err(e) => {
+            tracing::info!(command = %text.trim(), error = %e, "control command refused");
+            format!("error {e}\n")
         }
     }
 }
@@ -188,8 +289,25 @@ fn decode<R: Decodable>(api: ApiKey, version: i16, body: &mut Bytes) -> Result<R
     })
 }
 
-/// Handles one request frame; `None` when no response is due (Produce, acks=0).
-async fn handle(shared: &Shared, frame: Bytes) -> Result<Option<Bytes>, ConnectionError> {
+/// A response frame, and how long to hold it before writing it (`delay-acks`).
+#[derive(Debug)]
+struct Response {
+    bytes: Bytes,
+    delay: Duration,
+}
+
+impl From<Bytes> for Response {
+    fn from(bytes: Bytes) -> Response {
+        Response {
+            bytes,
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+/// Handles one request frame; `None` when no response is due (Produce with acks=0,
+/// or one whose ack `drop-acks` drops).
+async fn handle(shared: &Shared, frame: Bytes) -> Result<Option<Response>, ConnectionError> {
     // The frame is at least 8 bytes long (checked by the caller).
     let raw_key = i16::from_be_bytes([frame[0], frame[1]]);
     let version = i16::from_be_bytes([frame[2], frame[3]]);
@@ -205,7 +323,7 @@ async fn handle(shared: &Shared, frame: Bytes) -> Result<Option<Bytes>, Connecti
     tracing::trace!(?api, version, correlation_id = id, "request");
     if api == ApiKey::ApiVersions && !handlers::supported(api, version) {
         // KIP-511: answer in v0 so that any client can read the supported range.
-        return encode(api, 0, id, &handlers::api_versions(false)).map(Some);
+        return encode(api, 0, id, &handlers::api_versions(false)).map(|b| Some(b.into()));
     }
     if !handlers::supported(api, version) {
         return Err(ConnectionError::UnsupportedVersion { api, version });
@@ -221,11 +339,18 @@ async fn handle(shared: &Shared, frame: Bytes) -> Result<Option<Bytes>, Connecti
         ApiKey::Produce => {
             let req: ProduceRequest = decode(api, v, &mut body)?;
             let acks = req.acks;
-            let response = shared.with(|b| handlers::produce(b, req));
-            if acks == 0 {
-                return Ok(None);
-            }
-            encode(api, v, id, &response)?
+            let (response, ack) = shared.with(|b| {
+                let response = handlers::produce(b, req);
+                // acks=0 wants no response: nothing to drop or delay.
+                (response, (acks != 0).then(|| b.faults.produce_ack()))
+            });
+            return match ack {
+                None | Some(Ack::Drop) => Ok(None),
+                Some(Ack::Send { delay }) => Ok(Some(Response {
+                    bytes: encode(api, v, id, &response)?,
+                    delay,
+                })),
+            };
         }
         ApiKey::Fetch => {
             let req: FetchRequest = decode(api, v, &mut body)?;
@@ -316,7 +441,7 @@ async fn handle(shared: &Shared, frame: Bytes) -> Result<Option<Bytes>, Connecti
         // `supported` admits no other key.
         _ => return Err(ConnectionError::UnsupportedVersion { api, version }),
     };
-    Ok(Some(response))
+    Ok(Some(response.into()))
 }
 
 /// Fetch with long polling: answers once `min_bytes` are available, a partition
@@ -402,18 +527,99 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn drop_acks_and_delay_acks_shape_produce_responses() {
+        // Produce v3 by hand (the crate encodes no requests here): null
+        // transactional id, acks -1, timeout, topic "t", partition 0, null records.
+        let s = shared();
+        let mut body = BytesMut::new();
+        body.put_i16(-1);
+        body.put_i16(-1);
+        body.put_i32(1000);
+        body.put_i32(1);
+        body.put_i16(1);
+        body.put_slice(b"t");
+        body.put_i32(1);
+        body.put_i32(0);
+        body.put_i32(-1);
+        let produce = || frame(ApiKey::Produce as i16, 3, &body);
+        assert_eq!(control_reply(&s, b"drop-acks 1\n"), "ok x1\n");
+        assert_eq!(control_reply(&s, b"delay-acks 250\n"), "ok 250 ms\n");
+        assert!(
+            handle(&s, produce()).await.expect("handled").is_none(),
+            "the first ack is dropped"
+        );
+        let answered = handle(&s, produce())
+            .await
+            .expect("handled")
+            .expect("the second is answered");
+        assert_eq!(answered.delay, Duration::from_millis(250));
+        assert_eq!(&answered.bytes[4..8], &7i32.to_be_bytes(), "correlation id");
+        // Other APIs are never delayed.
+        let versions = handle(&s, frame(ApiKey::ApiVersions as i16, 3, &[0, 1, 1, 0]))
+            .await
+            .expect("v3")
+            .expect("a response");
+        assert_eq!(versions.delay, Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn a_stall_holds_until_it_ends_or_is_reset() {
+        let s = shared();
+        // No stall: at once.
+        tokio::time::timeout(Duration::from_secs(1), wait_out_stall(&s))
+            .await
+            .expect("not stalled");
+        assert_eq!(control_reply(&s, b"stall 150\n"), "ok 150 ms\n");
+        let started = Instant::now();
+        wait_out_stall(&s).await;
+        assert!(started.elapsed() >= Duration::from_millis(140));
+
+        assert_eq!(control_reply(&s, b"stall 60000\n"), "ok 60000 ms\n");
+        let held = wait_out_stall(&s);
+        tokio::pin!(held);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut held)
+                .await
+                .is_err(),
+            "held while stalled"
+        );
+        assert_eq!(control_reply(&s, b"reset\n"), "ok\n");
+        tokio::time::timeout(Duration::from_secs(1), held)
+            .await
+            .expect("released by reset");
+    }
+
+    #[test]
+    fn control_replies_to_garbage_with_an_error() {
+        let s = shared();
+        for line in [
+            &b"\n"[..],
+            b"nope\n",
+            b"\xff\xfe\n",
+            b"stall\n",
+            b"stall 1 2\n",
+        ] {
+            let reply = control_reply(&s, line);
+            assert!(
+                reply.starts_with("error ") && reply.ends_with('\n') && reply.lines().count() == 1,
+                "{line:?}: {reply:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
     async fn api_versions_in_any_version() {
         let s = shared();
         let v3 = handle(&s, frame(ApiKey::ApiVersions as i16, 3, &[0, 1, 1, 0]))
             .await
             .expect("v3")
             .expect("a response");
-        assert_eq!(&v3[4..8], &7i32.to_be_bytes(), "correlation id");
+        assert_eq!(&v3.bytes[4..8], &7i32.to_be_bytes(), "correlation id");
         // A version from the future gets an answer in v0 (error 35).
         let v9 = handle(&s, frame(ApiKey::ApiVersions as i16, 9, &[0]))
             .await
             .expect("v9")
             .expect("a response");
-        assert_eq!(&v9[8..10], &35i16.to_be_bytes());
+        assert_eq!(&v9.bytes[8..10], &35i16.to_be_bytes());
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::batch::MarkerType;
+use super::faults::{Command, Faults};
 use super::groups::{Committed, Offsets};
 use super::topics::{Topic, TopicError, Topics};
 use super::txn::{Coordinator, Markers, PendingOffset};
@@ -30,6 +31,8 @@ pub(super) struct Broker {
     pub(super) topics: Topics,
     pub(super) coordinator: Coordinator,
     pub(super) offsets: Offsets,
+    /// Faults armed through the control listener.
+    pub(super) faults: Faults,
     /// Incremented by every write to a log; a waiting Fetch re-reads when it moves.
     changes: u64,
 }
@@ -48,6 +51,7 @@ impl Broker {
             topics: Topics::default(),
             coordinator: Coordinator::default(),
             offsets: Offsets::default(),
+            faults: Faults::default(),
             changes: 0,
         }
     }
@@ -114,8 +118,30 @@ impl Broker {
         self.changed();
     }
 
-    /// Aborts the transactions open past their timeout.
+    /// Runs a control command; the detail of its `ok` reply.
+    pub(super) fn control(&mut self, command: Command, now: Instant) -> String {
+        if command != Command::AbortTransactions {
+            return self.faults.arm(command, now);
+        }
+        let aborted = self.coordinator.abort_all();
+        tracing::info!(open = aborted.len(), "fault armed: abort-transactions");
+        for markers in &aborted {
+            tracing::info!(
+                transactional_id = %markers.transactional_id,
+                producer_id = markers.producer_id,
+                "fault fired: abort-transactions: aborted, producer fenced"
+            );
+            self.end_transaction(markers, Vec::new());
+        }
+        format!("{} aborted", aborted.len())
+    }
+
+    /// Aborts the transactions open past their timeout (none while the broker is
+    /// stalled: a paused broker times nothing out).
     pub(super) fn expire_transactions(&mut self, now: Instant) {
+        if self.faults.stalled(now).is_some() {
+            return;
+        }
         for markers in self.coordinator.expire(now) {
             tracing::info!(
                 transactional_id = %markers.transactional_id,

@@ -444,12 +444,23 @@ impl Coordinator {
     /// Aborts every transaction open past its timeout, bumping its epoch (the
     /// abandoned producer is fenced). Returns the markers to write.
     pub(super) fn expire(&mut self, now: Instant) -> Vec<Markers> {
+        self.abort_open(|deadline| deadline <= now)
+    }
+
+    /// Aborts every open transaction as its timeout would (the control
+    /// listener's `abort-transactions`). Returns the markers to write.
+    pub(super) fn abort_all(&mut self) -> Vec<Markers> {
+        self.abort_open(|_| true)
+    }
+
+    /// Aborts the open transactions whose deadline is `due`, bumping the epoch.
+    fn abort_open(&mut self, due: impl Fn(Instant) -> bool) -> Vec<Markers> {
         let mut out = Vec::new();
         for (tid, txn) in &mut self.transactions {
             let State::Ongoing { deadline, .. } = &txn.state else {
                 continue;
             };
-            if *deadline > now {
+            if !due(*deadline) {
                 continue;
             }
             let old_producer_id = txn.producer_id;
@@ -637,6 +648,29 @@ mod tests {
             c.end_txn("x", p.producer_id, p.epoch, true),
             Err(TxnError::Fenced { .. })
         ));
+    }
+
+    #[test]
+    fn abort_all_aborts_only_open_transactions_and_fences() {
+        let mut c = Coordinator::default();
+        let now = Instant::now();
+        let open = init(&mut c, "open");
+        let idle = init(&mut c, "idle");
+        c.add_partitions("open", open.producer_id, open.epoch, [tp(0)], now)
+            .expect("add");
+        let aborted = c.abort_all();
+        assert_eq!(aborted.len(), 1);
+        assert_eq!(aborted[0].transactional_id, "open");
+        assert!(!aborted[0].commit);
+        assert_eq!(aborted[0].producer_epoch, open.epoch + 1);
+        assert!(c.abort_all().is_empty());
+        assert!(matches!(
+            c.end_txn("open", open.producer_id, open.epoch, true),
+            Err(TxnError::Fenced { .. })
+        ));
+        // The idle one was not touched.
+        c.add_partitions("idle", idle.producer_id, idle.epoch, [tp(0)], now)
+            .expect("the idle producer keeps its epoch");
     }
 
     #[test]
