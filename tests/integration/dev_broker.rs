@@ -2,7 +2,8 @@
 //! own code): committed and aborted transactions seen through read_committed and
 //! read_uncommitted consumers, the last stable offset holding readers back, fencing
 //! of an older producer with the same `transactional.id`, the broker aborting a
-//! transaction its producer abandoned, and the relay's idempotent at-least-once path.
+//! transaction its producer abandoned, the relay's idempotent at-least-once path,
+//! and a fault injected through the control listener.
 //!
 //! Each test starts its own broker process on a free port (no PostgreSQL, no
 //! `scripts/dev-env`) and kills it with SIGKILL when done: the broker is in-memory.
@@ -464,4 +465,57 @@ async fn dev_broker_serves_the_idempotent_at_least_once_path() {
         let prev = last.insert(r.partition, r.offset);
         assert_eq!(r.offset, prev.map_or(0, |p| p + 1), "{r:?}");
     }
+}
+
+#[tokio::test]
+async fn dev_broker_fail_produce_fails_one_delivery_then_appends() {
+    let broker = DevBroker::start();
+    let topic = unique("fault_produce");
+    broker.create_topic(&topic, 1).await;
+    let producer = broker.idempotent();
+    send(&producer, &topic, 0, "k0");
+    producer.flush(TIMEOUT).expect("flush k0");
+
+    // Retriable (a leader moving): librdkafka refreshes metadata and retries, the
+    // application sees nothing.
+    broker
+        .control(&format!("fail-produce {topic} 0 NOT_LEADER_OR_FOLLOWER 2"))
+        .await;
+    send(&producer, &topic, 0, "k1");
+    producer.flush(TIMEOUT).expect("flush k1");
+    assert_eq!(producer.context().delivered.load(Ordering::SeqCst), 2);
+    assert!(
+        broker.log().contains("fault fired: fail-produce"),
+        "log:\n{}",
+        broker.log()
+    );
+
+    // Permanent: that delivery fails with the error, the next one succeeds (the
+    // idempotent producer bumps its epoch and carries on).
+    let reply = broker
+        .control(&format!("fail-produce {topic} * POLICY_VIOLATION"))
+        .await;
+    assert_eq!(reply, format!("ok {topic} * POLICY_VIOLATION (44) x1"));
+    send(&producer, &topic, 0, "k2");
+    producer.flush(TIMEOUT).expect("flush k2");
+    let failed = producer.context().failed.lock().unwrap().clone();
+    let policy = RDKafkaErrorCode::PolicyViolation.to_string();
+    assert!(
+        failed.len() == 1 && failed[0].contains(&policy),
+        "expected one {policy} failure, got {failed:?}; log:\n{}",
+        broker.log()
+    );
+    send(&producer, &topic, 0, "k3");
+    producer.flush(TIMEOUT).expect("flush k3");
+    assert_eq!(producer.context().delivered.load(Ordering::SeqCst), 3);
+    assert_eq!(producer.context().failed.lock().unwrap().len(), 1);
+
+    let records = read(
+        &broker.consumer("read_committed", &topic, 1),
+        3,
+        Duration::from_millis(500),
+    );
+    expect_keys(&records, &[(0, &["k0", "k1", "k3"])]);
+    let offsets: Vec<i64> = records.iter().map(|r| r.offset).collect();
+    assert_eq!(offsets, vec![0, 1, 2], "nothing appended for the failures");
 }

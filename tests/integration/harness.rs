@@ -1310,10 +1310,13 @@ impl InProcessRelay {
 }
 
 /// `outbox-relay dev-broker` (the in-memory broker with transactions) as a child
-/// process on a free port.
+/// process on a free port, with its fault-injection control listener on another
+/// ([`DevBroker::control`]).
 pub struct DevBroker {
     child: Child,
     pub address: String,
+    /// The control listener (`--control`): one text command a line.
+    pub control_address: String,
     log_path: std::path::PathBuf,
     _stdout: BufReader<ChildStdout>,
 }
@@ -1323,31 +1326,70 @@ impl DevBroker {
         let log_path = std::env::temp_dir().join(format!("{}.log", unique("dev_broker")));
         let log = std::fs::File::create(&log_path).expect("create the broker log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-            .args(["dev-broker", "--listen", "127.0.0.1:0", "--partitions", "1"])
+            .args([
+                "dev-broker",
+                "--listen",
+                "127.0.0.1:0",
+                "--partitions",
+                "1",
+                "--control",
+                "127.0.0.1:0",
+            ])
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()
             .expect("spawn outbox-relay dev-broker");
         let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("read the first line");
-        let address = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| {
-                panic!(
-                    "expected `listening on <host:port>`, got {line:?}; log:\n{}",
-                    std::fs::read_to_string(&log_path).unwrap_or_default()
-                )
-            })
-            .to_owned();
+        let mut next_line = |prefix: &str| {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("read a line of stdout");
+            line.trim()
+                .strip_prefix(prefix)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "expected `{prefix}<host:port>`, got {line:?}; log:\n{}",
+                        std::fs::read_to_string(&log_path).unwrap_or_default()
+                    )
+                })
+                .to_owned()
+        };
+        let address = next_line("listening on ");
+        let control_address = next_line("control on ");
         DevBroker {
             child,
             address,
+            control_address,
             log_path,
             _stdout: stdout,
         }
+    }
+
+    /// Sends one command to the control listener (`fail-produce t 0
+    /// NOT_LEADER_OR_FOLLOWER`, `stall 500`, `reset`, ...) and returns its reply
+    /// line; panics, with the broker's log, on an `error` reply.
+    pub async fn control(&self, command: &str) -> String {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let stream = tokio::net::TcpStream::connect(&self.control_address)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.control_address));
+        let (read, mut write) = stream.into_split();
+        write
+            .write_all(format!("{command}\n").as_bytes())
+            .await
+            .expect("send the control command");
+        let mut reply = String::new();
+        tokio::io::BufReader::new(read)
+            .read_line(&mut reply)
+            .await
+            .expect("read the control reply");
+        let reply = reply.trim().to_owned();
+        assert!(
+            !reply.is_empty() && !reply.starts_with("error"),
+            "control {command:?} answered {reply:?}; log:\n{}",
+            self.log()
+        );
+        reply
     }
 
     pub fn log(&self) -> String {
