@@ -53,18 +53,23 @@
 //!   for followers): the records are appended (and readable) at once, the
 //!   acknowledgement comes late. The connection reads nothing meanwhile, as Kafka
 //!   mutes a connection until its response is sent; other connections, fetches
-//!   included, are served. Past `request.timeout.ms` the client times the request
-//!   out as `drop-acks` does.
+//!   included, are served. Past the client's request timeout it is timed out as
+//!   with `drop-acks`.
 //! - `drop-acks` imitates an acknowledgement lost after the append (a broker that
 //!   crashed or was partitioned between writing and answering). librdkafka times
-//!   the request out (`request.timeout.ms`, `ERR__TIMED_OUT`: *retriable*,
-//!   possibly persisted), drops the connection (`socket.max.fails` = 1), and
-//!   retries with the same sequence numbers; the broker recognises the duplicate
-//!   and answers with the original offset, so nothing is written twice.
+//!   the request out (`ERR__TIMED_OUT`: *retriable*, possibly persisted), drops
+//!   the connection (`socket.max.fails` = 1), and retries with the same sequence
+//!   numbers; the broker recognises the duplicate and answers with the original
+//!   offset, so nothing is written twice. The client's timeout of a Produce
+//!   request is `socket.timeout.ms` (60 s by default) or the first message's
+//!   remaining `message.timeout.ms` if shorter, not `request.timeout.ms` (that
+//!   one is sent to the broker as the replication timeout): a test lowers
+//!   `socket.timeout.ms` to see the retry soon.
 //! - `stall` imitates a broker process paused (a long GC pause, SIGSTOP, a frozen
 //!   VM): requests are neither read nor answered; they are answered in order when
 //!   it ends. Transaction timeouts do not run meanwhile. Clients see
-//!   `ERR__TIMED_OUT` (*retriable*) if it outlasts their request timeout.
+//!   `ERR__TIMED_OUT` (*retriable*) if it outlasts their request timeout
+//!   (`socket.timeout.ms`).
 //! - `abort-transactions` imitates the coordinator aborting transactions on
 //!   `transaction.timeout.ms` (a producer that stalled, or a coordinator that
 //!   moved and timed them out): ABORT markers, and an epoch bump that fences the
