@@ -1323,6 +1323,12 @@ pub struct DevBroker {
 
 impl DevBroker {
     pub fn start() -> DevBroker {
+        Self::start_with(&[])
+    }
+
+    /// [`DevBroker::start`] with more `dev-broker` flags (`--auto-create-topics
+    /// false`, …).
+    pub fn start_with(extra: &[&str]) -> DevBroker {
         let log_path = std::env::temp_dir().join(format!("{}.log", unique("dev_broker")));
         let log = std::fs::File::create(&log_path).expect("create the broker log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
@@ -1335,6 +1341,7 @@ impl DevBroker {
                 "--control",
                 "127.0.0.1:0",
             ])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(log)
@@ -1394,6 +1401,16 @@ impl DevBroker {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Sends a signal to the broker process (`-STOP` pauses it as a stalled broker,
+    /// `-CONT` resumes it).
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} of the dev broker failed");
     }
 
     pub fn config(&self) -> ClientConfig {

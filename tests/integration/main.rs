@@ -19,6 +19,8 @@ mod dev_broker;
 mod enqueue;
 mod environment;
 mod exactly_once;
+mod exactly_once_aborts;
+mod exactly_once_cluster;
 mod fault_drill;
 mod harness;
 mod huge_transaction;

@@ -135,7 +135,7 @@ fn txn_code(e: &TxnError, producer_fenced_known: bool) -> i16 {
         TxnError::UnknownProducerId(_) => code(ResponseError::UnknownProducerId),
         TxnError::Fenced { .. } => fenced_code(producer_fenced_known),
         TxnError::ProducerIdMapping { .. } => code(ResponseError::InvalidProducerIdMapping),
-        TxnError::InvalidTimeout(_) => code(ResponseError::InvalidTransactionTimeout),
+        TxnError::InvalidTimeout(..) => code(ResponseError::InvalidTransactionTimeout),
         TxnError::InvalidState(_) | TxnError::NotInTransaction(_) => {
             code(ResponseError::InvalidTxnState)
         }
@@ -903,11 +903,21 @@ pub(super) fn delete_topics(b: &mut Broker, req: DeleteTopicsRequest) -> DeleteT
 }
 
 /// Broker-level configs reported for DescribeConfigs(BROKER).
-const BROKER_CONFIGS: &[(&str, &str)] = &[
-    ("auto.create.topics.enable", "true"),
-    ("message.max.bytes", "1048588"),
-    ("transaction.max.timeout.ms", "900000"),
-];
+fn broker_configs(b: &Broker) -> Vec<(String, String, bool)> {
+    vec![
+        (
+            "auto.create.topics.enable".to_owned(),
+            b.settings.auto_create_topics.to_string(),
+            true,
+        ),
+        ("message.max.bytes".to_owned(), "1048588".to_owned(), true),
+        (
+            "transaction.max.timeout.ms".to_owned(),
+            b.coordinator.max_timeout_ms().to_string(),
+            b.coordinator.max_timeout_ms() == super::txn::MAX_TRANSACTION_TIMEOUT_MS,
+        ),
+    ]
+}
 
 pub(super) fn describe_configs(b: &Broker, req: DescribeConfigsRequest) -> DescribeConfigsResponse {
     let mut r = DescribeConfigsResponse::default();
@@ -917,12 +927,7 @@ pub(super) fn describe_configs(b: &Broker, req: DescribeConfigsRequest) -> Descr
             .with_resource_name(res.resource_name.clone());
         let all: Option<Vec<(String, String, bool)>> = match res.resource_type {
             2 => b.topics.get(res.resource_name.as_str()).map(Topic::configs),
-            4 => Some(
-                BROKER_CONFIGS
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned(), true))
-                    .collect(),
-            ),
+            4 => Some(broker_configs(b)),
             _ => {
                 result.error_code = code(ResponseError::InvalidRequest);
                 result.error_message = Some(s("only TOPIC and BROKER resources"));
@@ -975,6 +980,7 @@ mod tests {
             port: 9092,
             default_partitions: 2,
             auto_create_topics: true,
+            transaction_max_timeout_ms: super::super::txn::MAX_TRANSACTION_TIMEOUT_MS,
         });
         b.auto_create("t").expect("create");
         b

@@ -93,6 +93,11 @@ pub struct DevBrokerArgs {
     /// (`--auto-create-topics false` to turn off).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub auto_create_topics: bool,
+    /// The coordinator's `transaction.max.timeout.ms` (Kafka's default): a producer
+    /// asking for a longer transaction timeout is refused, as a cluster configured
+    /// lower than the relay's `kafka.transaction_timeout_ms` refuses it.
+    #[arg(long, default_value_t = 900_000)]
+    pub transaction_max_timeout_ms: i32,
     /// Also listen here (port 0 picks a free port) for fault-injection commands,
     /// one a line (`fail-produce`, `delay-acks`, `drop-acks`, `stall`,
     /// `abort-transactions`, `coordinator-error`, `end-txn-error`, `reset`); prints
@@ -112,13 +117,17 @@ pub enum DevBrokerError {
     },
     #[error("--partitions must be between 1 and 10000, not {0}")]
     Partitions(i32),
+    #[error("--transaction-max-timeout-ms must be between 1 and 900000, not {0}")]
+    TransactionMaxTimeout(i32),
 }
 
 impl DevBrokerError {
     /// 2 for a usage error, 1 for anything else (`docs/architecture.md#exit-codes`).
     pub fn exit_code(&self) -> std::process::ExitCode {
         match self {
-            DevBrokerError::Partitions(_) => std::process::ExitCode::from(2),
+            DevBrokerError::Partitions(_) | DevBrokerError::TransactionMaxTimeout(_) => {
+                std::process::ExitCode::from(2)
+            }
             DevBrokerError::Listen { .. } => std::process::ExitCode::from(1),
         }
     }
@@ -142,6 +151,11 @@ pub async fn run(
 ) -> Result<(), DevBrokerError> {
     if !(1..=10_000).contains(&args.partitions) {
         return Err(DevBrokerError::Partitions(args.partitions));
+    }
+    if !(1..=self::txn::MAX_TRANSACTION_TIMEOUT_MS).contains(&args.transaction_max_timeout_ms) {
+        return Err(DevBrokerError::TransactionMaxTimeout(
+            args.transaction_max_timeout_ms,
+        ));
     }
     let listen_error = |source| DevBrokerError::Listen {
         address: args.listen.clone(),
@@ -169,6 +183,7 @@ pub async fn run(
         port,
         default_partitions: args.partitions,
         auto_create_topics: args.auto_create_topics,
+        transaction_max_timeout_ms: args.transaction_max_timeout_ms,
     })));
     println!("listening on {bound}");
     tracing::info!(address = %bound, partitions = args.partitions, auto_create_topics = args.auto_create_topics, "dev broker started");

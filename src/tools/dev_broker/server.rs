@@ -477,6 +477,7 @@ mod tests {
             port: 9092,
             default_partitions: 1,
             auto_create_topics: true,
+            transaction_max_timeout_ms: super::super::txn::MAX_TRANSACTION_TIMEOUT_MS,
         }))
     }
 

@@ -19,6 +19,9 @@ pub(super) struct Settings {
     pub(super) port: i32,
     pub(super) default_partitions: i32,
     pub(super) auto_create_topics: bool,
+    /// `transaction.max.timeout.ms`: the longest transaction timeout a producer may
+    /// ask for (a longer one is refused with INVALID_TRANSACTION_TIMEOUT).
+    pub(super) transaction_max_timeout_ms: i32,
 }
 
 /// The node id of the only broker.
@@ -47,9 +50,9 @@ pub(super) fn now_ms() -> i64 {
 impl Broker {
     pub(super) fn new(settings: Settings) -> Broker {
         Broker {
+            coordinator: Coordinator::with_max_timeout(settings.transaction_max_timeout_ms),
             settings,
             topics: Topics::default(),
-            coordinator: Coordinator::default(),
             offsets: Offsets::default(),
             faults: Faults::default(),
             changes: 0,

@@ -26,7 +26,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 /// Kafka's default `transaction.max.timeout.ms` (15 minutes).
-const MAX_TRANSACTION_TIMEOUT_MS: i32 = 900_000;
+pub(super) const MAX_TRANSACTION_TIMEOUT_MS: i32 = 900_000;
 
 /// A topic partition named in a transaction.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -87,8 +87,8 @@ pub(super) enum TxnError {
         transactional_id: String,
         producer_id: i64,
     },
-    #[error("transaction timeout {0} ms is not within 1..={MAX_TRANSACTION_TIMEOUT_MS}")]
-    InvalidTimeout(i32),
+    #[error("transaction timeout {0} ms is not within 1..={1} (transaction.max.timeout.ms)")]
+    InvalidTimeout(i32, i32),
     #[error("invalid transaction state: {0}")]
     InvalidState(&'static str),
     #[error("{}-{} was not added to the transaction", .0.topic, .0.partition)]
@@ -122,11 +122,36 @@ struct Transaction {
 }
 
 /// Producer ids and transactions.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Coordinator {
+    /// `transaction.max.timeout.ms`: a longer producer timeout is refused.
+    max_timeout_ms: i32,
     next_producer_id: i64,
     producers: HashMap<i64, Producer>,
     transactions: HashMap<String, Transaction>,
+}
+
+impl Default for Coordinator {
+    fn default() -> Self {
+        Self::with_max_timeout(MAX_TRANSACTION_TIMEOUT_MS)
+    }
+}
+
+impl Coordinator {
+    /// A coordinator whose `transaction.max.timeout.ms` is `max_timeout_ms`.
+    pub(super) fn with_max_timeout(max_timeout_ms: i32) -> Self {
+        Self {
+            max_timeout_ms,
+            next_producer_id: 0,
+            producers: HashMap::new(),
+            transactions: HashMap::new(),
+        }
+    }
+
+    /// `transaction.max.timeout.ms`.
+    pub(super) fn max_timeout_ms(&self) -> i32 {
+        self.max_timeout_ms
+    }
 }
 
 fn allocate(next: &mut i64) -> i64 {
@@ -204,8 +229,8 @@ impl Coordinator {
                 None,
             ));
         };
-        if !(1..=MAX_TRANSACTION_TIMEOUT_MS).contains(&timeout_ms) {
-            return Err(TxnError::InvalidTimeout(timeout_ms));
+        if !(1..=self.max_timeout_ms).contains(&timeout_ms) {
+            return Err(TxnError::InvalidTimeout(timeout_ms, self.max_timeout_ms));
         }
         let timeout = Duration::from_millis(timeout_ms.unsigned_abs().into());
         let Some(txn) = self.transactions.get_mut(tid) else {
@@ -678,7 +703,7 @@ mod tests {
         let mut c = Coordinator::default();
         assert_eq!(
             c.init_producer_id(Some("x"), 0, -1, -1).err(),
-            Some(TxnError::InvalidTimeout(0))
+            Some(TxnError::InvalidTimeout(0, MAX_TRANSACTION_TIMEOUT_MS))
         );
         let p = init(&mut c, "x");
         let q = init(&mut c, "y");

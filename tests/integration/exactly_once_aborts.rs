@@ -1,0 +1,348 @@
+//! `kafka.delivery = "exactly-once"`: every way a Kafka transaction is aborted while
+//! the relay runs (not after a kill) loses nothing. Each test makes the dev broker
+//! (`outbox-relay dev-broker`, the only broker at hand with real transactions) abort
+//! a transaction whose other events were already acked, by a means a real cluster
+//! has too: a topic created after its first events, a broker stall longer than the
+//! transaction timeout, a commit that fails abortably, a graceful stop right after
+//! an abort. A `read_committed` reader and `audit --isolation read_committed` must
+//! then see every committed event exactly once, in per-key order.
+//!
+//! Before the shell kept each event's record until the core resolved it, every one
+//! of these lost the acked events of the aborted transaction (the core asked for
+//! them again, the shell had dropped them, the next commit resolved them unsent).
+
+use std::time::{Duration, Instant};
+
+use crate::harness::{self, DevBroker, Record, RelayProcess, TestDb, consume_with, tally};
+
+/// Events per writer (two writers).
+const PER_WRITER: i64 = 400;
+
+/// A `read_committed` reader's settings.
+const READ_COMMITTED: [(&str, &str); 2] = [
+    ("isolation.level", "read_committed"),
+    ("broker.address.family", "v4"),
+];
+
+/// The relay's environment for `broker`, exactly-once, short transactions.
+fn relay_env(brokers: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.to_owned()),
+        ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once".to_owned()),
+        (
+            "OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS",
+            "200".to_owned(),
+        ),
+        (
+            "OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS",
+            "500".to_owned(),
+        ),
+    ]
+}
+
+fn borrowed<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// A test database whose topic (3 partitions) and progress topic live on `broker`
+/// (`migrate` creates the progress topic).
+async fn exactly_once_db(prefix: &str, broker: &DevBroker, extra_toml: &str) -> TestDb {
+    let db = TestDb::create_configured(prefix, 1, extra_toml).await;
+    harness::create_topic_on(&broker.address, &db.topic, 3).await;
+    let env = relay_env(&broker.address);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["migrate", "--config", db.config_path.to_str().unwrap()])
+        .envs(borrowed(&env))
+        .output()
+        .expect("run outbox-relay migrate");
+    assert!(
+        out.status.success(),
+        "migrate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    db
+}
+
+/// Writer `w`: `PER_WRITER` events over 11 entities of its own, in transactions of
+/// one to three rows, 10 ms apart. Every `late_every`-th row (if any) goes to
+/// `late_topic` through the row's `topic` column, on entities of its own.
+async fn write(url: String, w: i64, late: Option<(String, i64)>) {
+    let client = harness::connect(&url).await;
+    let (late_topic, late_every) = late.unwrap_or_default();
+    let late_every = if late_every > 0 { late_every } else { i64::MAX };
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+               FOR g IN 0..{last} LOOP
+                 IF g % {late_every} = {late_every} - 1 THEN
+                   INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, topic)
+                   VALUES ('order', 'late{w}-' || (g % 3), 'Created',
+                           jsonb_build_object('seq', g), '{late_topic}');
+                 ELSE
+                   INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                   VALUES ('order', 'w{w}-' || (g % 11), 'Created', jsonb_build_object('seq', g));
+                 END IF;
+                 IF g % (1 + g % 3) = 0 THEN
+                   COMMIT;
+                   PERFORM pg_sleep(0.01);
+                 END IF;
+               END LOOP;
+             END $$",
+            last = PER_WRITER - 1
+        ))
+        .await
+        .expect("write events");
+}
+
+/// Starts two writers on `db`; `late`: see [`write`].
+fn writers(db: &TestDb, late: Option<(String, i64)>) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..2)
+        .map(|w| tokio::spawn(write(db.url.clone(), w, late.clone())))
+        .collect()
+}
+
+/// Reads `topic` at `read_committed` until `expected` distinct events are there or
+/// `limit` passed (as many records as events plus the duplicates seen so far).
+async fn read_committed(
+    brokers: &str,
+    topic: &str,
+    expected: usize,
+    limit: Duration,
+) -> Vec<Record> {
+    let started = Instant::now();
+    let mut want = expected;
+    loop {
+        let records = consume_with(
+            brokers,
+            &READ_COMMITTED,
+            topic,
+            want,
+            Duration::from_secs(10),
+        )
+        .await;
+        let (unique, duplicates) = tally(&records);
+        if unique >= expected || started.elapsed() > limit {
+            return records;
+        }
+        want = expected + duplicates;
+    }
+}
+
+/// `audit --isolation read_committed --json` against `broker`: `(lost, duplicates)`.
+fn audit_read_committed(db: &TestDb, brokers: &str) -> (u64, u64, serde_json::Value) {
+    let env = relay_env(brokers);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args([
+            "audit",
+            "--json",
+            "--no-progress",
+            "--isolation",
+            "read_committed",
+            "--timeout-secs",
+            "20",
+            "--config",
+            db.config_path.to_str().unwrap(),
+        ])
+        .envs(borrowed(&env))
+        .output()
+        .expect("run outbox-relay audit");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
+        panic!(
+            "audit --json printed no JSON ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let lost = json["lost"].as_u64().expect("lost");
+    let duplicates = json["duplicates"].as_u64().expect("duplicates");
+    (lost, duplicates, json)
+}
+
+/// Every event of the outbox, by topic: `(topic, count)`.
+async fn committed_per_topic(db: &TestDb, default_topic: &str) -> Vec<(String, usize)> {
+    let rows = db
+        .client
+        .query(
+            "SELECT coalesce(nullif(topic, ''), $1), count(*) FROM outbox GROUP BY 1 ORDER BY 1",
+            &[&default_topic],
+        )
+        .await
+        .expect("count events per topic");
+    rows.iter()
+        .map(|r| {
+            (
+                r.get::<_, String>(0),
+                usize::try_from(r.get::<_, i64>(1)).expect("a count"),
+            )
+        })
+        .collect()
+}
+
+/// The end of every test: the relay delivers everything (read_committed, once each,
+/// in per-key order, none poisoned), and the audit agrees. Returns the records read.
+async fn assert_every_event_once(db: &TestDb, broker: &DevBroker, relay: &RelayProcess) -> usize {
+    let mut total = 0;
+    for (topic, expected) in committed_per_topic(db, &db.topic).await {
+        let records =
+            read_committed(&broker.address, &topic, expected, Duration::from_secs(120)).await;
+        let (unique, duplicates) = tally(&records);
+        assert_eq!(
+            (unique, duplicates),
+            (expected, 0),
+            "{topic}: read_committed saw {unique} of {expected} events and {duplicates} \
+             duplicates; relay log:\n{}\nbroker log:\n{}",
+            relay.log(),
+            broker.log()
+        );
+        harness::assert_per_key_order(&records);
+        total += expected;
+    }
+    assert_eq!(db.poison_rows().await, 0, "nothing is poison here");
+    let (lost, duplicates, json) = audit_read_committed(db, &broker.address);
+    assert_eq!((lost, duplicates), (0, 0), "audit: {json}");
+    total
+}
+
+/// Waits until `relay`'s log contains `what` (90 s at most).
+async fn until_logged(relay: &RelayProcess, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !relay.log().contains(what) {
+        assert!(
+            Instant::now() < deadline,
+            "the relay never logged {what:?}; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A topic created after its first events were written (`relay.on_config_error =
+/// "block"`, the default): each produce to it fails, and each failure aborts a
+/// transaction full of acked events of the other topic. Nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_after_its_first_events_loses_nothing() {
+    let broker = DevBroker::start_with(&["--auto-create-topics", "false"]);
+    // librdkafka fails a record for a missing topic after this long (30 s by default).
+    let db = exactly_once_db(
+        "eos_late_topic",
+        &broker,
+        "\n[kafka.producer]\n\"topic.metadata.propagation.max.ms\" = \"500\"\n",
+    )
+    .await;
+    let late_topic = format!("{}.late", db.name);
+    let env = relay_env(&broker.address);
+    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    db.wait_streaming(&relay).await;
+    let writers = writers(&db, Some((late_topic.clone(), 25)));
+    until_logged(&relay, "the broker refuses this topic's events").await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    harness::create_topic_on(&broker.address, &late_topic, 1).await;
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let total = assert_every_event_once(&db, &broker, &relay).await;
+    let aborted = relay
+        .log()
+        .matches("aborting the Kafka transaction")
+        .count();
+    assert!(
+        aborted > 0,
+        "no transaction was aborted; log:\n{}",
+        relay.log()
+    );
+    eprintln!("late topic: {total} events once each, {aborted} transactions aborted");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// The broker stops answering (SIGSTOP) for longer than the transaction timeout,
+/// then goes on (SIGCONT): records time out, the coordinator aborts the transaction
+/// on its timeout and fences the producer. The relay, which still holds the slot,
+/// tells that from a takeover: it replaces its producer instead of exiting, and
+/// nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_stall_past_the_transaction_timeout_loses_nothing() {
+    let broker = DevBroker::start();
+    let db = exactly_once_db("eos_stall", &broker, "").await;
+    let mut env = relay_env(&broker.address);
+    env.push((
+        "OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS",
+        "3000".to_owned(),
+    ));
+    let mut relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    db.wait_streaming(&relay).await;
+    let writers = writers(&db, None);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    broker.signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    broker.signal("-CONT");
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let total = assert_every_event_once(&db, &broker, &relay).await;
+    assert!(
+        relay.is_running(),
+        "the relay exited; log:\n{}",
+        relay.log()
+    );
+    eprintln!("broker stall: {total} events once each");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// The commit itself fails abortably (the broker refuses the progress record written
+/// at the commit): the whole transaction, every event of it acked, is aborted and
+/// produced again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abortable_commit_error_loses_nothing() {
+    let broker = DevBroker::start();
+    let db = exactly_once_db("eos_commit_fails", &broker, "").await;
+    let env = relay_env(&broker.address);
+    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    db.wait_streaming(&relay).await;
+    let writers = writers(&db, None);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    broker
+        .control("fail-produce outbox_relay_progress * INVALID_RECORD 3")
+        .await;
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let total = assert_every_event_once(&db, &broker, &relay).await;
+    assert!(
+        relay.log().contains("Kafka transaction cannot commit"),
+        "no commit failed; log:\n{}",
+        relay.log()
+    );
+    eprintln!("abortable commit errors: {total} events once each");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// A record the broker refuses aborts its transaction, and the relay is stopped
+/// gracefully (SIGTERM) right then: what the stop commits holds only what was sent
+/// again, and the next start sends the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_right_after_an_abort_loses_nothing() {
+    let broker = DevBroker::start();
+    let db = exactly_once_db("eos_stop_after_abort", &broker, "").await;
+    let env = relay_env(&broker.address);
+    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    db.wait_streaming(&relay).await;
+    let writers = writers(&db, None);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    broker
+        .control(&format!("fail-produce {} * INVALID_RECORD 1", db.topic))
+        .await;
+    until_logged(&relay, "aborting the Kafka transaction").await;
+    let status = relay.terminate(Duration::from_secs(60)).await;
+    assert!(status.success(), "the stop failed: {status:?}");
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    let total = assert_every_event_once(&db, &broker, &relay).await;
+    eprintln!("graceful stop after an abort: {total} events once each");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
