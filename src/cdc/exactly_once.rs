@@ -70,6 +70,9 @@ pub(crate) struct ExactlyOnce {
     initialized: bool,
     /// A transaction is begun on the current producer.
     begun: bool,
+    /// When the transaction now open or ending was begun, until its commit or abort
+    /// succeeded (a fence is told apart from a takeover by it, `cdc::session`).
+    begun_at: Option<Instant>,
     /// The start-up transaction that shows the broker can commit succeeded.
     probed: bool,
     /// A transactional failure at the start of a session: the producer must be
@@ -105,6 +108,7 @@ impl ExactlyOnce {
             reader,
             initialized: false,
             begun: false,
+            begun_at: None,
             probed: false,
             replace_producer: false,
             call: None,
@@ -116,6 +120,7 @@ impl ExactlyOnce {
     /// The producer was replaced: the new one needs its `init_transactions`, and
     /// nothing of the old one's transaction is pending any more.
     pub(crate) fn producer_replaced(&mut self) {
+        self.begun_at = None;
         self.initialized = false;
         self.replace_producer = false;
         self.begun = false;
@@ -250,6 +255,7 @@ impl ExactlyOnce {
         match publisher.begin_transaction(&self.id) {
             Ok(()) => {
                 self.begun = true;
+                self.begun_at = Some(Instant::now());
                 true
             }
             Err(e) => {
@@ -296,6 +302,12 @@ impl ExactlyOnce {
         self.call = Some((ending, call));
     }
 
+    /// How long the transaction now open or ending has been open (`None` without
+    /// one): the coordinator aborts a transaction older than `transaction.timeout.ms`.
+    pub(crate) fn transaction_age(&self, now: Instant) -> Option<std::time::Duration> {
+        self.begun_at.map(|at| now.saturating_duration_since(at))
+    }
+
     /// Whether a commit or an abort is under way (await [`ExactlyOnce::finished`]).
     pub(crate) fn calling(&self) -> bool {
         self.call.is_some()
@@ -334,11 +346,13 @@ impl ExactlyOnce {
             (Ending::Commit, Ok(())) => {
                 ::metrics::counter!(crate::cdc::metrics::KAFKA_TRANSACTIONS, "outcome" => "committed")
                     .increment(1);
+                self.begun_at = None;
                 core.transaction_committed(now);
             }
             (Ending::Abort, Ok(())) => {
                 ::metrics::counter!(crate::cdc::metrics::KAFKA_TRANSACTIONS, "outcome" => "aborted")
                     .increment(1);
+                self.begun_at = None;
                 core.transaction_aborted(now);
             }
             (ending, Err(TransactionError::Retriable { code, message })) => {

@@ -840,13 +840,16 @@ impl Relay {
     }
 
     /// [`Relay::transaction_failure`] while `stream` holds the slot. A fence is then
-    /// told apart from a takeover: relays initialise the slot's `transactional.id`
-    /// only once they hold the slot, so while this session's walsender is the slot's
-    /// active one, no other relay can have fenced this producer. The fence is the
-    /// coordinator's own: it aborted the transaction when `transaction.timeout.ms`
-    /// passed (a broker stall, a coordinator that lost the transaction) and bumped
-    /// the epoch. The producer is replaced and the events are sent again, instead of
-    /// the process exiting as if another relay had taken over.
+    /// told apart from a takeover. The coordinator fences a producer itself when it
+    /// aborts its transaction on `transaction.timeout.ms` (a broker stall, a
+    /// coordinator that lost the transaction): the epoch is bumped as for a new
+    /// producer. It is that, and no takeover, when both hold: the transaction had been
+    /// open for at least the timeout, and this session's walsender is still the
+    /// slot's active one (relays initialise the slot's `transactional.id` only once
+    /// they hold the slot, so no other relay can have fenced this one). The producer
+    /// is then replaced and the events are sent again; anything else, a producer of
+    /// another process with the same id included, ends the process (exit 3) as
+    /// before, so two processes never fence each other in turn.
     async fn transaction_failure_in(&mut self, stream: &ReplicationStream) -> Result<Option<Lost>> {
         let Some(e) = self
             .exactly_once
@@ -860,6 +863,15 @@ impl Relay {
                 e if e.needs_operator() => Err(e.into()),
                 e => Ok(Some(Lost::Transaction(e))),
             };
+        }
+        let timeout = Duration::from_millis(self.config.kafka.transaction_timeout_ms);
+        let age = self
+            .exactly_once
+            .as_ref()
+            .and_then(|eo| eo.transaction_age(Instant::now()));
+        if age.is_none_or(|age| age < timeout) {
+            tracing::error!(error = %e, transaction_age_ms = age.map(millis), "fenced before the transaction could time out: another producer took this transactional.id");
+            return Err(e.into());
         }
         // Boxed: the connection's future is large, and this path is rare.
         match Box::pin(self.slot_holder(stream)).await {

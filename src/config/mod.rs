@@ -1144,10 +1144,10 @@ impl Config {
             ));
         }
         if !(1_000..=60_000).contains(&kafka.transaction_timeout_ms)
-            || kafka.transaction_timeout_ms <= kafka.transaction_interval_ms
+            || kafka.transaction_timeout_ms < kafka.transaction_interval_ms
         {
             return invalid(format!(
-                "kafka.transaction_timeout_ms = {}: use 1000..=60000, above \
+                "kafka.transaction_timeout_ms = {}: use 1000..=60000, at least \
                  kafka.transaction_interval_ms ({}), and at most the cluster's \
                  transaction.max.timeout.ms",
                 kafka.transaction_timeout_ms, kafka.transaction_interval_ms

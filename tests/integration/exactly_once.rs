@@ -173,7 +173,7 @@ async fn every_event_once_for_read_committed_readers_across_kill_9() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_without_transactions_is_refused_at_start() {
     let db = TestDb::create("eos_tansu").await;
-    harness::create_topic("outbox_relay_progress", 1).await;
+    harness::create_progress_topic_on(&harness::env().brokers).await;
     let env = [("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once")];
     let mut relay = RelayProcess::start(&db.config_path, &env);
     let status = relay.wait(Duration::from_secs(90)).await;
@@ -229,7 +229,28 @@ async fn drill_writer(
     }
 }
 
-/// The relay as the drill runs it.
+/// `n` events for `topic` (the row's `topic` column), on three entities of their
+/// own, 50 ms apart: the drill's topic that is created late.
+async fn late_writer(url: String, topic: String, n: i64) -> i64 {
+    let client = harness::connect(&url).await;
+    for g in 0..n {
+        client
+            .execute(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, topic)
+                 VALUES ('order', 'late-' || ($1::bigint % 3), 'Created',
+                         jsonb_build_object('seq', $1::bigint), $2)",
+                &[&g, &topic],
+            )
+            .await
+            .expect("write a late-topic event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    n
+}
+
+/// The relay as the drill runs it: transactions time out after 3 s (the drill
+/// stalls the broker past that), and a record for a missing topic fails after
+/// half a second.
 fn drill_relay(db: &TestDb, brokers: &str) -> RelayProcess {
     RelayProcess::start(
         &db.config_path,
@@ -237,6 +258,7 @@ fn drill_relay(db: &TestDb, brokers: &str) -> RelayProcess {
             ("OUTBOX_RELAY__KAFKA__BROKERS", brokers),
             ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
             ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50"),
+            ("OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS", "3000"),
             ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", "500"),
             ("OUTBOX_RELAY__RELAY__SLOT_BUSY_TIMEOUT_SECS", "600"),
         ],
@@ -264,8 +286,11 @@ async fn until_streaming(relay: &RelayProcess, n: usize) {
 /// The exactly-once drill: four writers on a private PostgreSQL, the relay killed
 /// with SIGKILL `OUTBOX_RELAY_EOS_KILLS` times (3 here; 10 in the full drill), the
 /// server restarted `OUTBOX_RELAY_EOS_PG_RESTARTS` times (1; 2 in the full drill,
-/// immediate and fast), and a standby taking over from a killed active relay. A
-/// `read_committed` reader sees every committed event exactly once, in per-key order.
+/// immediate and fast), and a standby taking over from a killed active relay; between
+/// them, transactions aborted in session: a topic created after its first events,
+/// the broker stopped (SIGSTOP) past the transaction timeout, records the broker
+/// refuses. A `read_committed` reader sees every committed event exactly once, in
+/// per-key order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     let count = |name: &str, default: usize| {
@@ -276,12 +301,19 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     };
     let kills = count("OUTBOX_RELAY_EOS_KILLS", 3);
     let restarts = count("OUTBOX_RELAY_EOS_PG_RESTARTS", 1);
-    let broker = DevBroker::start();
+    let broker = DevBroker::start_with(&["--auto-create-topics", "false"]);
     let brokers = broker.address.clone();
     let cluster = harness::PrivateCluster::start("logical").await;
-    let db = TestDb::create_in(&cluster.url, "eos_drill", 3, "").await;
+    let db = TestDb::create_in(
+        &cluster.url,
+        "eos_drill",
+        3,
+        "\n[kafka.producer]\n\"topic.metadata.propagation.max.ms\" = \"500\"\n",
+    )
+    .await;
+    let late_topic = format!("{}.late", db.name);
     harness::create_topic_on(&brokers, &db.topic, 3).await;
-    harness::create_topic_on(&brokers, "outbox_relay_progress", 1).await;
+    harness::create_progress_topic_on(&brokers).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writers: Vec<_> = (0..4)
         .map(|w| tokio::spawn(drill_writer(db.url.clone(), w, stop.clone())))
@@ -294,6 +326,18 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     active.kill9().await;
     until_streaming(&standby, 1).await;
     active = standby;
+    // In-session aborts: a topic that does not exist yet, a stalled broker, refused
+    // records; then the topic is created.
+    let late = tokio::spawn(late_writer(db.url.clone(), late_topic.clone(), 40));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    broker.signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    broker.signal("-CONT");
+    broker
+        .control(&format!("fail-produce {} * INVALID_RECORD 2", db.topic))
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    harness::create_topic_on(&brokers, &late_topic, 1).await;
     let mut restarted = 0;
     for cycle in 0..kills {
         tokio::time::sleep(Duration::from_millis(700 + 400 * (cycle as u64 % 3))).await;
@@ -327,6 +371,21 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     for w in writers {
         expected += usize::try_from(w.await.expect("writer")).unwrap();
     }
+    let late_expected = usize::try_from(late.await.expect("late writer")).unwrap();
+    let late_records = read_committed_until_complete(
+        &brokers,
+        &late_topic,
+        late_expected,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        tally(&late_records),
+        (late_expected, 0),
+        "the late topic at read_committed; relay log:\n{}",
+        active.log()
+    );
+    assert_per_key_order(&late_records);
     let records =
         read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(180))
             .await;
@@ -342,7 +401,8 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     let everything = read_uncommitted_count(&brokers, &db.topic).await;
     eprintln!(
         "exactly-once drill: {kills} kill -9, {restarted} PostgreSQL restarts, 1 standby \
-         takeover, 4 writers, {expected} events: read_committed saw each once, in per-key \
+         takeover, a 5 s broker stall, refused records, a topic created late ({late_expected} \
+         events), 4 writers, {expected} events: read_committed saw each once, in per-key \
          order, 0 duplicates; read_uncommitted: {everything} records (aborted ones included)"
     );
     active.terminate(Duration::from_secs(30)).await;
@@ -356,7 +416,7 @@ async fn exactly_once_on<'b>(
     window: Option<&'b str>,
 ) -> Vec<(&'static str, &'b str)> {
     harness::create_topic_on(brokers, &db.topic, 3).await;
-    harness::create_topic_on(brokers, "outbox_relay_progress", 1).await;
+    harness::create_progress_topic_on(brokers).await;
     let mut env = vec![
         ("OUTBOX_RELAY__KAFKA__BROKERS", brokers),
         ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),

@@ -285,7 +285,19 @@ async fn a_broker_stall_past_the_transaction_timeout_loses_nothing() {
         "the relay exited; log:\n{}",
         relay.log()
     );
-    eprintln!("broker stall: {total} events once each");
+    let log = relay.log();
+    let timed_out = log
+        .matches("the transaction coordinator fenced this producer while this relay holds the slot")
+        .count();
+    let aborted = log.matches("aborting the Kafka transaction").count();
+    assert!(
+        timed_out + aborted > 0,
+        "the stall aborted no transaction; log:\n{log}"
+    );
+    eprintln!(
+        "broker stall: {total} events once each; {timed_out} transaction(s) aborted by the \
+         coordinator's timeout, {aborted} aborted by the relay"
+    );
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -334,7 +346,14 @@ async fn a_graceful_stop_right_after_an_abort_loses_nothing() {
     broker
         .control(&format!("fail-produce {} * INVALID_RECORD 1", db.topic))
         .await;
-    until_logged(&relay, "aborting the Kafka transaction").await;
+    // The refused record's report aborts the transaction at once; its events go out
+    // again after the core's pause (100 ms): the stop comes right then.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !broker.log().contains("fault fired: fail-produce") {
+        assert!(Instant::now() < deadline, "the fault never fired");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let status = relay.terminate(Duration::from_secs(60)).await;
     assert!(status.success(), "the stop failed: {status:?}");
     for w in writers {

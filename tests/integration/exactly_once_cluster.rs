@@ -6,10 +6,6 @@
 
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-
 use crate::harness::{self, DevBroker, RelayProcess, TestDb};
 
 /// The relay's environment for exactly-once against `brokers`.
@@ -51,26 +47,7 @@ fn delivery_check(db: &TestDb, env: &[(&str, &str)]) -> (Option<i32>, serde_json
 /// Creates the progress topic as an operator might by hand: `partitions`, with
 /// `configs`.
 async fn progress_topic(brokers: &str, partitions: i32, configs: &[(&str, &str)]) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("broker.address.family", "v4")
-        .create()
-        .expect("admin client");
-    let mut topic = NewTopic::new(
-        "outbox_relay_progress",
-        partitions,
-        TopicReplication::Fixed(1),
-    );
-    for (k, v) in configs {
-        topic = topic.set(k, v);
-    }
-    let results = admin
-        .create_topics([&topic], &AdminOptions::new())
-        .await
-        .expect("create the progress topic");
-    for r in results {
-        r.expect("the progress topic is created");
-    }
+    harness::create_topic_with(brokers, "outbox_relay_progress", partitions, configs).await;
 }
 
 /// A progress topic of three partitions, `cleanup.policy=delete`, one replica under

@@ -367,11 +367,36 @@ pub async fn create_topic(name: &str, partitions: i32) {
 /// Creates a topic on a given broker and waits until metadata shows its partitions
 /// (a producer that races ahead would see an unknown topic).
 pub async fn create_topic_on(brokers: &str, name: &str, partitions: i32) {
+    create_topic_with(brokers, name, partitions, &[]).await;
+}
+
+/// Creates the exactly-once progress topic on `brokers` as `migrate` does: one
+/// partition, compacted.
+pub async fn create_progress_topic_on(brokers: &str) {
+    create_topic_with(
+        brokers,
+        "outbox_relay_progress",
+        1,
+        &[("cleanup.policy", "compact")],
+    )
+    .await;
+}
+
+/// [`create_topic_on`] with topic configs.
+pub async fn create_topic_with(
+    brokers: &str,
+    name: &str,
+    partitions: i32,
+    configs: &[(&str, &str)],
+) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .expect("create Kafka admin client");
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let mut topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    for (key, value) in configs {
+        topic = topic.set(key, value);
+    }
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     let results = admin
         .create_topics([&topic], &opts)
