@@ -365,3 +365,42 @@ async fn a_graceful_stop_right_after_an_abort_loses_nothing() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// What every rolling restart of a cluster does to a transactional producer: leaders
+/// move (NOT_LEADER_OR_FOLLOWER), the coordinator moves or is busy (NOT_COORDINATOR,
+/// CONCURRENT_TRANSACTIONS on AddPartitionsToTxn and EndTxn), and a partition's new
+/// leader may not know the producer's sequence (OUT_OF_ORDER_SEQUENCE_NUMBER, fatal
+/// to the producer, which is replaced). Each is retried or recovered: nothing lost,
+/// nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_errors_of_a_rolling_restart_lose_nothing() {
+    let broker = DevBroker::start();
+    let db = exactly_once_db("eos_rolling", &broker, "").await;
+    let env = relay_env(&broker.address);
+    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+    db.wait_streaming(&relay).await;
+    let writers = writers(&db, None);
+    for command in [
+        format!("fail-produce {} * NOT_LEADER_OR_FOLLOWER 5", db.topic),
+        "coordinator-error NOT_COORDINATOR 3".to_owned(),
+        "coordinator-error CONCURRENT_TRANSACTIONS 3".to_owned(),
+        "end-txn-error CONCURRENT_TRANSACTIONS 2".to_owned(),
+        format!("fail-produce {} 0 OUT_OF_ORDER_SEQUENCE_NUMBER 1", db.topic),
+    ] {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        broker.control(&command).await;
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let total = assert_every_event_once(&db, &broker, &relay).await;
+    let fired = broker.log().matches("fault fired").count();
+    assert!(
+        fired >= 5,
+        "only {fired} faults fired; broker log:\n{}",
+        broker.log()
+    );
+    eprintln!("rolling-restart errors: {total} events once each, {fired} faults fired");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
