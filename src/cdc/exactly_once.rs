@@ -204,18 +204,17 @@ impl ExactlyOnce {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
         };
-        if start < record.saved {
-            tracing::warn!(%start, recorded_saved = %record.saved, confirmed = %record.mark.confirmed,
-                "the database is behind the progress record (restored in place?): the record is not used; events it covered may be published again");
-            return Ok(());
-        }
-        match mark_on(&record, history, forks) {
-            Some(mark) => {
+        match usable_mark(&record, history, forks, start) {
+            Ok(mark) => {
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
                 core.resume_from(&mark);
             }
-            None => tracing::warn!(recorded = %record.history, %history,
+            Err(Unused::Restored) => {
+                tracing::warn!(%start, recorded_saved = %record.saved, confirmed = %record.mark.confirmed,
+                "the database is behind the progress record (restored in place?): the record is not used; events it covered may be published again")
+            }
+            Err(Unused::OtherDatabase) => tracing::warn!(recorded = %record.history, %history,
                 "the progress record belongs to another database: not used; events it covered may be published again"),
         }
         Ok(())
@@ -489,6 +488,40 @@ pub(crate) async fn probe(
     }
 }
 
+/// Why a progress record is not used at a session start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unused {
+    /// Another system identifier.
+    OtherDatabase,
+    /// The same timeline, and the session starts below the position the relay had
+    /// saved when the record was written: the data directory went back (restored in
+    /// place), and its LSNs will be handed out again to new commits.
+    Restored,
+}
+
+/// The part of `record` a session of `history` starting at `start` can resume from.
+///
+/// The restore guard holds on the record's own timeline only. On a later timeline
+/// (a promoted standby, PostgreSQL 17's synced failover slot among them) the slot
+/// is almost always behind the primary's saved position, and that says nothing of a
+/// restore: the fork point is what tells which positions the new timeline shares,
+/// and [`mark_on`] keeps the record up to it. (Dropping the record there published
+/// the events up to the fork a second time.)
+fn usable_mark(
+    record: &ProgressRecord,
+    history: ServerHistory,
+    forks: &[TimelineSwitch],
+    start: Lsn,
+) -> std::result::Result<ProgressMark, Unused> {
+    if record.history.system_identifier == history.system_identifier
+        && record.history.timeline == history.timeline
+        && start < record.saved
+    {
+        return Err(Unused::Restored);
+    }
+    mark_on(record, history, forks).ok_or(Unused::OtherDatabase)
+}
+
 /// The part of `record`'s mark that holds on the server history `history`: all of
 /// it on the same history; up to the fork when `history` branched off the record's
 /// timeline later; nothing of another database.
@@ -580,5 +613,43 @@ mod tests {
             timeline: 2,
         };
         assert_eq!(mark_on(&record(2), other_db, &forks), None);
+    }
+
+    #[test]
+    fn a_promoted_standby_behind_the_saved_position_resumes_up_to_the_fork() {
+        // The record's relay had saved 100 on timeline 1; the standby promoted at 400
+        // streams from its synced slot at 80.
+        let promoted = ServerHistory {
+            system_identifier: 7,
+            timeline: 2,
+        };
+        let forks = [TimelineSwitch {
+            timeline: 1,
+            switchpoint: Lsn(400),
+        }];
+        let mark = usable_mark(&record(1), promoted, &forks, Lsn(80)).expect("used");
+        assert_eq!(mark.confirmed, Lsn(400));
+        assert_eq!(mark.partial.len(), 1);
+        // On the record's own timeline, a start below its saved position is a restore.
+        let same = ServerHistory {
+            system_identifier: 7,
+            timeline: 1,
+        };
+        assert_eq!(
+            usable_mark(&record(1), same, &[], Lsn(80)),
+            Err(Unused::Restored)
+        );
+        assert_eq!(
+            usable_mark(&record(1), same, &[], Lsn(100)),
+            Ok(record(1).mark)
+        );
+        let other_db = ServerHistory {
+            system_identifier: 8,
+            timeline: 1,
+        };
+        assert_eq!(
+            usable_mark(&record(1), other_db, &[], Lsn(200)),
+            Err(Unused::OtherDatabase)
+        );
     }
 }
