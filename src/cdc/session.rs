@@ -1136,7 +1136,8 @@ impl Relay {
         let read = async {
             let wal_end = crate::postgres::wal_end(&*metadata).await?;
             let outboxes: Vec<_> = self.config.outboxes().collect();
-            RecordedPoison::read(metadata, &outboxes, copy_limit, start, wal_end).await
+            let slot = self.config.postgres.slot_name();
+            RecordedPoison::read(metadata, &outboxes, &slot, copy_limit, start, wal_end).await
         };
         read.await
             .unwrap_or_else(|e| {

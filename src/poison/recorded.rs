@@ -30,15 +30,28 @@
 //! streamed transaction committing exactly at that point could share, but never
 //! the same outbox row.
 //!
-//! Reading the rows of other shards of the same table, or of backlogs, only costs
-//! memory: they never match. The read is capped ([`MAX_ROWS`], lowest LSNs first);
+//! # Only this relay's rows
+//!
+//! A poison table may be shared: `outbox.poison_table` defaults to
+//! `public.poison_outbox` whatever the outbox, so two relays with outboxes of their
+//! own, or the shards of one outbox, write to one table. Each has its own slot, and
+//! ordinals count only the rows a slot streams, so the other relay's event of the
+//! same transaction has the same name; with outbox ids that run in lockstep (two
+//! bigint sequences written together) it has the same `outbox_id` too, and was
+//! skipped here as poisoned while it had been deliverable: a silent loss. So only
+//! rows whose source (`table.rs`) is this relay's are read: written for the outbox
+//! whose poison table it is, through this relay's slot. Rows written before sources
+//! were recorded (migration `0012`) have none and are not read: an event such a row
+//! recorded is produced again, a duplicate, never a loss.
+//!
+//! The read is capped ([`MAX_ROWS`], lowest LSNs first);
 //! an event past the cap is produced again, as before (a duplicate, never a loss).
 //! A poison insert of the killed process that commits after the read is not seen
 //! either, with the same consequence.
 
 use std::collections::HashMap;
 
-use super::table::{PoisonRow, StoredRow};
+use super::table::{PoisonRow, StoredRow, source_table};
 use crate::config::{OutboxConfig, quote_qualified};
 use crate::lsn::Lsn;
 
@@ -83,8 +96,39 @@ pub(crate) struct RecordedPoison {
     copy_limit: usize,
 }
 
+/// The read of [`RecordedPoison::read`]: `$1`/`$2` the LSN bounds, `$3` the cap,
+/// `$4` the relay's slot; each outbox's poison table, only the rows of that outbox
+/// written through that slot (module doc).
+fn read_sql(outboxes: &[&OutboxConfig]) -> String {
+    // Ordinals count the outbox rows of a transaction over every outbox table,
+    // so one (commit, ordinal) names one event whichever poison table holds it.
+    let selects: Vec<String> = outboxes
+        .iter()
+        .map(|outbox| {
+            format!(
+                "SELECT lsn, tx_position, outbox_id IS NULL AS no_id,
+                        COALESCE(outbox_id, row_sha256) AS occurrence
+                   FROM {}
+                  WHERE lsn >= $1::text::pg_lsn AND lsn <= $2::text::pg_lsn
+                    AND tx_position IS NOT NULL AND duplicate_of IS NULL
+                    AND COALESCE(outbox_id, row_sha256) IS NOT NULL
+                    AND source_table = '{}' AND source_slot = $4",
+                quote_qualified(&outbox.poison_table),
+                source_table(outbox).replace('\'', "''")
+            )
+        })
+        .collect();
+    format!(
+        "SELECT lsn::text, tx_position, no_id, occurrence FROM ({}) AS recorded
+          ORDER BY lsn, tx_position
+          LIMIT $3",
+        selects.join(" UNION ALL ")
+    )
+}
+
 impl RecordedPoison {
-    /// Reads the rows whose commit LSN is in `from..=to`.
+    /// Reads the rows whose commit LSN is in `from..=to` that this relay (its
+    /// `outboxes`, streamed through `slot`) wrote.
     ///
     /// # Errors
     ///
@@ -92,6 +136,7 @@ impl RecordedPoison {
     pub(crate) async fn read(
         client: &mut tokio_postgres::Client,
         outboxes: &[&OutboxConfig],
+        slot: &str,
         copy_limit: usize,
         from: Lsn,
         to: Lsn,
@@ -103,33 +148,15 @@ impl RecordedPoison {
         if to < from {
             return Ok(recorded);
         }
-        // Ordinals count the outbox rows of a transaction over every outbox table,
-        // so one (commit, ordinal) names one event whichever poison table holds it.
-        let selects: Vec<String> = outboxes
-            .iter()
-            .map(|outbox| {
-                format!(
-                    "SELECT lsn, tx_position, outbox_id IS NULL AS no_id,
-                            COALESCE(outbox_id, row_sha256) AS occurrence
-                       FROM {}
-                      WHERE lsn >= $1::text::pg_lsn AND lsn <= $2::text::pg_lsn
-                        AND tx_position IS NOT NULL AND duplicate_of IS NULL
-                        AND COALESCE(outbox_id, row_sha256) IS NOT NULL",
-                    quote_qualified(&outbox.poison_table)
-                )
-            })
-            .collect();
-        let sql = format!(
-            "SELECT lsn::text, tx_position, no_id, occurrence FROM ({}) AS recorded
-              ORDER BY lsn, tx_position
-              LIMIT $3",
-            selects.join(" UNION ALL ")
-        );
+        let sql = read_sql(outboxes);
         let tx = client.transaction().await?;
         tx.batch_execute(&format!("SET LOCAL statement_timeout = '{READ_TIMEOUT}'"))
             .await?;
         let rows = tx
-            .query(&sql, &[&from.to_string(), &to.to_string(), &MAX_ROWS])
+            .query(
+                &sql,
+                &[&from.to_string(), &to.to_string(), &MAX_ROWS, &slot],
+            )
             .await?;
         tx.commit().await?;
         for row in &rows {
@@ -225,6 +252,30 @@ mod tests {
         // Resolved once.
         assert!(!r.take(Lsn(100), 0, || poisoned.clone()));
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn only_rows_of_this_relays_outboxes_and_slot_are_read() {
+        let outbox = |table: &str, poison: &str| OutboxConfig {
+            table: table.into(),
+            poison_table: poison.into(),
+            ..OutboxConfig::default()
+        };
+        let (a, b) = (
+            outbox("outbox", "public.poison_outbox"),
+            outbox("shipping.Parcel's", "shipping.poison"),
+        );
+        let sql = read_sql(&[&a, &b]);
+        assert!(sql.contains("FROM \"public\".\"poison_outbox\""), "{sql}");
+        assert!(sql.contains("FROM \"shipping\".\"poison\""), "{sql}");
+        assert!(
+            sql.contains("source_table = 'public.outbox' AND source_slot = $4"),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("source_table = 'shipping.Parcel''s' AND source_slot = $4"),
+            "{sql}"
+        );
     }
 
     #[test]

@@ -12,10 +12,23 @@
 //! After a crash between the poison commit and the slot confirmation, the relay sees
 //! the event again, fails it again, and must not record it twice; but two different
 //! rows of one transaction are two events, whatever their idempotency keys. What
-//! identifies an occurrence is the outbox row and its commit, `(outbox_id, lsn)`
-//! (the row's content hash stands in for a missing id): a unique index on that key
-//! (`migrations/0008_poison_dedup.sql`) and `ON CONFLICT DO NOTHING`, so an insert
-//! costs an index probe however large the table is.
+//! identifies an occurrence is the outbox row and its commit: its table, `outbox_id`
+//! (the row's content hash stands in for a missing id) and `lsn`: a unique index on
+//! that key (`migrations/0008_poison_dedup.sql`, `0012_poison_source.sql`) and `ON
+//! CONFLICT DO NOTHING`, so an insert costs an index probe however large the table
+//! is.
+//!
+//! # The source
+//!
+//! `outbox.poison_table` defaults to `public.poison_outbox` whatever the outbox, so
+//! relays with outboxes of their own (and the shards of one) may share a table. Ids
+//! of two outboxes can run in lockstep (two bigint sequences written together), so
+//! `(outbox_id, lsn)` does not say whose row it is: every row records its source,
+//! the outbox table (`source_table`, `schema.table`, part of the occurrence) and the
+//! slot of the relay that read it (`source_slot`; none for the poller; not part of
+//! the occurrence, which is the same whichever slot reads the row). Without it, a
+//! second relay's insert was taken for a repeat of the first's row and dropped, and
+//! after a restart its deliverable event was skipped as poisoned (`recorded.rs`).
 //!
 //! # An insert that cannot fail because of content
 //!
@@ -104,11 +117,29 @@ impl PoisonRow {
     }
 }
 
+/// The outbox table as a poison row's `source_table` records it: `schema.table`,
+/// unquoted (a config may say just `table`).
+#[must_use]
+pub(crate) fn source_table(outbox: &OutboxConfig) -> String {
+    qualified_name(&outbox.table).map_or_else(
+        |_| outbox.table.clone(),
+        |(schema, table)| format!("{schema}.{table}"),
+    )
+}
+
+/// `value` as an SQL string literal.
+fn literal(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "''"))
+}
+
 /// The `INSERT` of a batch of [`PoisonRow`]s into `outbox.poison_table` (parameters:
-/// one array per column, see [`insert_rows`]). A row whose occurrence is already
+/// one array per column, see [`insert_rows`]), each row recorded as read from
+/// `outbox` through `slot` (`None`: the poller). A row whose occurrence is already
 /// recorded is skipped (`ON CONFLICT DO NOTHING`, see the module doc).
 #[must_use]
-pub(crate) fn insert_statement(outbox: &OutboxConfig) -> String {
+pub(crate) fn insert_statement(outbox: &OutboxConfig, slot: Option<&str>) -> String {
+    let source_table = literal(&source_table(outbox));
+    let source_slot = slot.map_or_else(|| "NULL".to_owned(), literal);
     let table = quote_qualified(&outbox.poison_table);
     // The migrations create the helper functions in the outbox table's schema; a
     // validated config always has one.
@@ -120,14 +151,15 @@ pub(crate) fn insert_statement(outbox: &OutboxConfig) -> String {
         "INSERT INTO {table} (outbox_id, idempotency_key, aggregate_type, aggregate_id,
              event_type, topic, headers, headers_text, payload, created_at, row_data,
              row_data_text, row_bytes, row_sha256, truncated, error, error_kind, attempts,
-             lsn, tx_position, parked, holds_key)
+             lsn, tx_position, parked, holds_key, source_table, source_slot)
          SELECT r.outbox_id, r.idempotency_key, r.aggregate_type, r.aggregate_id,
                 r.event_type, r.topic, c.headers,
                 CASE WHEN c.headers IS NULL THEN r.headers END,
                 r.payload, {schema}.outbox_relay_try_timestamptz(r.created_at), c.row_data,
                 CASE WHEN c.row_data IS NULL THEN r.row_data END,
                 r.row_bytes, r.row_sha256, r.truncated, r.error, r.error_kind, r.attempts,
-                r.lsn::pg_lsn, r.tx_position, r.parked, r.holds_key
+                r.lsn::pg_lsn, r.tx_position, r.parked, r.holds_key,
+                {source_table}::text, {source_slot}::text
          FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
                      $6::text[], $7::text[], $8::bool[], $9::text[], $10::text[],
                      $11::text[], $12::bool[], $13::int8[], $14::text[], $15::bool[],
@@ -639,7 +671,7 @@ mod tests {
             poison_table: "ops.dead_letters".into(),
             ..OutboxConfig::default()
         };
-        let sql = insert_statement(&outbox);
+        let sql = insert_statement(&outbox, Some("relay_slot"));
         assert!(
             sql.contains("INSERT INTO \"ops\".\"dead_letters\""),
             "{sql}"
@@ -647,5 +679,26 @@ mod tests {
         assert!(sql.contains("\"app\".outbox_relay_try_jsonb("), "{sql}");
         assert!(sql.contains("ON CONFLICT DO NOTHING"), "{sql}");
         assert!(!sql.contains("NOT EXISTS"), "{sql}");
+        assert!(
+            sql.contains("'app.events'::text, 'relay_slot'::text"),
+            "{sql}"
+        );
+        // The poller reads no slot.
+        let sql = insert_statement(&outbox, None);
+        assert!(sql.contains("'app.events'::text, NULL::text"), "{sql}");
+    }
+
+    #[test]
+    fn the_source_table_is_schema_qualified_and_unquoted() {
+        let outbox = |table: &str| OutboxConfig {
+            table: table.into(),
+            ..OutboxConfig::default()
+        };
+        assert_eq!(source_table(&outbox("outbox")), "public.outbox");
+        assert_eq!(
+            source_table(&outbox("App.Order-Events")),
+            "App.Order-Events"
+        );
+        assert_eq!(literal("it's"), "'it''s'");
     }
 }

@@ -94,12 +94,17 @@ pub(crate) struct PoisonWriter {
 
 impl PoisonWriter {
     /// Writes to each outbox's `poison_table`, values cut to
-    /// `relay.poison_copy_limit_bytes`.
+    /// `relay.poison_copy_limit_bytes`, each row recorded as read through this
+    /// relay's slot.
     #[must_use]
     pub(crate) fn new(conninfo: ConnInfo, config: &Config) -> PoisonWriter {
+        let slot = config.postgres.slot_name();
         PoisonWriter {
             conninfo,
-            statements: config.outboxes().map(insert_statement).collect(),
+            statements: config
+                .outboxes()
+                .map(|outbox| insert_statement(outbox, Some(&slot)))
+                .collect(),
             parking: WriterStatements::new(&config.outbox),
             copy_limit: config.relay.poison_copy_limit_bytes,
             client: None,

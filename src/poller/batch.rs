@@ -90,6 +90,7 @@ impl Poller {
             &layout,
             config.relay.poison_copy_limit_bytes,
             None,
+            None,
         );
         let prepared = Prepared::new(&client, &sql).await?;
 

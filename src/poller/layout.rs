@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use crate::config::{OutboxConfig, quote_qualified};
 use crate::error::Result;
 use crate::outbox::PayloadFormat;
-use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::prerequisite::{POISON_TABLE_NEWEST_COLUMN, Prerequisite};
 
 use super::pg_error::pg_error;
 
@@ -108,8 +108,8 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
         .query_one(
             "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
                     EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($2)
-                            AND attname = 'row_sha256' AND NOT attisdropped)",
-            &[&table, &poison],
+                            AND attname = $3 AND NOT attisdropped)",
+            &[&table, &poison, &POISON_TABLE_NEWEST_COLUMN],
         )
         .await
         .map_err(pg_error)?;
@@ -130,6 +130,7 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
     if !exists.try_get::<_, bool>(2).map_err(pg_error)? {
         return Err(Prerequisite::PoisonTableOutdated {
             table: outbox.poison_table.clone(),
+            column: POISON_TABLE_NEWEST_COLUMN.to_owned(),
         }
         .into());
     }

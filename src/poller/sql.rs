@@ -85,15 +85,25 @@ impl Sql {
     /// `shard_filter`: the row filter of the relay's shard
     /// ([`crate::config::shard::row_filter`]), which the cutover's and a resync's
     /// backlog keep to; the poller itself, a fallback for every shard, ignores it.
+    /// `slot`: the slot a cutover or resync publishes for, recorded in the poison
+    /// rows it writes (`None` for the poller, see `crate::poison`).
     pub(crate) fn new(
         outbox: &OutboxConfig,
         layout: &Layout,
         poison_copy_limit: usize,
         shard_filter: Option<&str>,
+        slot: Option<&str>,
     ) -> Sql {
         let in_shard = shard_filter.map_or(String::new(), |f| format!(" AND ({f})"));
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
+        // A poison row of another outbox sharing the poison table (whose ids or keys
+        // may equal this one's) says nothing about this outbox's rows; rows written
+        // before sources were recorded (migration 0012) are taken as before.
+        let own_poison = format!(
+            "(p.source_table IS NULL OR p.source_table = '{}')",
+            crate::poison::source_table(outbox).replace('\'', "''")
+        );
         let col = |field: usize| match &layout.fields[field] {
             Some(name) => format!("o.{}::text", quote_ident(name)),
             None => "NULL::text".to_owned(),
@@ -127,14 +137,16 @@ impl Sql {
             backlog: format!(
                 "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)){in_shard}
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
+                       AND {own_poison}){in_shard}
                  {commit_order}",
                 col(IDEMPOTENCY_KEY)
             ),
             undelivered: format!(
                 "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text))
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
+                       AND {own_poison})
                    AND NOT ({}){in_shard}
                  {commit_order}",
                 col(IDEMPOTENCY_KEY),
@@ -143,7 +155,8 @@ impl Sql {
             sweep: format!(
                 "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)) {order}",
+                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
+                       AND {own_poison}) {order}",
                 col(IDEMPOTENCY_KEY)
             ),
             by_id: format!("{select} WHERE o.{id} = $1::text::{id_type}"),
@@ -162,7 +175,7 @@ impl Sql {
                  FROM unnest($1::text[], $2::int4[], $3::text[]) AS f(id, attempts, error)
                  WHERE o.{id} = f.id::{id_type}"
             ),
-            insert_poison: crate::poison::insert_statement(outbox),
+            insert_poison: crate::poison::insert_statement(outbox, slot),
             poison_copy_limit,
         }
     }
@@ -253,7 +266,7 @@ mod tests {
         );
         set(&mut columns, "id", column("id", "bigint", "int8"));
         let layout = resolve_layout("app.Events", &outbox, &columns).unwrap();
-        let sql = Sql::new(&outbox, &layout, 1024, None);
+        let sql = Sql::new(&outbox, &layout, 1024, None, None);
         let select = &sql.select_batch;
         assert!(select.contains("FROM \"app\".\"Events\" o"), "{select}");
         assert!(
@@ -280,5 +293,12 @@ mod tests {
         );
         assert!(sql.sweep.contains("o.attempts >= $1 AND NOT EXISTS"));
         assert!(sql.sweep.contains("FROM \"app\".\"dead\" p"));
+        // Another outbox's poison rows in a shared table do not count.
+        for statement in [&sql.sweep, &sql.backlog, &sql.undelivered] {
+            assert!(
+                statement.contains("p.source_table = 'app.Events'"),
+                "{statement}"
+            );
+        }
     }
 }

@@ -8,6 +8,11 @@
 //! (authentication, missing database, privileges, object in use) are
 //! [`Prerequisite::Refused`], with the server's message kept.
 
+/// The last column the migrations added to the poison table that every poison
+/// insert writes (`0012`'s `source_slot`): a table without it is not upgraded
+/// ([`Prerequisite::PoisonTableOutdated`]).
+pub const POISON_TABLE_NEWEST_COLUMN: &str = "source_slot";
+
 /// A PostgreSQL prerequisite that is not met.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -24,12 +29,12 @@ pub enum Prerequisite {
     /// The poison side table does not exist.
     #[error("poison table {table} does not exist: run `outbox-relay migrate`")]
     PoisonTableMissing { table: String },
-    /// The poison table predates migration 8 (no occurrence key, no text columns):
-    /// this relay's inserts would fail on it.
+    /// The poison table predates migration 12 (no source columns, and maybe no
+    /// occurrence key or text columns either): this relay's inserts would fail on it.
     #[error(
-        "poison table {table} is not upgraded (column row_sha256 missing): run `outbox-relay migrate`"
+        "poison table {table} is not upgraded (column {column} missing): run `outbox-relay migrate`"
     )]
-    PoisonTableOutdated { table: String },
+    PoisonTableOutdated { table: String, column: String },
     /// The publication does not exist.
     #[error(
         "publication {publication} does not exist: run `outbox-relay migrate` \

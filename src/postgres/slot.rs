@@ -21,7 +21,7 @@ use crate::config::{Config, qualified_name};
 use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
 use crate::postgres::error::PgError;
-use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::prerequisite::{POISON_TABLE_NEWEST_COLUMN, Prerequisite};
 use crate::postgres::replication::{CreatedSlot, ReplicationConnection, SnapshotAction};
 
 /// Facts about the server the relay needs.
@@ -106,13 +106,14 @@ async fn check_outbox_tables(
                     to_regclass($4) IS NOT NULL,
                     to_regclass($5) IS NOT NULL,
                     EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($5)
-                            AND attname = 'row_sha256' AND NOT attisdropped)",
+                            AND attname = $6 AND NOT attisdropped)",
             &[
                 publication,
                 &schema,
                 &table,
                 &crate::config::quote_qualified(&outbox.table),
                 &crate::config::quote_qualified(&outbox.poison_table),
+                &POISON_TABLE_NEWEST_COLUMN,
             ],
         )
         .await
@@ -164,6 +165,7 @@ async fn check_outbox_tables(
     if !poison_upgraded {
         return Err(Prerequisite::PoisonTableOutdated {
             table: outbox.poison_table.clone(),
+            column: POISON_TABLE_NEWEST_COLUMN.to_owned(),
         }
         .into());
     }

@@ -1,8 +1,9 @@
 //! The poison table under load and with hostile content: mass poisoning drains in
 //! time proportional to delivery (no cost that grows with the table), content that
 //! jsonb or a size limit refuses is still recorded (and the stream goes on), each
-//! occurrence is recorded exactly once, and the migration that introduced
-//! de-duplication by occurrence keeps every old row.
+//! occurrence is recorded exactly once, the migration that introduced
+//! de-duplication by occurrence keeps every old row, and relays that share the
+//! poison table never take each other's rows for their own.
 
 use std::time::{Duration, Instant};
 
@@ -395,11 +396,12 @@ async fn each_occurrence_is_recorded_once() {
 /// `migrate` upgrades a poison table created before de-duplication by occurrence
 /// without losing a row, even when rows already repeat an occurrence: the repeats
 /// are labelled (`duplicate_of`) and left out of the unique index; new inserts of a
-/// recorded occurrence are skipped.
+/// recorded occurrence are skipped, unless another outbox (`source_table`) wrote
+/// them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_keeps_every_row_of_an_old_poison_table() {
     let db = TestDb::create("poison_upgrade").await;
-    // The table as migration 2 created it, and migration 8 not yet applied.
+    // The table as migration 2 created it, and migrations 8 and 12 not yet applied.
     let old = include_str!("../../migrations/0002_poison_outbox.sql")
         .replace("{{poison_table}}", "\"public\".\"poison_outbox\"")
         .replace("{{poison_key_idx}}", "poison_outbox_key_idx")
@@ -408,7 +410,7 @@ async fn migration_keeps_every_row_of_an_old_poison_table() {
         .batch_execute(&format!(
             "DROP TABLE poison_outbox;
              {old}
-             DELETE FROM outbox_relay_migrations WHERE version = 8;"
+             DELETE FROM outbox_relay_migrations WHERE version IN (8, 12);"
         ))
         .await
         .unwrap();
@@ -474,4 +476,237 @@ async fn migration_keeps_every_row_of_an_old_poison_table() {
     assert_eq!(insert("o4", None).await, 1);
     assert_eq!(insert("o4", None).await, 0);
     assert_eq!(db.poison_rows().await, 10);
+    // Another outbox sharing the table, whose ids run in lockstep with this one's:
+    // its row of the same id and commit is its own occurrence, recorded once.
+    for expected in [1, 0] {
+        let inserted = db
+            .client
+            .execute(
+                "INSERT INTO poison_outbox (outbox_id, error, error_kind, attempts, lsn,
+                                            source_table, source_slot)
+                 VALUES ('o1', 'e', 'k', 1, '0/10', 'public.other_outbox', 'other_slot')
+                 ON CONFLICT DO NOTHING",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(inserted, expected);
+    }
+    // Migrations 8 and 12 once more, as the other outbox's own `migrate` runs them
+    // on the shared table: 8 labels the other outbox's row a repeat of this one's,
+    // 12 takes the label back; no index is replaced by 8's.
+    db.client
+        .batch_execute("DELETE FROM outbox_relay_migrations WHERE version IN (8, 12)")
+        .await
+        .unwrap();
+    let out = harness::run_cli(&["migrate", "--config", db.config_path.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "migrate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(insert("o1", Some("0/10")).await, 0);
+    let labelled: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM poison_outbox WHERE duplicate_of IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(labelled, 2, "the two repeats of before, no more");
+}
+
+/// An outbox table with bigint ids the test sets, so two tables' ids run in
+/// lockstep (as two sequences written together do).
+const LOCKSTEP_OUTBOX: &str = "(
+    id              bigint      PRIMARY KEY,
+    idempotency_key text        NOT NULL UNIQUE DEFAULT gen_random_uuid()::text,
+    aggregate_type  text        NOT NULL,
+    aggregate_id    text,
+    event_type      text        NOT NULL,
+    topic           text,
+    headers         jsonb,
+    payload         jsonb       NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    sent_at         timestamptz,
+    attempts        integer     NOT NULL DEFAULT 0,
+    last_error      text)";
+
+/// Two relays, each with its own outbox table, slot and publication, share the
+/// default poison table; their outbox ids run in lockstep, so one transaction
+/// writes row 1 of each table at one commit, with ordinal 0 in each relay's stream.
+/// The first relay poisons its row 1 (and 2); the second, streaming the same
+/// transactions afterwards, must still deliver its row 1 (not skip it as an event
+/// it poisoned before a crash) and record its own poisoned row 2 (not drop it as a
+/// repeat of the first relay's); `replay --all` of each relay takes only its rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_sharing_the_poison_table_keep_their_events_apart() {
+    let db = TestDb::create("poison_shared").await;
+    let env = harness::env();
+    let (slot_a, slot_b) = (format!("{}_a", db.name), format!("{}_b", db.name));
+    let topic_b = format!("{}.billing", db.name);
+    harness::create_topic(&topic_b, 1).await;
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE public.orders_outbox {LOCKSTEP_OUTBOX};
+             CREATE TABLE public.billing_outbox {LOCKSTEP_OUTBOX};
+             CREATE PUBLICATION {0}_pa FOR TABLE public.orders_outbox WITH (publish = 'insert');
+             CREATE PUBLICATION {0}_pb FOR TABLE public.billing_outbox WITH (publish = 'insert');",
+            db.name
+        ))
+        .await
+        .unwrap();
+    for slot in [&slot_a, &slot_b] {
+        db.client
+            .execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[slot],
+            )
+            .await
+            .unwrap();
+    }
+    // Each relay's config names its table, slot and publication; poison_table is
+    // the default, public.poison_outbox, for both.
+    let config = |which: &str, slot: &str, table: &str, topic: &str| {
+        let path = std::env::temp_dir().join(format!("{}_{which}.toml", db.name));
+        std::fs::write(
+            &path,
+            format!(
+                "[postgres]\nurl = \"{}\"\nslot = \"{slot}\"\npublication = \"{}_p{which}\"\n\
+                 \n[outbox]\ntable = \"{table}\"\n\
+                 \n[kafka]\nbrokers = \"{}\"\ntopic_template = \"{topic}\"\n\
+                 \n[log]\nlevel = \"info\"\n",
+                db.url, db.name, env.brokers
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let config_a = config("a", &slot_a, "public.orders_outbox", &db.topic);
+    let config_b = config("b", &slot_b, "public.billing_outbox", &topic_b);
+
+    // Commit 1: order 1 cannot be delivered (no entity id), invoice 1 can.
+    // Commit 2: neither order 2 nor invoice 2 can.
+    let mut client = harness::connect(&db.url).await;
+    let tx = client.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO orders_outbox (id, aggregate_type, aggregate_id, event_type, payload)
+         VALUES (1, 'order', NULL, 'OrderPlaced', '{}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let invoice: String = tx
+        .query_one(
+            "INSERT INTO billing_outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (1, 'invoice', 'inv-1', 'InvoiceIssued', '{}') RETURNING idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    tx.commit().await.unwrap();
+    client
+        .batch_execute(
+            "BEGIN;
+             INSERT INTO orders_outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (2, 'order', NULL, 'OrderPlaced', '{}');
+             INSERT INTO billing_outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (2, 'invoice', NULL, 'InvoiceIssued', '{}');
+             COMMIT;",
+        )
+        .await
+        .unwrap();
+    let end: String = db
+        .client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let end = parse_lsn(&end);
+    let streamed = async |relay: &RelayProcess, slot: &str| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while confirmed_flush(&db.client, slot).await < end {
+            assert!(
+                Instant::now() < deadline,
+                "slot {slot} not past the events; log:\n{}",
+                relay.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+
+    // The orders relay poisons orders 1 and 2.
+    let relay = RelayProcess::start(&config_a, &[]);
+    streamed(&relay, &slot_a).await;
+    assert_eq!(db.poison_rows().await, 2, "log:\n{}", relay.log());
+    relay.terminate(Duration::from_secs(30)).await;
+
+    // The billing relay streams the same two commits: invoice 1 is delivered.
+    let relay = RelayProcess::start(&config_b, &[]);
+    streamed(&relay, &slot_b).await;
+    let records = harness::consume(&topic_b, 1, Duration::from_secs(10)).await;
+    let delivered: Vec<&str> = records
+        .iter()
+        .filter_map(|r| r.header("idempotency_key"))
+        .collect();
+    assert_eq!(
+        delivered,
+        [invoice.as_str()],
+        "invoice 1 lost: the billing relay took the orders relay's poison row of order 1 \
+         (same id, commit and ordinal) for its own; log:\n{}",
+        relay.log()
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+
+    // Invoice 2 has a row of its own beside order 2's, and each row names its source.
+    let sources: Vec<(String, String, String)> = db
+        .client
+        .query(
+            "SELECT outbox_id, source_table, source_slot FROM poison_outbox
+              ORDER BY source_table, outbox_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let row =
+        |id: &str, table: &str, slot: &str| (id.to_owned(), table.to_owned(), slot.to_owned());
+    assert_eq!(
+        sources,
+        [
+            row("2", "public.billing_outbox", &slot_b),
+            row("1", "public.orders_outbox", &slot_a),
+            row("2", "public.orders_outbox", &slot_a),
+        ]
+    );
+
+    // Each relay's `replay --all` selects its own rows only.
+    for (config, rows) in [(&config_a, 2), (&config_b, 1)] {
+        let out = harness::run_cli(&[
+            "replay",
+            "--all",
+            "--dry-run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+        ]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "replay --json ({e}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        assert_eq!(report["selected"], rows, "{report}");
+    }
+    for slot in [&slot_a, &slot_b] {
+        let _ = db
+            .client
+            .execute("SELECT pg_drop_replication_slot($1)", &[slot])
+            .await;
+    }
 }

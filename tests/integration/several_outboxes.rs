@@ -403,7 +403,7 @@ async fn poll_then_cutover_serve_two_outbox_tables() {
     assert!(out.status.success(), "{migrated}");
     // Both outboxes in one schema would share outbox_enqueue; here each has its own.
     assert!(
-        migrated.contains("outbox billing.outbox: migrations: 11 applied"),
+        migrated.contains("outbox billing.outbox: migrations: 12 applied"),
         "{migrated}"
     );
 

@@ -214,6 +214,7 @@ impl<'a> Backlog<'a> {
             &layout,
             config.relay.poison_copy_limit_bytes,
             shard_filter.as_deref(),
+            Some(&config.postgres.slot_name()),
         );
         let prepared = poller::Prepared::new(metadata, &sql).await?;
         let parked = crate::cdc::poison_policy::parked_keys(metadata, config).await?;

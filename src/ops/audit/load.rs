@@ -367,11 +367,29 @@ pub(super) async fn load(
             .await?
             .try_get(0)?;
         let parked = if parked_column { "parked" } else { "false" };
+        // Another outbox's rows in a shared poison table (migration 0012 records
+        // whose a row is) are not this outbox's poisoned events.
+        let source_column: bool = tx
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)
+                                  AND attname = 'source_table' AND NOT attisdropped)",
+                &[&table],
+            )
+            .await?
+            .try_get(0)?;
+        let own = if source_column {
+            " WHERE source_table IS NULL OR source_table = $2"
+        } else {
+            " WHERE $2::text IS NOT NULL"
+        };
         let sql = format!(
-            "SELECT idempotency_key, outbox_id, {parked}, aggregate_id, row_data ? $1 FROM {table}"
+            "SELECT idempotency_key, outbox_id, {parked}, aggregate_id, row_data ? $1 FROM {table}{own}"
         );
         let statement = tx.prepare(&sql).await?;
-        let portal = tx.bind(&statement, &[&message::POISON_MARKER]).await?;
+        let source = crate::poison::source_table(&config.outbox);
+        let portal = tx
+            .bind(&statement, &[&message::POISON_MARKER, &source])
+            .await?;
         loop {
             let batch = tx.query_portal(&portal, BATCH_ROWS).await?;
             for row in &batch {

@@ -11,7 +11,9 @@
 //! exist too: without it poisoned events are recorded once per attempt instead of
 //! once, and nothing else says so. Before index names were kept within 63 bytes
 //! (`ops::migrate::names`), a long poison table name made PostgreSQL cut the name
-//! to one that already existed, and `0008` skipped the index without an error.
+//! to one that already existed, and `0008` skipped the index without an error. The
+//! index must also key on the row's source (`0012`): without it, relays sharing the
+//! poison table take each other's rows for repeats of their own and drop them.
 
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
@@ -69,25 +71,36 @@ async fn occurrence_index(client: &Client, config: &Config) -> Check {
     };
     let found = client
         .query_one(
-            "SELECT EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-                            WHERE i.indrelid = to_regclass($1) AND i.indisunique
-                              AND i.indisvalid AND c.relname = ANY($2::text[]))",
+            "SELECT bool_or(pg_get_indexdef(i.indexrelid) LIKE '%source_table%')
+               FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE i.indrelid = to_regclass($1) AND i.indisunique
+                AND i.indisvalid AND c.relname = ANY($2::text[])",
             &[&quote_qualified(&config.outbox.poison_table), &names],
         )
         .await
-        .and_then(|row| row.try_get::<_, bool>(0));
+        .and_then(|row| row.try_get::<_, Option<bool>>(0));
     match found {
-        Ok(true) => Check::ok(NAME, "every migration is applied"),
-        Ok(false) => Check::problem(
+        Ok(Some(true)) => Check::ok(NAME, "every migration is applied"),
+        Ok(Some(false)) => Check::problem(
+            NAME,
+            format!(
+                "every migration is recorded, but the unique index {:?} of {} does not key \
+                 on the rows' source: relays sharing the poison table drop each other's rows",
+                names[0], config.outbox.poison_table
+            ),
+            "as the tables' owner, DELETE FROM outbox_relay_migrations WHERE version = 12, \
+             then run `outbox-relay migrate`: migration 0012 runs again and replaces the index",
+        ),
+        Ok(None) => Check::problem(
             NAME,
             format!(
                 "every migration is recorded, but {} has no unique index {:?}: poisoned \
                  events are not de-duplicated",
                 config.outbox.poison_table, names[0]
             ),
-            "as the tables' owner, DELETE FROM outbox_relay_migrations WHERE version = 8, then \
-             run `outbox-relay migrate`: migration 0008 runs again, labels repeated rows \
-             with duplicate_of and creates the index",
+            "as the tables' owner, DELETE FROM outbox_relay_migrations WHERE version IN (8, 12), \
+             then run `outbox-relay migrate`: migrations 0008 and 0012 run again, label \
+             repeated rows with duplicate_of and create the index",
         ),
         Err(e) => Check::query_failed(NAME, "cannot look up the poison table's indexes", &e),
     }

@@ -16,7 +16,10 @@
 //! applied migration is never edited, a later one changes what it created.
 //! `0009` adds parked events and keys (`relay.on_poison = "park-key"`, see
 //! `crate::poison`, `parking.rs`). `0010` keeps several candidate checkpoints in the
-//! relay position (see [`crate::outbox::position`]). With `postgres.shards > 1`, the
+//! relay position (see [`crate::outbox::position`]). `0012` records which relay
+//! wrote a poison row (its outbox table and slot) and puts it in the occurrence
+//! key, so relays that share a poison table never take each other's rows for their
+//! own (see `crate::poison`, `recorded.rs`). With `postgres.shards > 1`, the
 //! shards' publications are made last (`crate::postgres::shard_publication`).
 //!
 //! Besides the tables, the migrations install the writer helper
@@ -129,6 +132,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/0011_message_outbox.sql"),
         partitioned_sql: None,
     },
+    Migration {
+        version: 12,
+        name: "poison_source",
+        sql: include_str!("../../../migrations/0012_poison_source.sql"),
+        partitioned_sql: None,
+    },
 ];
 
 /// The first server version whose pgoutput sends logical decoding messages
@@ -228,9 +237,13 @@ fn render_as(sql: &str, cfg: &Config, index_names: IndexNames) -> Result<String>
     };
     let (_, table) = config::qualified_name(&cfg.outbox.table)?;
     let outbox_name = format!("{schema}.{table}");
-    let vars: [(&str, String); 20] = [
+    let vars: [(&str, String); 21] = [
         ("schema", quote_ident(&schema)),
         ("outbox_table", quote_qualified(&cfg.outbox.table)),
+        (
+            "poison_table_literal",
+            literal(&quote_qualified(&cfg.outbox.poison_table)),
+        ),
         ("poison_table", quote_qualified(&cfg.outbox.poison_table)),
         ("publication", quote_ident(publication)),
         (

@@ -83,6 +83,7 @@ pub async fn run(config: &Config, args: &ReplayArgs) -> Result<ReplayReport, Err
         table: quote_qualified(&config.outbox.poison_table),
         name: config.outbox.poison_table.clone(),
         parked_keys: crate::poison::parked_key_table(&config.outbox),
+        source_table: crate::poison::source_table(&config.outbox),
     };
     store.check_table().await?;
     if !args.dry_run {

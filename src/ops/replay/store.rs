@@ -18,6 +18,15 @@
 //! while `replay` runs wait for the next run. The acknowledged rows of a page are
 //! marked with one `UPDATE … WHERE poison_id = ANY($1)`.
 //!
+//! # Whose rows
+//!
+//! A poison table may be shared by relays with outboxes of their own (its default
+//! name is the same for every outbox). Each row records the outbox it came from
+//! (`source_table`, `crate::poison`), and `--all` takes only the rows of the outbox
+//! replayed (and rows from before sources were recorded): another outbox's row
+//! mapped with this config could go to this outbox's topic, be marked replayed, and
+//! never reach its own. `--id` takes the named rows whatever their source.
+//!
 //! # One replay at a time
 //!
 //! A replay holds a PostgreSQL advisory lock named after the poison table for its
@@ -57,6 +66,9 @@ use crate::postgres::table_exists;
 
 /// Error kind of a truncated row whose original could not be read.
 pub(super) const ORIGINAL_UNAVAILABLE: &str = "original_unavailable";
+
+/// The rows `--all` takes in [`PoisonStore::counts`] (`$3`: the outbox replayed).
+const OWN_ROWS: &str = "(source_table IS NULL OR source_table = $3)";
 
 /// One `poison_outbox` row as read back (text forms, see the migration).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -197,6 +209,11 @@ pub(super) struct PoisonStore {
     pub(super) name: String,
     /// The parked-key table (`crate::poison::parking`), quoted.
     pub(super) parked_keys: String,
+    /// The outbox replayed, as poison rows record their source (`crate::poison`):
+    /// `--all` takes its rows and those written before sources were recorded, not
+    /// the rows of another outbox sharing the poison table, which this config would
+    /// map to the wrong topic (see the module doc).
+    pub(super) source_table: String,
 }
 
 impl PoisonStore {
@@ -270,14 +287,19 @@ impl PoisonStore {
 
     pub(super) async fn counts(&self, sel: &Selection) -> Result<Counts, Error> {
         let sql = format!(
-            "SELECT count(*) FILTER (WHERE (poison_id = ANY($1) OR ($2 AND replayed_at IS NULL))
+            "SELECT count(*) FILTER (WHERE (poison_id = ANY($1) OR ($2 AND replayed_at IS NULL
+                                                                 AND {OWN_ROWS}))
                                        AND NOT (parked AND replayed_at IS NULL)),
-                    count(*) FILTER (WHERE $2 AND replayed_at IS NOT NULL AND poison_id <> ALL($1)),
+                    count(*) FILTER (WHERE $2 AND replayed_at IS NOT NULL AND {OWN_ROWS}
+                                       AND poison_id <> ALL($1)),
                     coalesce(max(poison_id), 0)
              FROM {}",
             self.table
         );
-        let row = self.client.query_one(&sql, &[&sel.ids, &sel.all]).await?;
+        let row = self
+            .client
+            .query_one(&sql, &[&sel.ids, &sel.all, &self.source_table])
+            .await?;
         let count = |i: usize| -> Result<u64, Error> {
             let n: i64 = row.try_get(i)?;
             Ok(u64::try_from(n).unwrap_or_default())
@@ -329,7 +351,9 @@ impl PoisonStore {
                           + coalesce(octet_length(coalesce(headers::text, headers_text)), 0) AS own
                  FROM (SELECT * FROM {}
                        WHERE poison_id > $1 AND poison_id <= $2
-                         AND (poison_id = ANY($3) OR ($4 AND replayed_at IS NULL))
+                         AND (poison_id = ANY($3)
+                              OR ($4 AND replayed_at IS NULL
+                                  AND (source_table IS NULL OR source_table = $7)))
                          AND NOT (parked AND replayed_at IS NULL)
                        ORDER BY poison_id LIMIT $5) AS candidates
              ) AS page
@@ -341,7 +365,18 @@ impl PoisonStore {
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         let rows = self
             .client
-            .query(&sql, &[&after, &max_id, &sel.ids, &sel.all, &limit, &bytes])
+            .query(
+                &sql,
+                &[
+                    &after,
+                    &max_id,
+                    &sel.ids,
+                    &sel.all,
+                    &limit,
+                    &bytes,
+                    &self.source_table,
+                ],
+            )
             .await?;
         rows.iter()
             .map(|r| PoisonRecord::from_row(r).map_err(Error::from))
@@ -489,7 +524,7 @@ impl Originals {
         if self.found.is_none() {
             self.found = Some(match poller::inspect_tables(client, outbox).await {
                 Ok(layout) => Ok((
-                    poller::Sql::new(outbox, &layout, 0, None).by_id,
+                    poller::Sql::new(outbox, &layout, 0, None, None).by_id,
                     layout.payload_format,
                 )),
                 Err(e) => Err(format!(
