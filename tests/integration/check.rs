@@ -273,3 +273,57 @@ async fn check_on_a_good_deploy_is_all_ok_and_run_starts() {
     db.drop_slot().await;
     cluster.stop();
 }
+
+/// A table left in the publication after its outbox was taken out of the config
+/// (here: added as an outbox would be, never named in this config). The relay
+/// would decode its rows, skip them and confirm past them: every one lost. `check`
+/// names the table and both fixes; `run` refuses to start with the prerequisite
+/// exit code and creates nothing; once the table is out of the publication both
+/// are fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_table_no_outbox_names_stops_run() {
+    let db = TestDb::create("check_unserved").await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE public.retired_outbox (LIKE public.outbox INCLUDING ALL);
+             ALTER PUBLICATION outbox_relay_pub ADD TABLE public.retired_outbox;",
+        )
+        .await
+        .expect("publish a table the config does not name");
+
+    let (code, stdout, stderr) = cli(&["check", "--json"], &db, &[]);
+    let (_, list) = checks(&stdout);
+    let (_, status, detail, fix) = find(&list, "postgres.publication");
+    assert_eq!(
+        status, "problem",
+        "a published table no outbox names is not reported: {detail}"
+    );
+    assert!(detail.contains("public.retired_outbox"), "{detail}");
+    assert!(
+        fix.contains(
+            "ALTER PUBLICATION \"outbox_relay_pub\" DROP TABLE \"public\".\"retired_outbox\""
+        ),
+        "{fix}"
+    );
+    assert!(fix.contains("[[outbox]]"), "{fix}");
+    assert_eq!(code, Some(3), "{stdout}\n{stderr}");
+
+    let mut relay = RelayProcess::start(&db.config_path, &[]);
+    let status = relay.wait(Duration::from_secs(60)).await;
+    let log = relay.log();
+    assert_eq!(status.code(), Some(3), "{log}");
+    assert!(
+        log.contains("postgres.publication: ") && log.contains("public.retired_outbox"),
+        "{log}"
+    );
+    assert!(!db.slot_exists().await, "run created its slot: {log}");
+
+    db.client
+        .batch_execute("ALTER PUBLICATION outbox_relay_pub DROP TABLE public.retired_outbox")
+        .await
+        .expect("drop the table from the publication");
+    let (_, stdout, _) = cli(&["check", "--json"], &db, &[]);
+    let (_, list) = checks(&stdout);
+    let (_, status, detail, _) = find(&list, "postgres.publication");
+    assert_eq!(status, "ok", "{detail}");
+}

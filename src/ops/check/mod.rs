@@ -349,9 +349,13 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         per_outbox(config, |view| async move {
             privileges::tables(client, &view).await
         }),
-        per_outbox(config, |view| async move {
-            publication::check(client, &view).await
-        }),
+        async {
+            let each = per_outbox(config, |view| async move {
+                publication::check(client, &view).await
+            })
+            .await;
+            publication::unserved(client, config, each).await
+        },
         server::slot(client, config),
         server::max_slot_wal_keep_size(client, config),
         per_outbox(config, |view| async move {

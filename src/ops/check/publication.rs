@@ -5,13 +5,118 @@
 //! outbox, and the relay would see no outbox rows at all; without `insert` it
 //! would see none either. Updates and deletes are ignored by the relay, but each
 //! one is still decoded and sent (a `retention` run deletes many rows): a warning.
+//!
+//! # Tables the config does not name
+//!
+//! The relay relays the inserts of the tables its config names and skips the rest
+//! of the stream, while the slot moves past it. A table still in the publication
+//! but no longer in the config (an `[[outbox]]` entry removed, a relay pointed at
+//! another table) therefore loses every row written to it, silently: the rows are
+//! decoded, sent, skipped and confirmed. Nothing at run time can tell such a table
+//! from one that was never meant to be relayed, so the check refuses the
+//! combination ([`unserved`]): the operator either drops the table from the
+//! publication (its rows are not events) or names it in the config again. It is a
+//! problem, so `run` refuses to start on it (exit code 3), as for the other
+//! publication problems: loss is never the default.
 
 use tokio_postgres::Client;
 
-use super::Check;
+use super::{Check, Status};
 use crate::config::{Config, quote_ident, quote_qualified};
 
 const NAME: &str = "postgres.publication";
+
+/// Tables named in an [`unserved`] problem before the rest are only counted.
+const NAMED_TABLES: usize = 10;
+
+/// `check`, the publication check of every outbox (`checks`, one line), extended
+/// with the tables the relay's publication publishes that no outbox of `config` is
+/// (module doc): then a problem, whatever `checks` said.
+pub(super) async fn unserved(client: &Client, config: &Config, checks: Check) -> Check {
+    let publication = config.postgres.publication_name();
+    let outboxes: Vec<String> = config
+        .outboxes()
+        .map(|o| quote_qualified(&o.table))
+        .collect();
+    let rows = match client
+        .query(
+            "SELECT t.schemaname || '.' || t.tablename, p.puballtables
+               FROM pg_publication p JOIN pg_publication_tables t ON t.pubname = p.pubname
+              WHERE p.pubname = $1
+                AND NOT EXISTS (
+                    SELECT 1 FROM unnest($2::text[]) AS o(name)
+                     WHERE to_regclass(format('%I.%I', t.schemaname, t.tablename))
+                               = to_regclass(o.name)
+                        OR to_regclass(format('%I.%I', t.schemaname, t.tablename))
+                           IN (SELECT relid FROM pg_partition_tree(to_regclass(o.name))))
+              ORDER BY 1",
+            &[&publication, &outboxes],
+        )
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => return Check::query_failed(NAME, "cannot read pg_publication_tables", &e),
+    };
+    let mut tables = Vec::with_capacity(rows.len());
+    let mut all_tables = false;
+    for row in &rows {
+        match (row.try_get::<_, String>(0), row.try_get::<_, bool>(1)) {
+            (Ok(table), Ok(all)) => {
+                tables.push(table);
+                all_tables |= all;
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                return Check::query_failed(NAME, "cannot read pg_publication_tables", &e);
+            }
+        }
+    }
+    if tables.is_empty() {
+        return checks;
+    }
+    let quoted = quote_ident(&publication);
+    let mut named = tables
+        .iter()
+        .take(NAMED_TABLES)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if tables.len() > NAMED_TABLES {
+        named.push_str(&format!(" and {} more", tables.len() - NAMED_TABLES));
+    }
+    let detail = format!(
+        "publication {publication} also publishes {named}, which no outbox of this config \
+         names: the relay would skip their rows while the slot moves past them (lost)"
+    );
+    let drop = if all_tables {
+        format!(
+            "publication {publication} is FOR ALL TABLES: replace it by one FOR TABLE the \
+             outbox tables (WITH (publish = 'insert'))"
+        )
+    } else {
+        let list: Vec<String> = tables.iter().map(|t| quote_qualified(t)).collect();
+        format!(
+            "ALTER PUBLICATION {quoted} DROP TABLE {} (a table published through FOR \
+             TABLES IN SCHEMA cannot be dropped alone: list the outbox tables instead)",
+            list.join(", ")
+        )
+    };
+    let fix = format!(
+        "if their rows are not events, take them out of the publication: {drop}; if they \
+         are outboxes, name them in the config again ([[outbox]] entries, \
+         docs/configuration.md#several-outbox-tables-outbox)"
+    );
+    let (detail, fix) = match checks.status {
+        Status::Ok => (detail, fix),
+        _ => (
+            format!("{}; {detail}", checks.detail),
+            match checks.fix {
+                Some(other) => format!("{other}; {fix}"),
+                None => fix,
+            },
+        ),
+    };
+    Check::problem(NAME, detail, fix)
+}
 
 /// `postgres.publication`.
 pub(super) async fn check(client: &Client, config: &Config) -> Check {
