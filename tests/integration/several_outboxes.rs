@@ -490,3 +490,61 @@ async fn poll_then_cutover_serve_two_outbox_tables() {
     relay.terminate(Duration::from_secs(20)).await;
     db.drop_slot().await;
 }
+
+/// Two outboxes whose events go to one topic. A message of the first (written with
+/// `outbox_emit` before the slot existed: counted in the message ledger, never in
+/// the stream) is lost; the second outbox's row of the same entity reaches the
+/// topic. `audit` must report the message lost: the other outbox's record is not a
+/// delivery of it, although no row of the first outbox explains it either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_outboxs_record_on_a_shared_topic_does_not_hide_a_lost_message() {
+    let mut db = TestDb::create("shared_topic_audit").await;
+    db.client
+        .batch_execute("CREATE SCHEMA billing")
+        .await
+        .unwrap();
+    db.append_config(
+        "\n[[outbox]]\ntable = \"public.outbox\"\n\
+         \n[[outbox]]\ntable = \"billing.outbox\"\npoison_table = \"billing.poison_outbox\"\n",
+    );
+    let config = db.config_path.to_str().unwrap().to_owned();
+    let out = harness::run_cli(&["migrate", "--config", &config]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Emitted before the relay's slot exists: in the ledger, lost to the stream.
+    db.client
+        .query_one(
+            "SELECT outbox_emit('order', 'order-7', 'OrderPlaced', '{}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let invoice: String = db
+        .client
+        .query_one(
+            "INSERT INTO billing.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'order-7', 'InvoiceIssued', '{}') RETURNING idempotency_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let records = harness::consume_exactly(&db.topic, 1, Duration::from_secs(30), &relay).await;
+    assert_eq!(records[0].header("idempotency_key"), Some(invoice.as_str()));
+    relay.terminate(Duration::from_secs(20)).await;
+
+    let audit = harness::audit(&db);
+    assert_eq!(
+        audit["lost"], 1,
+        "the lost message of order-7 passed for delivered by billing's record: {audit}"
+    );
+    assert_eq!(audit["expected"], 2, "{audit}");
+    assert_eq!(audit["delivered"], 1, "{audit}");
+    db.drop_slot().await;
+}

@@ -38,6 +38,21 @@
 //! outbox's ledger counted events: then such records are matched against it per
 //! entity (`messages.rs`), and the messages add to the six numbers.
 //!
+//! # Whose record it is
+//!
+//! A message-outbox record carries nothing that tells it from a row's record (same
+//! key, headers, `source_lsn`: `docs/architecture.md#the-message-outbox`), so the
+//! messages of an entity are counted by elimination: records no row explains. With
+//! several outboxes sharing a topic, a record of *another* table's row is explained
+//! by no row of this one, and it counted as a delivery of this outbox's message of
+//! the same entity: a lost message was hidden behind another table's event. So the
+//! idempotency keys of the other outboxes' rows are given to the ledger too
+//! ([`Ledger::push_other_row`], only when messages are audited): a record with one
+//! of them is another outbox's, outside this audit's numbers. The keys are the
+//! ones records carry (each table's `idempotency_key`, else its `id`), the same
+//! key a record's header has. A table not in the config (another relay's) cannot
+//! be told apart this way.
+//!
 //! # Bounded memory
 //!
 //! Nothing per record is kept, and no row text: each row is one 16-byte entry — a
@@ -51,7 +66,8 @@
 //! million rows, 3·10⁻⁴ for 100 million. Two rows whose hashes collide are counted
 //! as one event ("shared keys" in the table); a record of an unrelated key colliding
 //! with an expected one would count as its delivery. Per-row state is also what
-//! limits a range to 2³² rows; audit larger tables in parts.
+//! limits a range to 2³² rows; audit larger tables in parts. The other outboxes'
+//! rows cost 8 bytes each (their key hash), only when messages are audited.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -179,6 +195,10 @@ pub(super) struct Ledger {
     /// The message outbox's tally, when its ledger counted events: records no row
     /// explains go to it instead of `outside_range`.
     messages: Option<Messages>,
+    /// Key hashes of the other outboxes' rows, sorted once sealed (see "Whose
+    /// record it is" in the module doc).
+    other_rows: Vec<u64>,
+    other_rows_sealed: bool,
 }
 
 /// The final counts of a [`Ledger`].
@@ -278,6 +298,16 @@ impl Ledger {
                 self.outside_range += 1;
                 return Observed::OutsideRange;
             };
+            // Another outbox's row on a shared topic: not a message of this one.
+            debug_assert!(self.other_rows_sealed || self.other_rows.is_empty());
+            if self
+                .other_rows
+                .binary_search(&key_hash(idempotency_key))
+                .is_ok()
+            {
+                self.outside_range += 1;
+                return Observed::OutsideRange;
+            }
             let key = key.unwrap_or_default();
             let order_entity = entity_hash(topic, partition, key);
             return match messages.observe(
@@ -399,6 +429,28 @@ impl Ledger {
             .emitted(key_hash(aggregate_id), events);
     }
 
+    /// Whether the message outbox is audited (its ledger counted events): only then
+    /// do the other outboxes' rows matter ([`Ledger::push_other_row`]).
+    pub(super) fn audits_messages(&self) -> bool {
+        self.messages.is_some()
+    }
+
+    /// A row of another outbox of the config, by the key its records carry: a
+    /// record with it is that outbox's, never a message of this one (module doc).
+    /// Call [`Ledger::seal_other_rows`] once they are all in.
+    pub(super) fn push_other_row(&mut self, idempotency_key: &[u8]) {
+        debug_assert!(!self.other_rows_sealed);
+        self.other_rows.push(key_hash(idempotency_key));
+    }
+
+    /// Sorts the other outboxes' rows for lookups.
+    pub(super) fn seal_other_rows(&mut self) {
+        self.other_rows.sort_unstable();
+        self.other_rows.dedup();
+        self.other_rows.shrink_to_fit();
+        self.other_rows_sealed = true;
+    }
+
     /// A poison row of a message (its `row_data` carries the marker).
     pub(super) fn mark_message_poisoned(&mut self, aggregate_id: &[u8], idempotency_key: &[u8]) {
         self.messages
@@ -408,7 +460,8 @@ impl Ledger {
 
     /// Bytes held for rows (the entity map is per topic and not included).
     pub(super) fn state_bytes(&self) -> u64 {
-        (self.rows.capacity() * std::mem::size_of::<(u64, RowState)>()) as u64
+        (self.rows.capacity() * std::mem::size_of::<(u64, RowState)>()
+            + self.other_rows.capacity() * std::mem::size_of::<u64>()) as u64
     }
 }
 
@@ -594,6 +647,46 @@ mod tests {
         assert_eq!(see(&mut l, "a", "other", None), Observed::OutsideRange);
         assert_eq!((l.records, l.without_key, l.outside_range), (2, 1, 1));
         assert_eq!(l.counts().lost, 1);
+    }
+
+    #[test]
+    fn records_of_another_outboxs_rows_deliver_no_message() {
+        // This outbox emitted one message for entity order-7; it was lost. Another
+        // outbox of the config wrote a row for the same entity, relayed to the same
+        // topic: its record is explained by no row of this outbox.
+        let mut l = ledger(0);
+        l.count_emitted(b"order-7", 1);
+        l.push_other_row(b"billing-row-1");
+        l.seal_other_rows();
+        let observed = l.observe(
+            "shared",
+            0,
+            Some(b"order-7"),
+            Some(b"billing-row-1"),
+            lsn("0/10"),
+        );
+        let c = l.counts();
+        let m = c.messages.unwrap();
+        assert_eq!(
+            (m.emitted, m.delivered, m.lost),
+            (1, 0, 1),
+            "the lost message is hidden by another outbox's record: {m:?}"
+        );
+        assert_eq!((c.expected, c.delivered, c.lost), (1, 0, 1));
+        assert_eq!(observed, Observed::OutsideRange);
+        assert_eq!(l.outside_range, 1);
+        // The message's own record, once it arrives, is its delivery.
+        assert_eq!(
+            l.observe(
+                "shared",
+                0,
+                Some(b"order-7"),
+                Some(b"message-1"),
+                lsn("0/20")
+            ),
+            Observed::First
+        );
+        assert_eq!(l.counts().lost, 0);
     }
 
     #[test]

@@ -293,10 +293,43 @@ pub(super) struct Loaded {
     pub(super) notes: Vec<String>,
 }
 
-/// Reads the range's rows and the poison rows in one snapshot.
+/// Another outbox of the config: its table and the key its records carry.
+#[derive(Debug, Clone)]
+pub(super) struct OtherOutbox {
+    /// Quoted, qualified.
+    table: String,
+    /// The record's `idempotency_key` as SQL: the `idempotency_key` column, else
+    /// the `id` (as [`dedupe_key`]).
+    key: String,
+}
+
+/// The other outboxes of the config (`others`: one view each), whose rows' records
+/// a shared topic may hold beside this outbox's (`ledger.rs`, "Whose record it is").
+pub(super) async fn other_outboxes(
+    client: &Client,
+    others: &[Config],
+) -> Result<Vec<OtherOutbox>, Error> {
+    let mut out = Vec::with_capacity(others.len());
+    for view in others {
+        let cols = resolve_columns(client, view).await?;
+        out.push(OtherOutbox {
+            table: quote_qualified(&view.outbox.table),
+            key: format!(
+                "COALESCE({}, {}, '')",
+                text_expr(cols.idempotency_key.as_ref()),
+                text_expr(cols.id.as_ref().map(|(n, _)| n))
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// Reads the range's rows and the poison rows in one snapshot (and, when messages
+/// are audited, the keys of the `others`' rows).
 pub(super) async fn load(
     client: &mut Client,
     config: &Config,
+    others: &[OtherOutbox],
     cols: &Columns,
     range: &Range,
     progress: bool,
@@ -436,6 +469,25 @@ pub(super) async fn load(
         &mut notes,
     )
     .await?;
+    if ledger.audits_messages() && !others.is_empty() {
+        for other in others {
+            let statement = tx
+                .prepare(&format!("SELECT {} FROM {}", other.key, other.table))
+                .await?;
+            let portal = tx.bind(&statement, &[]).await?;
+            loop {
+                let batch = tx.query_portal(&portal, BATCH_ROWS).await?;
+                for row in &batch {
+                    let key: &str = row.try_get(0)?;
+                    ledger.push_other_row(key.as_bytes());
+                }
+                if batch.len() < usize::try_from(BATCH_ROWS).unwrap_or(usize::MAX) {
+                    break;
+                }
+            }
+        }
+        ledger.seal_other_rows();
+    }
     tx.commit().await?;
     Ok(Loaded {
         ledger,

@@ -58,27 +58,40 @@ use load::Loaded;
 /// PostgreSQL errors; [`Error::AuditRangeTooLarge`] for more than 2³² rows.
 pub async fn run(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error> {
     if !config.has_several_outboxes() {
-        return run_one(config, args).await;
+        return run_one(config, &[], args).await;
     }
     // Several outbox tables: each is audited against its own topics, and the
-    // counts add up (an event is one row of one table).
+    // counts add up (an event is one row of one table). Each audit knows the
+    // others, whose records a shared topic may hold (`ledger.rs`).
     let started = Instant::now();
-    let mut views = config.per_outbox().into_iter();
-    let Some(first) = views.next() else {
-        return Box::pin(run_one(config, args)).await;
+    let views = config.per_outbox();
+    let others = |i: usize| -> Vec<Config> {
+        views
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, v)| v.clone())
+            .collect()
     };
-    let mut total = Box::pin(run_one(&first, args)).await?;
+    let Some(first) = views.first() else {
+        return Box::pin(run_one(config, &[], args)).await;
+    };
+    let mut total = Box::pin(run_one(first, &others(0), args)).await?;
     total.label_by(&first.outbox.table);
-    for view in views {
-        let report = Box::pin(run_one(&view, args)).await?;
+    for (i, view) in views.iter().enumerate().skip(1) {
+        let report = Box::pin(run_one(view, &others(i), args)).await?;
         total.add(report, &view.outbox.table);
     }
     total.elapsed = started.elapsed();
     Ok(total)
 }
 
-/// Audits one outbox table.
-async fn run_one(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error> {
+/// Audits one outbox table; `others` are the views of the config's other outboxes.
+async fn run_one(
+    config: &Config,
+    others: &[Config],
+    args: &AuditArgs,
+) -> Result<AuditReport, Error> {
     let started = Instant::now();
     let range = Range::resolve(args, Utc::now())?;
     let consumer_cfg = topic::consumer_config(config, args.isolation)?;
@@ -92,12 +105,13 @@ async fn run_one(config: &Config, args: &AuditArgs) -> Result<AuditReport, Error
         .await?;
     let cols = load::resolve_columns(&client, config).await?;
     load::check_id_bounds(&client, &cols, &range).await?;
+    let others = load::other_outboxes(&client, others).await?;
     let Loaded {
         mut ledger,
         topics: mapped_topics,
         unmappable,
         mut notes,
-    } = load::load(&mut client, config, &cols, &range, progress).await?;
+    } = load::load(&mut client, config, &others, &cols, &range, progress).await?;
 
     let topics: Vec<String> = if args.topics.is_empty() {
         mapped_topics.into_iter().collect()
