@@ -126,7 +126,8 @@ const FINAL_SAVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// What a finished `run` reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunSummary {
-    /// Events acknowledged by the broker in this process.
+    /// Events delivered in this process: acked by the broker, or, in exactly-once
+    /// mode, committed in a Kafka transaction.
     pub delivered: u64,
     /// Events written to the poison table in this process.
     pub poisoned: u64,
@@ -1937,9 +1938,10 @@ impl Relay {
             self.core.refuse(id, Instant::now());
             return Ok(());
         }
-        let InFlight::Event { event, parked, .. } = self.records.to_produce(id, attempt)? else {
-            // An unmappable row is never produced: the core poisons it at admission.
-            return Err(MissingRecord { id, attempt });
+        let Ok(InFlight::Event { event, parked, .. }) = self.records.to_produce(id, attempt) else {
+            // An unmappable row is never produced either: the core poisons it at
+            // admission.
+            return Err(self.missing_record(id, attempt));
         };
         if attempt == 1 && self.policy.parks(event) {
             // Its key waits for `replay` (relay.on_poison = "park-key").
@@ -1984,7 +1986,7 @@ impl Relay {
             ..
         }) = self.records.get_mut(id)
         else {
-            return Err(MissingRecord { id, attempt });
+            return Err(self.missing_record(id, attempt));
         };
         let sent = publisher.send_event(id, event);
         if sent.is_ok() {
@@ -2007,6 +2009,15 @@ impl Relay {
                 .delivery_failed(id, rejected.failure, Instant::now());
         }
         Ok(())
+    }
+
+    /// A produce without a record: the core counts it failed, which blocks its key
+    /// (no later event of the key leaves ahead of it while the lost session drains)
+    /// and aborts the open Kafka transaction it joined; the caller ends the session.
+    fn missing_record(&mut self, id: EventId, attempt: u32) -> MissingRecord {
+        self.core
+            .delivery_failed(id, Failure::Transient, Instant::now());
+        MissingRecord { id, attempt }
     }
 
     /// Whether an earlier process already recorded `id` in the poison table
@@ -2198,6 +2209,8 @@ impl Relay {
         if let Err(e) = stream.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
         }
+        // The last commit's events, resolved after the loop's last execution.
+        self.forget_resolved(Instant::now());
         tracing::info!(confirmed = %self.summary.confirmed, delivered = self.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
     }

@@ -1143,11 +1143,14 @@ impl Config {
                 kafka.transaction_interval_ms
             ));
         }
+        // The coordinator's clock starts at the transaction's first record, the
+        // interval's at its first ack: a second between them keeps an interval's
+        // commit from reaching the coordinator after it timed the transaction out.
         if !(1_000..=60_000).contains(&kafka.transaction_timeout_ms)
-            || kafka.transaction_timeout_ms < kafka.transaction_interval_ms
+            || kafka.transaction_timeout_ms < kafka.transaction_interval_ms.saturating_add(1_000)
         {
             return invalid(format!(
-                "kafka.transaction_timeout_ms = {}: use 1000..=60000, at least \
+                "kafka.transaction_timeout_ms = {}: use 1000..=60000, at least a second above \
                  kafka.transaction_interval_ms ({}), and at most the cluster's \
                  transaction.max.timeout.ms",
                 kafka.transaction_timeout_ms, kafka.transaction_interval_ms
@@ -1901,6 +1904,27 @@ mod tests {
         }
         let ok = load(MINIMAL, &[("OUTBOX_RELAY__METRICS__LISTEN", "[::1]:0")]).unwrap();
         assert_eq!(ok.metrics.listen, "[::1]:0");
+        // Exactly-once's timeouts: in range, and a second above the commit interval.
+        for (timeout, interval) in [("999", "100"), ("60001", "100"), ("5000", "4500")] {
+            let vars = [
+                ("OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS", timeout),
+                ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", interval),
+            ];
+            assert!(load(MINIMAL, &vars).is_err(), "{timeout} / {interval}");
+        }
+        let vars = [
+            ("OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS", "5000"),
+            ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "4000"),
+        ];
+        assert_eq!(
+            load(MINIMAL, &vars).unwrap().kafka.transaction_timeout_ms,
+            5000
+        );
+        let zero_replicas = (
+            "OUTBOX_RELAY__KAFKA__PROGRESS_TOPIC_REPLICATION_FACTOR",
+            "0",
+        );
+        assert!(load(MINIMAL, &[zero_replicas]).is_err());
     }
 
     #[test]

@@ -782,7 +782,7 @@ async fn an_event_poisoned_just_before_a_kill_is_not_published_after_the_restart
     let mut env = exactly_once_on(&brokers, &db, None).await;
     // Nothing commits on its own for a minute: the kill comes first.
     let slow = [
-        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "60000"),
+        ("OUTBOX_RELAY__KAFKA__TRANSACTION_INTERVAL_MS", "50000"),
         ("OUTBOX_RELAY__KAFKA__TRANSACTION_MAX_EVENTS", "100000"),
     ];
     let first = RelayProcess::start(&db.config_path, &[env.clone(), slow.to_vec()].concat());
