@@ -39,7 +39,7 @@ async fn write(client: Client, w: i64) {
 /// there or `limit` passed: as many records as events plus the duplicates seen so
 /// far (a reader that stopped at `expected` records would miss events behind
 /// duplicates).
-async fn read_committed_until_complete(
+pub(crate) async fn read_committed_until_complete(
     brokers: &str,
     topic: &str,
     expected: usize,

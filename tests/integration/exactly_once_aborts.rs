@@ -13,16 +13,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::harness::{self, DevBroker, Record, RelayProcess, TestDb, consume_with, tally};
+use crate::exactly_once::read_committed_until_complete;
+use crate::harness::{self, DevBroker, RelayProcess, TestDb, tally};
 
 /// Events per writer (two writers).
 const PER_WRITER: i64 = 400;
-
-/// A `read_committed` reader's settings.
-const READ_COMMITTED: [(&str, &str); 2] = [
-    ("isolation.level", "read_committed"),
-    ("broker.address.family", "v4"),
-];
 
 /// The relay's environment for `broker`, exactly-once, short transactions.
 fn relay_env(brokers: &str) -> Vec<(&'static str, String)> {
@@ -101,33 +96,6 @@ fn writers(db: &TestDb, late: Option<(String, i64)>) -> Vec<tokio::task::JoinHan
         .collect()
 }
 
-/// Reads `topic` at `read_committed` until `expected` distinct events are there or
-/// `limit` passed (as many records as events plus the duplicates seen so far).
-async fn read_committed(
-    brokers: &str,
-    topic: &str,
-    expected: usize,
-    limit: Duration,
-) -> Vec<Record> {
-    let started = Instant::now();
-    let mut want = expected;
-    loop {
-        let records = consume_with(
-            brokers,
-            &READ_COMMITTED,
-            topic,
-            want,
-            Duration::from_secs(10),
-        )
-        .await;
-        let (unique, duplicates) = tally(&records);
-        if unique >= expected || started.elapsed() > limit {
-            return records;
-        }
-        want = expected + duplicates;
-    }
-}
-
 /// `audit --isolation read_committed --json` against `broker`: `(lost, duplicates)`.
 fn audit_read_committed(db: &TestDb, brokers: &str) -> (u64, u64, serde_json::Value) {
     let env = relay_env(brokers);
@@ -183,8 +151,13 @@ async fn committed_per_topic(db: &TestDb, default_topic: &str) -> Vec<(String, u
 async fn assert_every_event_once(db: &TestDb, broker: &DevBroker, relay: &RelayProcess) -> usize {
     let mut total = 0;
     for (topic, expected) in committed_per_topic(db, &db.topic).await {
-        let records =
-            read_committed(&broker.address, &topic, expected, Duration::from_secs(120)).await;
+        let records = read_committed_until_complete(
+            &broker.address,
+            &topic,
+            expected,
+            Duration::from_secs(120),
+        )
+        .await;
         let (unique, duplicates) = tally(&records);
         assert_eq!(
             (unique, duplicates),
@@ -201,6 +174,61 @@ async fn assert_every_event_once(db: &TestDb, broker: &DevBroker, relay: &RelayP
     let (lost, duplicates, json) = audit_read_committed(db, &broker.address);
     assert_eq!((lost, duplicates), (0, 0), "audit: {json}");
     total
+}
+
+/// One test's world: the dev broker, a database on it, the relay's environment,
+/// and two writers at work once [`Scenario::start`] returned.
+struct Scenario {
+    broker: DevBroker,
+    db: TestDb,
+    env: Vec<(&'static str, String)>,
+    writers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Scenario {
+    /// The database (`extra_toml` in its config), the relay (`extra_env` beside
+    /// [`relay_env`]) streaming from it, then the writers (`late`: see [`write`]).
+    async fn start(
+        prefix: &str,
+        broker: DevBroker,
+        extra_toml: &str,
+        extra_env: &[(&'static str, &str)],
+        late: Option<(String, i64)>,
+    ) -> (Scenario, RelayProcess) {
+        let db = exactly_once_db(prefix, &broker, extra_toml).await;
+        let mut env = relay_env(&broker.address);
+        env.extend(extra_env.iter().map(|(k, v)| (*k, (*v).to_owned())));
+        let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
+        db.wait_streaming(&relay).await;
+        let writers = writers(&db, late);
+        let scenario = Scenario {
+            broker,
+            db,
+            env,
+            writers,
+        };
+        (scenario, relay)
+    }
+
+    /// Another relay process on the same database.
+    fn relay(&self) -> RelayProcess {
+        RelayProcess::start(&self.db.config_path, &borrowed(&self.env))
+    }
+
+    /// Waits for the writers, then checks that `relay` delivered every event once
+    /// ([`assert_every_event_once`]); returns how many.
+    async fn all_once(&mut self, relay: &RelayProcess) -> usize {
+        for w in self.writers.drain(..) {
+            w.await.expect("writer");
+        }
+        assert_every_event_once(&self.db, &self.broker, relay).await
+    }
+
+    /// Stops `relay` and drops the slot.
+    async fn end(self, relay: RelayProcess) {
+        relay.terminate(Duration::from_secs(30)).await;
+        self.db.drop_slot().await;
+    }
 }
 
 /// Waits until `relay`'s log contains `what` (90 s at most).
@@ -222,25 +250,20 @@ async fn until_logged(relay: &RelayProcess, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_created_after_its_first_events_loses_nothing() {
     let broker = DevBroker::start_with(&["--auto-create-topics", "false"]);
+    let late_topic = harness::unique("eos_late_topic");
     // librdkafka fails a record for a missing topic after this long (30 s by default).
-    let db = exactly_once_db(
+    let (mut s, relay) = Scenario::start(
         "eos_late_topic",
-        &broker,
+        broker,
         "\n[kafka.producer]\n\"topic.metadata.propagation.max.ms\" = \"500\"\n",
+        &[],
+        Some((late_topic.clone(), 25)),
     )
     .await;
-    let late_topic = format!("{}.late", db.name);
-    let env = relay_env(&broker.address);
-    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    db.wait_streaming(&relay).await;
-    let writers = writers(&db, Some((late_topic.clone(), 25)));
     until_logged(&relay, "the broker refuses this topic's events").await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    harness::create_topic_on(&broker.address, &late_topic, 1).await;
-    for w in writers {
-        w.await.expect("writer");
-    }
-    let total = assert_every_event_once(&db, &broker, &relay).await;
+    harness::create_topic_on(&s.broker.address, &late_topic, 1).await;
+    let total = s.all_once(&relay).await;
     let aborted = relay
         .log()
         .matches("aborting the Kafka transaction")
@@ -251,8 +274,7 @@ async fn a_topic_created_after_its_first_events_loses_nothing() {
         relay.log()
     );
     eprintln!("late topic: {total} events once each, {aborted} transactions aborted");
-    relay.terminate(Duration::from_secs(30)).await;
-    db.drop_slot().await;
+    s.end(relay).await;
 }
 
 /// The broker stops answering (SIGSTOP) for longer than the transaction timeout,
@@ -262,24 +284,14 @@ async fn a_topic_created_after_its_first_events_loses_nothing() {
 /// nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_stall_past_the_transaction_timeout_loses_nothing() {
-    let broker = DevBroker::start();
-    let db = exactly_once_db("eos_stall", &broker, "").await;
-    let mut env = relay_env(&broker.address);
-    env.push((
-        "OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS",
-        "3000".to_owned(),
-    ));
-    let mut relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    db.wait_streaming(&relay).await;
-    let writers = writers(&db, None);
+    let timeout = [("OUTBOX_RELAY__KAFKA__TRANSACTION_TIMEOUT_MS", "3000")];
+    let (mut s, mut relay) =
+        Scenario::start("eos_stall", DevBroker::start(), "", &timeout, None).await;
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    broker.signal("-STOP");
+    s.broker.signal("-STOP");
     tokio::time::sleep(Duration::from_secs(6)).await;
-    broker.signal("-CONT");
-    for w in writers {
-        w.await.expect("writer");
-    }
-    let total = assert_every_event_once(&db, &broker, &relay).await;
+    s.broker.signal("-CONT");
+    let total = s.all_once(&relay).await;
     assert!(
         relay.is_running(),
         "the relay exited; log:\n{}",
@@ -298,8 +310,7 @@ async fn a_broker_stall_past_the_transaction_timeout_loses_nothing() {
         "broker stall: {total} events once each; {timed_out} transaction(s) aborted by the \
          coordinator's timeout, {aborted} aborted by the relay"
     );
-    relay.terminate(Duration::from_secs(30)).await;
-    db.drop_slot().await;
+    s.end(relay).await;
 }
 
 /// The commit itself fails abortably (the broker refuses the progress record written
@@ -307,28 +318,20 @@ async fn a_broker_stall_past_the_transaction_timeout_loses_nothing() {
 /// produced again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abortable_commit_error_loses_nothing() {
-    let broker = DevBroker::start();
-    let db = exactly_once_db("eos_commit_fails", &broker, "").await;
-    let env = relay_env(&broker.address);
-    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    db.wait_streaming(&relay).await;
-    let writers = writers(&db, None);
+    let (mut s, relay) =
+        Scenario::start("eos_commit_fails", DevBroker::start(), "", &[], None).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
-    broker
+    s.broker
         .control("fail-produce outbox_relay_progress * INVALID_RECORD 3")
         .await;
-    for w in writers {
-        w.await.expect("writer");
-    }
-    let total = assert_every_event_once(&db, &broker, &relay).await;
+    let total = s.all_once(&relay).await;
     assert!(
         relay.log().contains("Kafka transaction cannot commit"),
         "no commit failed; log:\n{}",
         relay.log()
     );
     eprintln!("abortable commit errors: {total} events once each");
-    relay.terminate(Duration::from_secs(30)).await;
-    db.drop_slot().await;
+    s.end(relay).await;
 }
 
 /// A record the broker refuses aborts its transaction, and the relay is stopped
@@ -336,34 +339,26 @@ async fn an_abortable_commit_error_loses_nothing() {
 /// again, and the next start sends the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_right_after_an_abort_loses_nothing() {
-    let broker = DevBroker::start();
-    let db = exactly_once_db("eos_stop_after_abort", &broker, "").await;
-    let env = relay_env(&broker.address);
-    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    db.wait_streaming(&relay).await;
-    let writers = writers(&db, None);
+    let (mut s, relay) =
+        Scenario::start("eos_stop_after_abort", DevBroker::start(), "", &[], None).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
-    broker
-        .control(&format!("fail-produce {} * INVALID_RECORD 1", db.topic))
+    s.broker
+        .control(&format!("fail-produce {} * INVALID_RECORD 1", s.db.topic))
         .await;
     // The refused record's report aborts the transaction at once; its events go out
     // again after the core's pause (100 ms): the stop comes right then.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !broker.log().contains("fault fired: fail-produce") {
+    while !s.broker.log().contains("fault fired: fail-produce") {
         assert!(Instant::now() < deadline, "the fault never fired");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let status = relay.terminate(Duration::from_secs(60)).await;
     assert!(status.success(), "the stop failed: {status:?}");
-    for w in writers {
-        w.await.expect("writer");
-    }
-    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    let total = assert_every_event_once(&db, &broker, &relay).await;
+    let relay = s.relay();
+    let total = s.all_once(&relay).await;
     eprintln!("graceful stop after an abort: {total} events once each");
-    relay.terminate(Duration::from_secs(30)).await;
-    db.drop_slot().await;
+    s.end(relay).await;
 }
 
 /// What every rolling restart of a cluster does to a transactional producer: leaders
@@ -374,33 +369,27 @@ async fn a_graceful_stop_right_after_an_abort_loses_nothing() {
 /// nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_errors_of_a_rolling_restart_lose_nothing() {
-    let broker = DevBroker::start();
-    let db = exactly_once_db("eos_rolling", &broker, "").await;
-    let env = relay_env(&broker.address);
-    let relay = RelayProcess::start(&db.config_path, &borrowed(&env));
-    db.wait_streaming(&relay).await;
-    let writers = writers(&db, None);
+    let (mut s, relay) = Scenario::start("eos_rolling", DevBroker::start(), "", &[], None).await;
     for command in [
-        format!("fail-produce {} * NOT_LEADER_OR_FOLLOWER 5", db.topic),
+        format!("fail-produce {} * NOT_LEADER_OR_FOLLOWER 5", s.db.topic),
         "coordinator-error NOT_COORDINATOR 3".to_owned(),
         "coordinator-error CONCURRENT_TRANSACTIONS 3".to_owned(),
         "end-txn-error CONCURRENT_TRANSACTIONS 2".to_owned(),
-        format!("fail-produce {} 0 OUT_OF_ORDER_SEQUENCE_NUMBER 1", db.topic),
+        format!(
+            "fail-produce {} 0 OUT_OF_ORDER_SEQUENCE_NUMBER 1",
+            s.db.topic
+        ),
     ] {
         tokio::time::sleep(Duration::from_millis(700)).await;
-        broker.control(&command).await;
+        s.broker.control(&command).await;
     }
-    for w in writers {
-        w.await.expect("writer");
-    }
-    let total = assert_every_event_once(&db, &broker, &relay).await;
-    let fired = broker.log().matches("fault fired").count();
+    let total = s.all_once(&relay).await;
+    let fired = s.broker.log().matches("fault fired").count();
     assert!(
         fired >= 5,
         "only {fired} faults fired; broker log:\n{}",
-        broker.log()
+        s.broker.log()
     );
     eprintln!("rolling-restart errors: {total} events once each, {fired} faults fired");
-    relay.terminate(Duration::from_secs(30)).await;
-    db.drop_slot().await;
+    s.end(relay).await;
 }
