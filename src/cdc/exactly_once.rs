@@ -174,8 +174,11 @@ impl ExactlyOnce {
         history: ServerHistory,
         forks: &[TimelineSwitch],
         start: Lsn,
+        wal_end: Lsn,
     ) -> Result<()> {
-        let outcome = self.prepare(publisher, core, history, forks, start).await;
+        let outcome = self
+            .prepare(publisher, core, history, forks, (start, wal_end))
+            .await;
         if let Err(crate::error::Error::Transaction(e)) = &outcome
             && !e.needs_operator()
         {
@@ -190,7 +193,7 @@ impl ExactlyOnce {
         core: &mut Core,
         history: ServerHistory,
         forks: &[TimelineSwitch],
-        start: Lsn,
+        (start, wal_end): (Lsn, Lsn),
     ) -> Result<()> {
         if !self.initialized {
             self.init(publisher).await?;
@@ -204,14 +207,14 @@ impl ExactlyOnce {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
         };
-        match usable_mark(&record, history, forks, start) {
+        match usable_mark(&record, history, forks, start, wal_end) {
             Ok(mark) => {
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
                 core.resume_from(&mark);
             }
             Err(Unused::Restored) => {
-                tracing::warn!(%start, recorded_saved = %record.saved, confirmed = %record.mark.confirmed,
+                tracing::warn!(%start, %wal_end, recorded_saved = %record.saved, confirmed = %record.mark.confirmed,
                 "the database is behind the progress record (restored in place?): the record is not used; events it covered may be published again")
             }
             Err(Unused::OtherDatabase) => tracing::warn!(recorded = %record.history, %history,
@@ -494,12 +497,27 @@ enum Unused {
     /// Another system identifier.
     OtherDatabase,
     /// The same timeline, and the session starts below the position the relay had
-    /// saved when the record was written: the data directory went back (restored in
-    /// place), and its LSNs will be handed out again to new commits.
+    /// saved when the record was written, or the server's WAL ends before what the
+    /// record names: the data directory went back (restored in place), and its LSNs
+    /// will be handed out again to new commits.
     Restored,
 }
 
-/// The part of `record` a session of `history` starting at `start` can resume from.
+/// The part of `record` a session of `history` starting at `start`, on a server
+/// whose WAL ends at `wal_end`, can resume from.
+///
+/// On the record's own timeline, two signs of a restore in place make the record
+/// unusable (events it names may be published again; none is lost):
+/// * the session starts below the position the relay had saved when it wrote the
+///   record (the position row went back with the data);
+/// * the server's WAL ends before the record's watermark. Everything the record names
+///   was decoded, so it was flushed, and flushed WAL survives a crash and a restart:
+///   a server whose WAL is shorter lost it. Checking the saved position alone let a
+///   restore that landed between the record's saved position and its watermark
+///   through, and the commits made after the restore, which take LSNs the record
+///   names, were resolved without a produce. (A restore whose server was written
+///   past the watermark before the relay came back looks like a restart: what
+///   tells those apart is the content of the WAL, which the record does not carry.)
 ///
 /// The restore guard holds on the record's own timeline only. On a later timeline
 /// (a promoted standby, PostgreSQL 17's synced failover slot among them) the slot
@@ -512,10 +530,11 @@ fn usable_mark(
     history: ServerHistory,
     forks: &[TimelineSwitch],
     start: Lsn,
+    wal_end: Lsn,
 ) -> std::result::Result<ProgressMark, Unused> {
     if record.history.system_identifier == history.system_identifier
         && record.history.timeline == history.timeline
-        && start < record.saved
+        && (start < record.saved || wal_end < record.mark.confirmed)
     {
         return Err(Unused::Restored);
     }
@@ -627,7 +646,7 @@ mod tests {
             timeline: 1,
             switchpoint: Lsn(400),
         }];
-        let mark = usable_mark(&record(1), promoted, &forks, Lsn(80)).expect("used");
+        let mark = usable_mark(&record(1), promoted, &forks, Lsn(80), Lsn(90)).expect("used");
         assert_eq!(mark.confirmed, Lsn(400));
         assert_eq!(mark.partial.len(), 1);
         // On the record's own timeline, a start below its saved position is a restore.
@@ -636,11 +655,11 @@ mod tests {
             timeline: 1,
         };
         assert_eq!(
-            usable_mark(&record(1), same, &[], Lsn(80)),
+            usable_mark(&record(1), same, &[], Lsn(80), Lsn(900)),
             Err(Unused::Restored)
         );
         assert_eq!(
-            usable_mark(&record(1), same, &[], Lsn(100)),
+            usable_mark(&record(1), same, &[], Lsn(100), Lsn(900)),
             Ok(record(1).mark)
         );
         let other_db = ServerHistory {
@@ -648,8 +667,28 @@ mod tests {
             timeline: 1,
         };
         assert_eq!(
-            usable_mark(&record(1), other_db, &[], Lsn(200)),
+            usable_mark(&record(1), other_db, &[], Lsn(200), Lsn(900)),
             Err(Unused::OtherDatabase)
+        );
+    }
+
+    #[test]
+    fn a_server_whose_wal_ends_before_the_record_was_restored_in_place() {
+        // Saved 100, watermark 500: a restore to 300 starts at the restored saved
+        // position (100 or more) with the WAL ending near 300; commits after the
+        // restore take LSNs up to 500 that the record names.
+        let same = ServerHistory {
+            system_identifier: 7,
+            timeline: 1,
+        };
+        assert_eq!(
+            usable_mark(&record(1), same, &[], Lsn(100), Lsn(300)),
+            Err(Unused::Restored)
+        );
+        // A restart keeps every flushed position: the WAL ends at or past 500.
+        assert_eq!(
+            usable_mark(&record(1), same, &[], Lsn(100), Lsn(500)),
+            Ok(record(1).mark)
         );
     }
 }

@@ -1118,6 +1118,7 @@ impl Relay {
                 history,
                 &server.forks,
                 start,
+                server.wal_end,
             )
             .await?;
         }
