@@ -30,6 +30,7 @@ use rdkafka::ClientConfig;
 
 use crate::cdc::progress::{Core, ProgressMark};
 use crate::cdc::progress_record::{self, ProgressRecord};
+use crate::cdc::start::ServerView;
 use crate::config::{Config, DeliveryMode};
 use crate::delivery::EventId;
 use crate::error::Result;
@@ -171,14 +172,10 @@ impl ExactlyOnce {
         &mut self,
         publisher: &Publisher,
         core: &mut Core,
-        history: ServerHistory,
-        forks: &[TimelineSwitch],
+        server: &ServerView,
         start: Lsn,
-        wal_end: Lsn,
     ) -> Result<()> {
-        let outcome = self
-            .prepare(publisher, core, history, forks, (start, wal_end))
-            .await;
+        let outcome = self.prepare(publisher, core, server, start).await;
         if let Err(crate::error::Error::Transaction(e)) = &outcome
             && !e.needs_operator()
         {
@@ -191,9 +188,8 @@ impl ExactlyOnce {
         &mut self,
         publisher: &Publisher,
         core: &mut Core,
-        history: ServerHistory,
-        forks: &[TimelineSwitch],
-        (start, wal_end): (Lsn, Lsn),
+        server: &ServerView,
+        start: Lsn,
     ) -> Result<()> {
         if !self.initialized {
             self.init(publisher).await?;
@@ -207,7 +203,8 @@ impl ExactlyOnce {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
         };
-        match usable_mark(&record, history, forks, start, wal_end) {
+        let (history, wal_end) = (server.history, server.wal_end);
+        match usable_mark(&record, history, &server.forks, start, wal_end) {
             Ok(mark) => {
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");

@@ -829,15 +829,11 @@ impl Relay {
     /// Exactly-once: a transactional failure ends the session (the producer is
     /// replaced) or, fenced or unsupported, the process.
     fn transaction_failure(&mut self) -> Result<Option<Lost>> {
-        match self
-            .exactly_once
+        self.exactly_once
             .as_mut()
             .and_then(ExactlyOnce::take_failure)
-        {
-            Some(e) if e.needs_operator() => Err(e.into()),
-            Some(e) => Ok(Some(Lost::Transaction(e))),
-            None => Ok(None),
-        }
+            .map(session_or_process)
+            .transpose()
     }
 
     /// [`Relay::transaction_failure`] while `stream` holds the slot. A fence is then
@@ -859,12 +855,22 @@ impl Relay {
         else {
             return Ok(None);
         };
-        if !e.is_fenced() {
-            return match e {
-                e if e.needs_operator() => Err(e.into()),
-                e => Ok(Some(Lost::Transaction(e))),
-            };
+        if e.is_fenced() && self.fenced_by_timeout(&e, stream).await {
+            tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
+            ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
+            return Ok(Some(Lost::CoordinatorAborted(e)));
         }
+        session_or_process(e).map(Some)
+    }
+
+    /// Whether the fence `e` is the coordinator's timeout abort (see
+    /// [`Relay::transaction_failure_in`]): the transaction was that old, and the slot
+    /// is this session's. Says why when it is not.
+    async fn fenced_by_timeout(
+        &self,
+        e: &crate::kafka::TransactionError,
+        stream: &ReplicationStream,
+    ) -> bool {
         let timeout = Duration::from_millis(self.config.kafka.transaction_timeout_ms);
         let age = self
             .exactly_once
@@ -872,18 +878,14 @@ impl Relay {
             .and_then(|eo| eo.transaction_age(Instant::now()));
         if age.is_none_or(|age| age < timeout) {
             tracing::error!(error = %e, transaction_age_ms = age.map(millis), "fenced before the transaction could time out: another producer took this transactional.id");
-            return Err(e.into());
+            return false;
         }
         // Boxed: the connection's future is large, and this path is rare.
         match Box::pin(self.slot_holder(stream)).await {
-            SlotHolder::ThisSession => {
-                tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
-                ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
-                Ok(Some(Lost::CoordinatorAborted(e)))
-            }
+            SlotHolder::ThisSession => true,
             SlotHolder::Other(pid) => {
                 tracing::error!(error = %e, slot_pid = ?pid, "fenced, and the slot is not this session's: another relay took over");
-                Err(e.into())
+                false
             }
         }
     }
@@ -1112,15 +1114,8 @@ impl Relay {
         if let Some(eo) = self.exactly_once.as_mut() {
             // Only now, holding the slot: fences the producer of a relay that held
             // it before, and resumes a core without this process's memory.
-            eo.start_session(
-                &self.publisher,
-                &mut self.core,
-                history,
-                &server.forks,
-                start,
-                server.wal_end,
-            )
-            .await?;
+            eo.start_session(&self.publisher, &mut self.core, &server, start)
+                .await?;
         }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
@@ -2214,6 +2209,16 @@ impl Relay {
         self.forget_resolved(Instant::now());
         tracing::info!(confirmed = %self.summary.confirmed, delivered = self.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
+    }
+}
+
+/// A transactional failure ends the session (the producer is replaced) or, fenced,
+/// unsupported or refused, the process.
+fn session_or_process(e: crate::kafka::TransactionError) -> Result<Lost> {
+    if e.needs_operator() {
+        Err(e.into())
+    } else {
+        Ok(Lost::Transaction(e))
     }
 }
 

@@ -159,11 +159,9 @@ pub(crate) async fn describe(
     broker_id: Option<i32>,
     mut layout: ProgressTopicLayout,
 ) -> ProgressTopicLayout {
-    let mut cfg = producer.clone();
-    cfg.remove("enable.idempotence");
-    cfg.remove("transactional.id");
-    cfg.set("statistics.interval.ms", "0");
-    let Ok(admin) = cfg.create::<AdminClient<DefaultClientContext>>() else {
+    let Ok(admin) =
+        super::topic_limits::admin_config(producer).create::<AdminClient<DefaultClientContext>>()
+    else {
         return layout;
     };
     let opts = AdminOptions::new().request_timeout(Some(DESCRIBE_TIMEOUT));

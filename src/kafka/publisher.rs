@@ -586,8 +586,7 @@ impl Publisher {
     pub async fn check_broker(&self, timeout: Duration) -> Result<(), BrokerError> {
         let producer = Arc::clone(&self.producer);
         let brokers = self.brokers.clone();
-        tokio::task::spawn_blocking(move || {
-            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
+        self.read_metadata(timeout, move |metadata| {
             if metadata.brokers().is_empty() {
                 return Err(BrokerUnavailable::NoBrokers { brokers }.into());
             }
@@ -595,6 +594,21 @@ impl Publisher {
                 return Err(BrokerUnavailable::ProducerFailed { code, message }.into());
             }
             Ok(())
+        })
+        .await
+    }
+
+    /// One metadata request for all topics on a blocking thread (security refusals
+    /// said at once, [`fetch_metadata_or_refusal`]), read by `read`.
+    async fn read_metadata<T: Send + 'static>(
+        &self,
+        timeout: Duration,
+        read: impl FnOnce(&rdkafka::metadata::Metadata) -> Result<T, BrokerError> + Send + 'static,
+    ) -> Result<T, BrokerError> {
+        let producer = Arc::clone(&self.producer);
+        let brokers = self.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            read(&fetch_metadata_or_refusal(&producer, &brokers, timeout)?)
         })
         .await
         .map_err(BrokerError::CheckTask)?
@@ -612,10 +626,7 @@ impl Publisher {
         &self,
         timeout: Duration,
     ) -> Result<std::collections::HashMap<String, usize>, BrokerError> {
-        let producer = Arc::clone(&self.producer);
-        let brokers = self.brokers.clone();
-        tokio::task::spawn_blocking(move || {
-            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
+        self.read_metadata(timeout, |metadata| {
             Ok(metadata
                 .topics()
                 .iter()
@@ -624,7 +635,6 @@ impl Publisher {
                 .collect())
         })
         .await
-        .map_err(BrokerError::CheckTask)?
     }
 
     /// `topic`'s partitions and fewest replicas, the cluster's broker count and one
@@ -639,11 +649,8 @@ impl Publisher {
         topic: &str,
         timeout: Duration,
     ) -> Result<Option<(super::ProgressTopicLayout, Option<i32>)>, BrokerError> {
-        let producer = Arc::clone(&self.producer);
-        let brokers = self.brokers.clone();
         let topic = topic.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let metadata = fetch_metadata_or_refusal(&producer, &brokers, timeout)?;
+        self.read_metadata(timeout, move |metadata| {
             let Some(t) = metadata
                 .topics()
                 .iter()
@@ -666,7 +673,6 @@ impl Publisher {
             Ok(Some((layout, broker_id)))
         })
         .await
-        .map_err(BrokerError::CheckTask)?
     }
 
     /// Queues the record of an outbox event (the record contract of `docs/architecture.md#the-kafka-record`,

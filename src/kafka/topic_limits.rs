@@ -160,7 +160,7 @@ impl TopicLimits {
 /// statistics: rust-rdkafka's admin client never serves its main queue, where
 /// librdkafka puts each report (several kilobytes a second), so they would pile up
 /// for as long as the client lives.
-fn admin_config(producer: &ClientConfig) -> ClientConfig {
+pub(super) fn admin_config(producer: &ClientConfig) -> ClientConfig {
     let mut cfg = producer.clone();
     cfg.remove("enable.idempotence");
     cfg.remove("transactional.id");

@@ -158,6 +158,9 @@ impl TransactionError {
     }
 
     fn of(id: &str, code: RDKafkaErrorCode, flags: Flags, message: String) -> TransactionError {
+        if let Some(fix) = refusal_fix(code) {
+            return TransactionError::Refused { code, message, fix };
+        }
         match code {
             RDKafkaErrorCode::ProducerFenced
             | RDKafkaErrorCode::InvalidProducerEpoch
@@ -174,11 +177,7 @@ impl TransactionError {
             | RDKafkaErrorCode::UnsupportedForMessageFormat => {
                 TransactionError::Unsupported { code, message }
             }
-            code if refusal_fix(code).is_some() => TransactionError::Refused {
-                code,
-                message,
-                fix: refusal_fix(code).unwrap_or_default(),
-            },
+
             _ if flags.fatal => TransactionError::Fatal { code, message },
             _ if flags.abortable => TransactionError::Abortable { code, message },
             _ if flags.retriable || code == RDKafkaErrorCode::OperationTimedOut => {

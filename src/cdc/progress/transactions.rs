@@ -103,26 +103,25 @@ impl Core {
         if self.kafka.phase != Phase::Committing {
             return;
         }
-        let committed: Vec<EventId> = self
-            .kafka
-            .members
-            .iter()
-            .copied()
-            .filter(|&id| self.commits_with_transaction(id))
-            .collect();
         let members = std::mem::take(&mut self.kafka.members);
+        let sent = std::mem::take(&mut self.kafka.sent);
         self.end_transaction();
-        for &id in &committed {
-            self.resolve(id);
+        // Resolving a member changes no other member's state (it may release a
+        // waiting event of its key, which is no member): one pass decides.
+        let mut unsent = Vec::new();
+        for id in members {
+            if self.commits_with(id, &sent) {
+                self.resolve(id);
+            } else if self.producing(id) {
+                unsent.push(id);
+            }
         }
         // A member whose produce was handed out but never sent is not in the
         // committed transaction: it goes out (first) in the next one.
-        for &id in members.iter().rev() {
-            if self.producing(id) && !committed.contains(&id) {
-                self.actions
-                    .retain(|p| !matches!(p, Pending::Produce { id: queued, .. } if *queued == id));
-                self.produce_again(id, false);
-            }
+        for &id in unsent.iter().rev() {
+            self.actions
+                .retain(|p| !matches!(p, Pending::Produce { id: queued, .. } if *queued == id));
+            self.produce_again(id, false);
         }
         self.poll_status(now);
     }
@@ -139,12 +138,17 @@ impl Core {
     /// Whether member `id` is in the open transaction if it commits: written, or
     /// handed to the producer (a commit flushes it, or fails).
     fn commits_with_transaction(&self, id: EventId) -> bool {
-        self.kafka.members.contains(&id)
-            && self.events.get(&id).is_some_and(|e| match e.state {
-                EventState::Written => true,
-                EventState::Producing { .. } => self.kafka.sent.contains(&id),
-                _ => false,
-            })
+        self.kafka.members.contains(&id) && self.commits_with(id, &self.kafka.sent)
+    }
+
+    /// Whether `id`, a member, is committed with its transaction when the members
+    /// handed to the producer are `sent`.
+    fn commits_with(&self, id: EventId, sent: &BTreeSet<EventId>) -> bool {
+        self.events.get(&id).is_some_and(|e| match e.state {
+            EventState::Written => true,
+            EventState::Producing { .. } => sent.contains(&id),
+            _ => false,
+        })
     }
 
     /// Asks for the open Kafka transaction to be committed now if anything was

@@ -307,7 +307,7 @@ async fn progress_topic(
     };
     let (problems, warning) =
         crate::kafka::judge_progress_topic(&layout, config.kafka.transaction_timeout_ms);
-    if let Some(first) = problems.first() {
+    if !problems.is_empty() {
         let detail = problems
             .iter()
             .map(ToString::to_string)
@@ -318,7 +318,6 @@ async fn progress_topic(
             .map(|p| p.fix(topic))
             .collect::<Vec<_>>()
             .join("; ");
-        tracing::debug!(first = %first, "the progress topic is not fit for exactly-once");
         return Check::problem(NAME, format!("exactly-once, but {detail}"), fix);
     }
     let detail = format!(
