@@ -45,11 +45,10 @@ async fn exactly_once_db(prefix: &str, broker: &DevBroker, extra_toml: &str) -> 
     let db = TestDb::create_configured(prefix, 1, extra_toml).await;
     harness::create_topic_on(&broker.address, &db.topic, 3).await;
     let env = relay_env(&broker.address);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .args(["migrate", "--config", db.config_path.to_str().unwrap()])
-        .envs(borrowed(&env))
-        .output()
-        .expect("run outbox-relay migrate");
+    let out = harness::run_cli_with(
+        &["migrate", "--config", db.config_path.to_str().unwrap()],
+        &borrowed(&env),
+    );
     assert!(
         out.status.success(),
         "migrate: {}",
@@ -99,8 +98,8 @@ fn writers(db: &TestDb, late: Option<(String, i64)>) -> Vec<tokio::task::JoinHan
 /// `audit --isolation read_committed --json` against `broker`: `(lost, duplicates)`.
 fn audit_read_committed(db: &TestDb, brokers: &str) -> (u64, u64, serde_json::Value) {
     let env = relay_env(brokers);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .args([
+    let out = harness::run_cli_with(
+        &[
             "audit",
             "--json",
             "--no-progress",
@@ -110,10 +109,9 @@ fn audit_read_committed(db: &TestDb, brokers: &str) -> (u64, u64, serde_json::Va
             "20",
             "--config",
             db.config_path.to_str().unwrap(),
-        ])
-        .envs(borrowed(&env))
-        .output()
-        .expect("run outbox-relay audit");
+        ],
+        &borrowed(&env),
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let json: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
         panic!(
@@ -231,19 +229,6 @@ impl Scenario {
     }
 }
 
-/// Waits until `relay`'s log contains `what` (90 s at most).
-async fn until_logged(relay: &RelayProcess, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !relay.log().contains(what) {
-        assert!(
-            Instant::now() < deadline,
-            "the relay never logged {what:?}; log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A topic created after its first events were written (`relay.on_config_error =
 /// "block"`, the default): each produce to it fails, and each failure aborts a
 /// transaction full of acked events of the other topic. Nothing is lost.
@@ -260,7 +245,11 @@ async fn a_topic_created_after_its_first_events_loses_nothing() {
         Some((late_topic.clone(), 25)),
     )
     .await;
-    until_logged(&relay, "the broker refuses this topic's events").await;
+    let refused = "the broker refuses this topic's events";
+    harness::wait_until(Duration::from_secs(90), refused, || async {
+        relay.log().contains(refused)
+    })
+    .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     harness::create_topic_on(&s.broker.address, &late_topic, 1).await;
     let total = s.all_once(&relay).await;

@@ -19,16 +19,15 @@ fn exactly_once(brokers: &str) -> [(&'static str, &str); 2] {
 /// `outbox-relay check --json` with `env`: its exit code and the `kafka.delivery`
 /// check.
 fn delivery_check(db: &TestDb, env: &[(&str, &str)]) -> (Option<i32>, serde_json::Value) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-        .args([
+    let out = harness::run_cli_with(
+        &[
             "check",
             "--json",
             "--config",
             db.config_path.to_str().unwrap(),
-        ])
-        .envs(env.iter().copied())
-        .output()
-        .expect("run outbox-relay check");
+        ],
+        env,
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
         panic!(

@@ -353,8 +353,14 @@ level = "info"
 
 /// Runs the real binary with arguments; returns its output.
 pub fn run_cli(args: &[&str]) -> std::process::Output {
+    run_cli_with(args, &[])
+}
+
+/// [`run_cli`] with environment overrides (`OUTBOX_RELAY__…`).
+pub fn run_cli_with(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("spawn outbox-relay")
 }
