@@ -24,6 +24,21 @@
 //! rows lies at or after that offset. Nothing else writes to the topics of a slot
 //! during its resync, so what was read stays the truth while the window is published.
 //!
+//! # Order: a key published again publishes the rest of its rows
+//!
+//! Once a row of a key is published by the resync (its record was not found), the
+//! later rows of that key are published too, even those the topic holds. Otherwise
+//! the topic would end with the older row: its earlier record may be gone (the
+//! log cleaner of a compacted topic removed it once the later record superseded
+//! it, or retention deleted it), or was not read (a read cut short), while the
+//! later record is still there. Skipping the later one would leave the key's
+//! latest record older than its latest row, so a compacted topic's state for the
+//! key goes back (and any reader sees the key out of order). Publishing the later
+//! rows again costs duplicates (with their idempotency keys) only for such keys;
+//! in the usual resync the held rows of a key come before its unheld ones (the
+//! stream delivered a prefix of the backlog before the slot was lost) and nothing
+//! more is published.
+//!
 //! # What it cannot lose
 //!
 //! A record found in the topic is a delivery: skipping its row loses nothing. What
@@ -45,7 +60,8 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::config::Config;
 use crate::kafka::ReaderContext;
-use crate::outbox::HEADER_IDEMPOTENCY_KEY;
+use crate::outbox::{HEADER_IDEMPOTENCY_KEY, OutboxEvent};
+use crate::poison::ParkedKey;
 
 /// `client.id` of the reader.
 const READER_CLIENT_ID: &str = "outbox-relay-resync";
@@ -73,6 +89,9 @@ pub(super) struct DeliveredKeys {
     topics: HashMap<String, Tail>,
     /// Time spent reading so far (see [`BUDGET`]).
     spent: Duration,
+    /// Keys a row of which this resync publishes (its record was not found): their
+    /// later rows are published too (module docs, "Order").
+    published: HashSet<ParkedKey>,
 }
 
 /// One topic's records from `since_ms` on.
@@ -115,6 +134,7 @@ impl DeliveredKeys {
             reader,
             topics: HashMap::new(),
             spent: Duration::ZERO,
+            published: HashSet::new(),
         })
     }
 
@@ -156,18 +176,39 @@ impl DeliveredKeys {
         }
     }
 
-    /// Whether `topic` holds the record of `event` (its idempotency key, record key
-    /// and value).
-    pub(super) fn holds(&self, event: &crate::outbox::OutboxEvent) -> bool {
-        let Some(tail) = self.topics.get(&event.topic) else {
-            return false;
-        };
-        tail.records.contains(&Fingerprint::of(
-            &event.idempotency_key,
-            Some(&event.key),
-            Some(&event.payload),
-        ))
+    /// Whether the resync skips `event`'s row as delivered: the topic holds its
+    /// record (idempotency key, record key and value) and no earlier row of its key
+    /// is published by this resync. Asked of a backlog's rows in their order; a row
+    /// not skipped makes its key's later rows published too (module docs).
+    pub(super) fn skips(&mut self, event: &OutboxEvent) -> bool {
+        skips(&self.topics, &mut self.published, event)
     }
+}
+
+/// [`DeliveredKeys::skips`] over what was read.
+fn skips(
+    topics: &HashMap<String, Tail>,
+    published: &mut HashSet<ParkedKey>,
+    event: &OutboxEvent,
+) -> bool {
+    let key = crate::cdc::poison_policy::key_of(event);
+    if published.contains(&key) {
+        return false;
+    }
+    // A tombstone's record has no value.
+    let value = (!event.tombstone).then_some(&event.payload[..]);
+    let held = event.timestamp_ms.is_some()
+        && topics.get(&event.topic).is_some_and(|tail| {
+            tail.records.contains(&Fingerprint::of(
+                &event.idempotency_key,
+                Some(&event.key),
+                value,
+            ))
+        });
+    if !held {
+        published.insert(key);
+    }
+    held
 }
 
 /// The fingerprints of `topic`'s committed records with a timestamp at or after
@@ -251,6 +292,59 @@ fn read_keys(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::OutboxConfig;
+    use crate::outbox::{OutboxMapper, OutboxRow};
+
+    /// Row `id` of `entity`, created at `created_ms`, whose payload is `seq`.
+    fn event(id: &str, entity: &str, seq: u32) -> OutboxEvent {
+        let mapper = OutboxMapper::with_template(&OutboxConfig::default(), "events", None)
+            .expect("a valid template");
+        let row = OutboxRow {
+            id: Some(Bytes::from(id.to_owned())),
+            aggregate_id: Some(Bytes::from(entity.to_owned())),
+            payload: Some(Bytes::from(format!("{{\"seq\":{seq}}}"))),
+            created_at: Some(Bytes::from_static(b"2026-12-06 10:00:00.000000+00")),
+            ..OutboxRow::default()
+        };
+        mapper.map_row(&row, None).expect("a mappable row")
+    }
+
+    /// The topic holding the records of `events`.
+    fn holding(events: &[&OutboxEvent]) -> HashMap<String, Tail> {
+        let mut tail = Tail::default();
+        for e in events {
+            tail.records.insert(Fingerprint::of(
+                &e.idempotency_key,
+                Some(&e.key),
+                Some(&e.payload),
+            ));
+        }
+        HashMap::from([("events".to_owned(), tail)])
+    }
+
+    #[test]
+    fn a_key_published_again_publishes_its_later_held_rows_too() {
+        let (a0, a1, a2) = (event("1", "a", 0), event("2", "a", 1), event("4", "a", 2));
+        let (b0, b1) = (event("3", "b", 0), event("5", "b", 1));
+        assert!(a0.timestamp_ms.is_some(), "the row has a record timestamp");
+        // a:0's record is gone (compacted away, or not read); a:1, a:2 and b:0 are
+        // held. Skipping a:1 and a:2 would leave a:0 as the key's latest record.
+        let topics = holding(&[&a1, &a2, &b0]);
+        let mut published = HashSet::new();
+        let skipped: Vec<bool> = [&a0, &b0, &a1, &b1, &a2]
+            .into_iter()
+            .map(|e| skips(&topics, &mut published, e))
+            .collect();
+        assert_eq!(skipped, [false, true, false, false, false]);
+        // The usual resync: a held prefix of each key, then rows never delivered.
+        let topics = holding(&[&a0, &a1]);
+        let mut published = HashSet::new();
+        let skipped: Vec<bool> = [&a0, &a1, &a2]
+            .into_iter()
+            .map(|e| skips(&topics, &mut published, e))
+            .collect();
+        assert_eq!(skipped, [true, true, false]);
+    }
 
     #[test]
     fn a_record_stands_for_a_row_only_with_its_key_and_value() {

@@ -377,11 +377,10 @@ impl<'a> Backlog<'a> {
             }
         }
         delivered.learn(wants).await;
+        // In order: a row not skipped makes its key's later rows published too.
         let (mut held, left): (Vec<BatchRow>, Vec<BatchRow>) =
             rows.into_iter().partition(|row| match &row.result {
-                RowResult::Event { event, .. } => {
-                    event.timestamp_ms.is_some() && delivered.holds(event)
-                }
+                RowResult::Event { event, .. } => delivered.skips(event),
                 RowResult::Unmappable { .. } => false,
             });
         if held.is_empty() {
