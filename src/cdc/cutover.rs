@@ -82,7 +82,7 @@
 
 use tokio_postgres::Client;
 
-use crate::cdc::backlog::{Backlog, BacklogQuery, BacklogSummary, FurtherOutboxes};
+use crate::cdc::backlog::{BacklogQuery, BacklogSummary, Backlogs};
 use crate::config::{Config, ConfigError, CutoverMode, quote_ident};
 use crate::error::{Error, Result};
 use crate::lifecycle::Shutdown;
@@ -343,8 +343,7 @@ async fn drop_unfinished_slot(
 /// Steps 1–6 of the module docs.
 ///
 /// `views` are the outboxes to publish the unsent rows of ([`Config::per_outbox`]),
-/// one after the other in the same snapshot; each after the first is opened before
-/// the slot exists only to refuse early, and again once the first is done.
+/// merged in commit order in the same snapshot (`cdc::backlog`).
 async fn cut_over(
     views: &[Config],
     conninfo: &ConnInfo,
@@ -353,26 +352,19 @@ async fn cut_over(
     marker_table: &str,
     history: ServerHistory,
 ) -> Result<CutoverSummary> {
-    let Some((config, other_views)) = views.split_first() else {
+    let Some(config) = views.first() else {
         return Err(ConfigError::Invalid("no outbox to cut over".into()).into());
-    };
-    let further = FurtherOutboxes {
-        views: other_views,
-        marker_table: Some(marker_table),
-        history,
     };
     let slot_name = &config.postgres.slot_name();
     // Everything that can fail for lack of a column, a connection or the broker is
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    further.check(metadata).await?;
-    let mut backlog = Backlog::open(config, metadata, Some(marker_table), history).await?;
+    let mut backlog = Backlogs::open(views, metadata, Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
-    begin_marker(backlog.metadata(), marker_table, slot_name).await?;
+    begin_marker(metadata, marker_table, slot_name).await?;
     let (consistent_point, snapshot) = create_exported_slot(conn, slot_name).await?;
-    backlog
-        .metadata()
+    metadata
         .execute(
             &format!(
                 "UPDATE {marker_table} SET consistent_point = $2::text::pg_lsn WHERE slot_name = $1"
@@ -387,16 +379,7 @@ async fn cut_over(
         snapshot = %snapshot,
         "cutover: replication slot created with an exported snapshot; publishing the unsent rows"
     );
-    let mut published = backlog
-        .publish(
-            &mut reader,
-            &snapshot,
-            consistent_point,
-            BacklogQuery::Unsent,
-        )
-        .await?;
-    drop(backlog);
-    let more = further
+    let published = backlog
         .publish(
             metadata,
             &mut reader,
@@ -405,7 +388,7 @@ async fn cut_over(
             BacklogQuery::Unsent,
         )
         .await?;
-    published.add(&more);
+    drop(backlog);
     let summary = CutoverSummary::of(consistent_point, published);
     metadata
         .execute(

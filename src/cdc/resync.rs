@@ -26,7 +26,7 @@
 
 use tokio_postgres::Client;
 
-use crate::cdc::backlog::{Backlog, BacklogQuery, FurtherOutboxes};
+use crate::cdc::backlog::{BacklogQuery, Backlogs};
 use crate::cdc::cutover::CutoverSummary;
 use crate::cdc::start::SlotLoss;
 use crate::config::Config;
@@ -55,29 +55,18 @@ pub(crate) async fn resync(
     // saves fail), and an outbox without the columns a resync needs, a connection or
     // the broker failing must leave the position row as it was.
     ensure_idle(metadata, slot_name).await?;
-    // One backlog per outbox table, published one after the other in the same
-    // snapshot. Each after the first is opened here only to refuse early, and opened
-    // again once the first is done with the metadata connection.
-    let mut views = config.per_outbox().into_iter();
-    let first_view = views.next().unwrap_or_else(|| config.clone());
-    let other_views: Vec<Config> = views.collect();
-    let further = FurtherOutboxes {
-        views: &other_views,
-        marker_table: None,
-        history,
-    };
-    further
-        .check(metadata)
-        .await
-        .map_err(|e| impossible(e, loss))?;
-    let mut backlog = Backlog::open(&first_view, metadata, None, history)
+    // One backlog per outbox table, merged in commit order in the same snapshot
+    // (`cdc::backlog`).
+    let mut views = config.per_outbox();
+    if views.is_empty() {
+        views.push(config.clone());
+    }
+    let mut backlog = Backlogs::open(&views, metadata, None, history)
         .await
         .map_err(|e| impossible(e, loss))?;
     let mut reader = poller::session(conninfo).await?;
-    positions
-        .mark_lost(backlog.metadata(), &loss.to_string())
-        .await?;
-    drop_old_slot(conn, backlog.metadata(), slot_name).await?;
+    positions.mark_lost(metadata, &loss.to_string()).await?;
+    drop_old_slot(conn, metadata, slot_name).await?;
     let (consistent_point, snapshot) =
         crate::cdc::cutover::create_exported_slot(conn, slot_name).await?;
     tracing::error!(
@@ -89,14 +78,10 @@ pub(crate) async fn resync(
     let query = BacklogQuery::Undelivered {
         delivered_xmin: delivered_xmin.unwrap_or(0),
     };
-    let mut published = backlog
-        .publish(&mut reader, &snapshot, consistent_point, query)
-        .await?;
-    drop(backlog);
-    let more = further
+    let published = backlog
         .publish(metadata, &mut reader, &snapshot, consistent_point, query)
         .await?;
-    published.add(&more);
+    drop(backlog);
     let already_delivered = published.already_delivered;
     let summary = CutoverSummary::of(consistent_point, published);
     positions

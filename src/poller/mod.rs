@@ -87,6 +87,8 @@ pub use marks::BatchOutcome;
 pub(crate) use marks::{mark_unsent_sent, write_marks};
 pub(crate) use pg_error::pg_error;
 pub(crate) use publish::publish_holding;
-pub(crate) use row::{BatchRow, Delivery, Polled, RowResult, read_row};
+pub(crate) use row::{
+    BatchRow, CommitRank, Delivery, Polled, RowResult, read_ranked_row, read_row,
+};
 pub(crate) use sql::{Prepared, Sql, session};
 pub use worker::{PollSummary, run};

@@ -92,8 +92,47 @@ pub(crate) enum Delivery {
     },
 }
 
+/// Where a backlog row stands in commit order, as near as its table can tell
+/// (`Sql::backlog`'s `ORDER BY`): its transaction's commit time when
+/// `track_commit_timestamp` is on (none first), then `created_at` (microseconds
+/// since the Unix epoch). Comparable between outbox tables: a backlog of several
+/// merges their rows by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct CommitRank {
+    pub(crate) committed_us: Option<i64>,
+    pub(crate) created_us: i64,
+}
+
+/// One row of a backlog statement (`Sql::backlog`, `Sql::undelivered`): the row, and
+/// its rank in the two last columns.
+pub(crate) fn read_ranked_row(
+    row: &Row,
+    payload_format: PayloadFormat,
+) -> Result<(Polled, OutboxRow, CommitRank)> {
+    let rank_at = row.len().saturating_sub(2);
+    let (polled, outbox) = read_columns(row, payload_format, rank_at)?;
+    let rank = CommitRank {
+        committed_us: row.try_get(rank_at).map_err(pg_error)?,
+        // SQL orders a NULL `created_at` last.
+        created_us: row
+            .try_get::<_, Option<i64>>(rank_at + 1)
+            .map_err(pg_error)?
+            .unwrap_or(i64::MAX),
+    };
+    Ok((polled, outbox, rank))
+}
+
 /// One row of the batch (or sweep) query.
 pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Polled, OutboxRow)> {
+    read_columns(row, payload_format, row.len())
+}
+
+/// A row whose columns before `end` are the poller's select list.
+fn read_columns(
+    row: &Row,
+    payload_format: PayloadFormat,
+    end: usize,
+) -> Result<(Polled, OutboxRow)> {
     let text = |i: usize| -> Result<Option<Bytes>> {
         let value: Option<&str> = row.try_get(i).map_err(pg_error)?;
         Ok(value.map(|v| Bytes::copy_from_slice(v.as_bytes())))
@@ -111,9 +150,7 @@ pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Poll
         payload_format,
         created_at: text(8)?,
         // The `outbox.additional_placement` columns follow the bookkeeping ones.
-        extra: (FIELDS + 2..row.len())
-            .map(text)
-            .collect::<Result<Vec<_>>>()?,
+        extra: (FIELDS + 2..end).map(text).collect::<Result<Vec<_>>>()?,
     };
     // The id is the primary key; NULL would be a broken table.
     let id = id.ok_or(Error::NullOutboxId)?;

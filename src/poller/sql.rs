@@ -58,13 +58,15 @@ fn session_settings_sql(options: &str) -> String {
 pub(crate) struct Sql {
     pub(super) select_batch: String,
     /// Every row the poller would still send, in its order, unlocked and unlimited,
+    /// each ending with its rank (`read_ranked_row`),
     /// leaving out rows that have a poison row (poisoned by the CDC relay, or
     /// replayed): the backlog a cutover publishes, whatever the attempts a poller
     /// recorded (a row past `max_attempts` without a poison row is published once
     /// more, and poisoned if it fails again: never left behind for retention).
     pub(crate) backlog: String,
     /// Every unsent, unpoisoned row not below the checkpoint xmin `$1` (bigint), in
-    /// the snapshot of a resync after a lost slot (`crate::cdc::resync`).
+    /// the snapshot of a resync after a lost slot (`crate::cdc::resync`), each ending
+    /// with its rank (`read_ranked_row`).
     pub(crate) undelivered: String,
     pub(super) sweep: String,
     /// One row by its id (`$1`, as text), whatever its state: `replay` reads the
@@ -129,13 +131,18 @@ impl Sql {
                 format!(", CASE WHEN o.{c} IS NULL THEN NULL ELSE format('%s', o.{c}) END")
             })
             .collect();
-        let select =
-            format!("SELECT {list}, o.attempts::int4, o.last_error::text{placed} FROM {table} o");
+        let columns = format!("{list}, o.attempts::int4, o.last_error::text{placed}");
+        let select = format!("SELECT {columns} FROM {table} o");
+        // A backlog's rows end with their rank (`read_ranked_row`).
+        let ranked = format!(
+            "SELECT {columns}, {} FROM {table} o",
+            commit_rank("o", &created_at)
+        );
         let commit_order = commit_order("o", &id, &created_at);
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
             backlog: format!(
-                "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
+                "{ranked} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
                        AND {own_poison}){in_shard}
@@ -143,7 +150,7 @@ impl Sql {
                 col(IDEMPOTENCY_KEY)
             ),
             undelivered: format!(
-                "{select} WHERE o.sent_at IS NULL AND NOT EXISTS (
+                "{ranked} WHERE o.sent_at IS NULL AND NOT EXISTS (
                      SELECT 1 FROM {poison} p
                      WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
                        AND {own_poison})
@@ -203,6 +210,17 @@ fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
         "ORDER BY CASE WHEN current_setting('track_commit_timestamp')::bool \
              THEN pg_xact_commit_timestamp({alias}.xmin) END NULLS FIRST, \
          {alias}.{created_at}, {alias}.{id}"
+    )
+}
+
+/// The two columns of a backlog row's rank ([`crate::poller::CommitRank`]): the
+/// [`commit_order`] keys as microseconds since the Unix epoch, comparable between
+/// tables (a `timestamp` `created_at` is taken as UTC, as the mapper does).
+fn commit_rank(alias: &str, created_at: &str) -> String {
+    format!(
+        "CASE WHEN current_setting('track_commit_timestamp')::bool \
+             THEN (extract(epoch FROM pg_xact_commit_timestamp({alias}.xmin)) * 1000000)::int8 END, \
+         (extract(epoch FROM {alias}.{created_at}) * 1000000)::int8"
     )
 }
 

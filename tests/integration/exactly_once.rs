@@ -410,7 +410,7 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
 
 /// Creates `db`'s topic and the progress topic on `brokers`; the environment of an
 /// exactly-once relay that writes to them (`window`: `relay.max_in_flight_events`).
-async fn exactly_once_on<'b>(
+pub(crate) async fn exactly_once_on<'b>(
     brokers: &'b str,
     db: &TestDb,
     window: Option<&'b str>,

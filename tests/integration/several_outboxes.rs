@@ -548,3 +548,98 @@ async fn another_outboxs_record_on_a_shared_topic_does_not_hide_a_lost_message()
     assert_eq!(audit["delivered"], 1, "{audit}");
     db.drop_slot().await;
 }
+
+/// Two outboxes whose events go to one topic, with the same keys. While the slot is
+/// lost, rows of each key are committed to one table, then the other, then the
+/// first again (runs of three across four keys); the resync must publish them in
+/// that order, as the stream would have. It published the first table's backlog,
+/// then the second's: every key went out of order.
+async fn a_resync_merges_the_outboxes_in_commit_order(prefix: &str, exactly_once: bool) {
+    let broker = exactly_once.then(harness::DevBroker::start);
+    let mut db = TestDb::create(prefix).await;
+    db.client
+        .batch_execute("CREATE SCHEMA billing")
+        .await
+        .unwrap();
+    db.append_config(&format!(
+        "\n[relay]\ncutover = \"off\"\n\
+         \n[[outbox]]\ntable = \"public.outbox\"\n\
+         \n[[outbox]]\ntable = \"billing.outbox\"\npoison_table = \"billing.poison_outbox\"\n\
+         topic_template = \"{}\"\n",
+        db.topic
+    ));
+    let config = db.config_path.to_str().unwrap().to_owned();
+    let out = harness::run_cli(&["migrate", "--config", &config]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let env = match &broker {
+        Some(broker) => crate::exactly_once::exactly_once_on(&broker.address, &db, None).await,
+        None => Vec::new(),
+    };
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    relay.terminate(Duration::from_secs(20)).await;
+    db.drop_slot().await;
+
+    const ROWS: i64 = 48;
+    let mut keys: Vec<String> = Vec::new();
+    for seq in 0..ROWS {
+        let table = if (seq / 3) % 2 == 0 {
+            "public.outbox"
+        } else {
+            "billing.outbox"
+        };
+        let key: String = db
+            .client
+            .query_one(
+                &format!(
+                    "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ('invoice', $1, 'InvoiceChanged', jsonb_build_object('seq', $2::bigint))
+                     RETURNING idempotency_key"
+                ),
+                &[&format!("k-{}", seq % 4), &seq],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        keys.push(key);
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    let log = relay.log();
+    assert!(log.contains("resync complete"), "{log}");
+    let expected: HashSet<&str> = keys.iter().map(String::as_str).collect();
+    let records = match &broker {
+        Some(broker) => {
+            crate::exactly_once::read_committed_until_complete(
+                &broker.address,
+                &db.topic,
+                keys.len(),
+                Duration::from_secs(60),
+            )
+            .await
+        }
+        None => read_all(&db.topic, &expected, &relay).await,
+    };
+    let (events, duplicates) = tally(&records);
+    assert_eq!(events, keys.len(), "{log}");
+    if exactly_once {
+        assert_eq!(duplicates, 0, "read_committed saw rows twice; log:\n{log}");
+    }
+    assert_per_key_order(&records);
+    relay.terminate(Duration::from_secs(20)).await;
+    db.drop_slot().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_of_two_outboxes_sharing_keys_keeps_commit_order() {
+    a_resync_merges_the_outboxes_in_commit_order("two_merged", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exactly_once_resync_of_two_outboxes_sharing_keys_keeps_commit_order() {
+    a_resync_merges_the_outboxes_in_commit_order("two_merged_eos", true).await;
+}

@@ -12,6 +12,21 @@
 //! before the next window is read, and every backlog row before the first streamed
 //! one is produced.
 //!
+//! # Several outboxes
+//!
+//! The stream delivers the rows of every outbox in one commit order, and outboxes
+//! may share topics and keys. Their backlogs are read together ([`Backlogs`]), each
+//! through its own cursor in the one snapshot, and merged by [`CommitRank`] (the
+//! same keys their `ORDER BY` sorts by, comparable between tables) into windows.
+//! A window is resolved in segments: a segment ends before a row whose key (topic
+//! and record key) an earlier row of the segment from another outbox has, and every
+//! row of a segment is resolved before the next segment is published. Inside a
+//! segment no key is in two outboxes, so each outbox resolves its rows by its own
+//! rules; the keys one outbox parks or halts on are held by every outbox. All
+//! outboxes publish through one producer (under exactly-once the slot's
+//! transactional id, fenced once); where they interleave rows of one key, the
+//! rounds are smaller.
+//!
 //! # The stream's rules, not the poller's
 //!
 //! Inside a window, per-key order and `relay.on_poison` are the stream's
@@ -42,19 +57,20 @@ mod delivered;
 mod order;
 mod transactions;
 
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use tokio_postgres::{Client, IsolationLevel};
+use tokio_postgres::{Client, IsolationLevel, Portal, Transaction};
 
-use crate::config::{Config, PoisonKeyMode};
+use crate::config::{Config, ConfigError, PoisonKeyMode};
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher};
 use crate::lifecycle::{Backoff, millis};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
 use crate::outbox::position::ServerHistory;
-use crate::poison::{Parked, PoisonRow, WriterStatements};
-use crate::poller::{self, BatchRow, Polled, RowResult};
+use crate::poison::{Parked, ParkedKey, PoisonRow, WriterStatements};
+use crate::poller::{self, BatchRow, CommitRank, Polled, RowResult};
 use crate::postgres::replication::quote_literal;
 
 use delivered::DeliveredKeys;
@@ -99,167 +115,78 @@ pub(crate) struct BacklogSummary {
     pub(crate) snapshot_xmin: i64,
 }
 
-impl BacklogSummary {
-    /// Adds the counts of another outbox's backlog read in the same snapshot.
-    pub(crate) fn add(&mut self, other: &BacklogSummary) {
-        self.rows += other.rows;
-        self.published += other.published;
-        self.poisoned += other.poisoned;
-        self.already_delivered += other.already_delivered;
-        self.snapshot_xmin = self.snapshot_xmin.max(other.snapshot_xmin);
-    }
-}
-
-/// The outboxes after the first of a cutover or resync ([`Config::per_outbox`]):
-/// their backlogs are opened before the slot exists only to refuse early (the
-/// metadata connection serves one backlog at a time), and published once the first
-/// is done, one after the other in the first one's snapshot.
-pub(super) struct FurtherOutboxes<'v> {
-    pub(super) views: &'v [Config],
-    pub(super) marker_table: Option<&'v str>,
-    pub(super) history: ServerHistory,
-}
-
-impl FurtherOutboxes<'_> {
-    /// Opens (and drops) each backlog: what lacks a column, a connection or the
-    /// broker refuses here, before anything is recorded.
-    pub(super) async fn check(&self, metadata: &mut Client) -> Result<()> {
-        for view in self.views {
-            Backlog::open(view, metadata, self.marker_table, self.history).await?;
-        }
-        Ok(())
-    }
-
-    /// Publishes each backlog with `query` in `snapshot`; their counts added up.
-    pub(super) async fn publish(
-        &self,
-        metadata: &mut Client,
-        reader: &mut Client,
-        snapshot: &str,
-        consistent_point: Lsn,
-        query: BacklogQuery,
-    ) -> Result<BacklogSummary> {
-        let mut summary = BacklogSummary::default();
-        for view in self.views {
-            let mut backlog =
-                Backlog::open(view, metadata, self.marker_table, self.history).await?;
-            let published = backlog
-                .publish(reader, snapshot, consistent_point, query)
-                .await?;
-            summary.add(&published);
-        }
-        Ok(summary)
-    }
-}
-
-/// A row halted under `relay.on_poison = "halt"`.
-#[derive(Debug, Clone)]
-struct HaltedRow {
-    id: String,
-    error: String,
-}
-
-/// The backlog publisher: mapper, producer, prepared marks, the per-key rules.
-pub(super) struct Backlog<'a> {
-    config: &'a Config,
-    metadata: &'a mut Client,
+/// The backlogs of a cutover or resync, one per outbox ([`Config::per_outbox`]),
+/// published together in one snapshot, merged in commit order (module docs).
+pub(super) struct Backlogs<'a> {
+    parts: Vec<Backlog<'a>>,
+    producer: Producer,
     /// The cutover's marker table, whose progress counters each round updates.
     marker_table: Option<&'a str>,
-    prepared: poller::Prepared,
-    sql: poller::Sql,
-    layout: poller::Layout,
-    mapper: OutboxMapper,
-    publisher: Publisher,
-    reports: tokio::sync::mpsc::Receiver<DeliveryReport>,
-    rules: KeyRules,
-    parking: WriterStatements,
-    max_attempts: i32,
+    /// Rows per merged window.
     window: usize,
-    /// Event id base of the next publish round (ids are per producer).
-    next_id: u64,
-    /// Rows read so far: a parked row's place in the backlog.
-    ordinal: u64,
-    halted: Vec<HaltedRow>,
-    /// Exactly-once mode: each round in a Kafka transaction.
-    transactions: Option<BacklogTransactions>,
-    /// The consistent point of the slot the backlog is read for.
-    consistent_point: Lsn,
 }
 
-impl<'a> Backlog<'a> {
-    /// The metadata connection the marks are written on.
-    pub(super) fn metadata(&self) -> &Client {
-        self.metadata
-    }
+/// The producer every outbox's backlog publishes through, and its reports.
+struct Producer {
+    publisher: Publisher,
+    reports: tokio::sync::mpsc::Receiver<DeliveryReport>,
+    /// Event id base of the next publish round (ids are per producer).
+    next_id: u64,
+}
 
-    /// Everything that can fail for lack of a column, a table, a connection or the
-    /// broker, before anything is recorded. In exactly-once mode it also fences the
-    /// slot's older producers and writes the marks the last backlog transaction left
-    /// ([`transactions`]): before the slot whose snapshot the rows are read in exists.
+/// One outbox's cursor in the snapshot, and the rows read from it not yet merged.
+struct Cursor {
+    portal: Portal,
+    read: VecDeque<(CommitRank, BatchRow)>,
+    done: bool,
+}
+
+impl<'a> Backlogs<'a> {
+    /// Opens the producer and every outbox's backlog: everything that can fail for
+    /// lack of a column, a table, a connection or the broker, before anything is
+    /// recorded. In exactly-once mode it also fences the slot's older producers and
+    /// writes the marks the last backlog transaction left ([`transactions`]): before
+    /// the slot whose snapshot the rows are read in exists.
     pub(super) async fn open(
-        config: &'a Config,
-        metadata: &'a mut Client,
+        views: &'a [Config],
+        metadata: &Client,
         marker_table: Option<&'a str>,
         history: ServerHistory,
-    ) -> Result<Backlog<'a>> {
-        let layout = poller::inspect_tables(metadata, &config.outbox).await?;
-        // A shard's cutover or resync publishes its shard's rows only.
-        let shard_filter = crate::config::shard::row_filter(
-            &config.outbox.columns.aggregate_id,
-            config.postgres.shards,
-            config.postgres.shard,
-        );
-        let sql = poller::Sql::new(
-            &config.outbox,
-            &layout,
-            config.relay.poison_copy_limit_bytes,
-            shard_filter.as_deref(),
-            Some(&config.postgres.slot_name()),
-        );
-        let prepared = poller::Prepared::new(metadata, &sql).await?;
-        let parked = crate::cdc::poison_policy::parked_keys(metadata, config).await?;
-        let mapper =
-            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
-        let window = window_size(config.relay.max_in_flight_events);
-        let capacity = kafka::report_capacity(&config.relay).max(window + 1);
-        let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
+    ) -> Result<Backlogs<'a>> {
+        let Some(first) = views.first() else {
+            return Err(ConfigError::Invalid("no outbox to publish the backlog of".into()).into());
+        };
+        let window = window_size(first.relay.max_in_flight_events);
+        let capacity = kafka::report_capacity(&first.relay).max(window + 1);
+        let mut producer_config = kafka::producer_config(&first.kafka, &first.relay)?;
         let transactional_id =
-            crate::cdc::exactly_once::make_transactional(config, &mut producer_config);
+            crate::cdc::exactly_once::make_transactional(first, &mut producer_config);
         let (publisher, reports) = Publisher::new(producer_config, capacity)?;
         let publisher =
-            publisher.with_configuration_errors_poisoned(config.relay.on_config_error.poisons());
+            publisher.with_configuration_errors_poisoned(first.relay.on_config_error.poisons());
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
-        let transactions = match transactional_id {
-            Some(id) => Some(
-                BacklogTransactions::open(config, id, &publisher, metadata, &sql, history).await?,
-            ),
-            None => None,
-        };
-        let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
-        Ok(Backlog {
-            config,
-            metadata,
+        if let Some(id) = &transactional_id {
+            transactions::fence(first, id, &publisher).await?;
+        }
+        let mut parts = Vec::with_capacity(views.len());
+        for view in views {
+            parts.push(Backlog::open(view, metadata, history, transactional_id.clone()).await?);
+        }
+        Ok(Backlogs {
+            parts,
+            producer: Producer {
+                publisher,
+                reports,
+                next_id: 0,
+            },
             marker_table,
-            prepared,
-            sql,
-            layout,
-            mapper,
-            publisher,
-            reports,
-            rules: KeyRules::new(config.relay.on_poison, max_attempts, parked),
-            parking: WriterStatements::new(&config.outbox),
-            max_attempts,
             window,
-            next_id: 0,
-            ordinal: 0,
-            halted: Vec::new(),
-            transactions,
-            consistent_point: Lsn::ZERO,
         })
     }
 
-    /// Reads the backlog in the exported snapshot, window by window, and resolves
-    /// every row (acked, poisoned or parked) before reading the next window.
+    /// Reads every outbox's backlog in the exported snapshot, merged in commit
+    /// order window by window, and resolves every row (acked, poisoned or parked)
+    /// segment by segment before reading on (module docs).
     ///
     /// # Errors
     ///
@@ -267,13 +194,13 @@ impl<'a> Backlog<'a> {
     /// else was resolved, the backlog is not complete.
     pub(super) async fn publish(
         &mut self,
+        metadata: &mut Client,
         reader: &mut Client,
         snapshot: &str,
         consistent_point: Lsn,
         query: BacklogQuery,
     ) -> Result<BacklogSummary> {
         let mut summary = BacklogSummary::default();
-        self.consistent_point = consistent_point;
         let tx = reader
             .build_transaction()
             .isolation_level(IsolationLevel::RepeatableRead)
@@ -296,6 +223,233 @@ impl<'a> Backlog<'a> {
             .await
             .and_then(|row| row.try_get(0))
             .map_err(poller::pg_error)?;
+        let mut cursors = Vec::with_capacity(self.parts.len());
+        for part in &mut self.parts {
+            part.consistent_point = consistent_point;
+            cursors.push(part.cursor(&tx, query).await?);
+        }
+        let mut delivered = match (query, self.parts.first()) {
+            // Without a reader every row is published, as before.
+            (BacklogQuery::Undelivered { .. }, Some(first)) => DeliveredKeys::new(first.config)
+                .inspect_err(|e| tracing::warn!(error = %e, "resync: cannot read the topics; rows delivered before the loss are published again"))
+                .ok(),
+            _ => None,
+        };
+        loop {
+            let window = self.next_window(&tx, &mut cursors).await?;
+            if window.is_empty() {
+                break;
+            }
+            summary.rows += window.len() as u64;
+            for segment in segments(window) {
+                self.resolve_segment(metadata, segment, delivered.as_mut(), &mut summary)
+                    .await?;
+            }
+            tracing::debug!(
+                rows = summary.rows,
+                published = summary.published,
+                "backlog window resolved"
+            );
+        }
+        tx.commit().await.map_err(poller::pg_error)?;
+        let halted: Vec<&HaltedRow> = self.parts.iter().flat_map(|p| &p.halted).collect();
+        match halted.first() {
+            None => Ok(summary),
+            Some(first) => Err(Error::BacklogHalted {
+                count: halted.len(),
+                id: first.id.clone(),
+                error: first.error.clone(),
+            }),
+        }
+    }
+
+    /// The next rows of every cursor, merged by rank (ties in outbox order), at
+    /// most a window of them; each with its outbox's index.
+    async fn next_window(
+        &self,
+        tx: &Transaction<'_>,
+        cursors: &mut [Cursor],
+    ) -> Result<Vec<(usize, BatchRow)>> {
+        let mut window = Vec::with_capacity(self.window);
+        while window.len() < self.window {
+            for (part, cursor) in self.parts.iter().zip(cursors.iter_mut()) {
+                if cursor.read.is_empty() && !cursor.done {
+                    part.read(tx, cursor, self.window).await?;
+                }
+            }
+            let next = cursors
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| c.read.front().map(|(rank, _)| (*rank, i)))
+                .min();
+            let Some((_, i)) = next else {
+                break;
+            };
+            if let Some((_, row)) = cursors[i].read.pop_front() {
+                window.push((i, row));
+            }
+        }
+        Ok(window)
+    }
+
+    /// Resolves one segment: each outbox's rows of it in turn (no key is in two).
+    async fn resolve_segment(
+        &mut self,
+        metadata: &mut Client,
+        segment: Vec<(usize, BatchRow)>,
+        mut delivered: Option<&mut DeliveredKeys>,
+        summary: &mut BacklogSummary,
+    ) -> Result<()> {
+        let mut by_part: Vec<Vec<BatchRow>> = self.parts.iter().map(|_| Vec::new()).collect();
+        for (i, row) in segment {
+            by_part[i].push(row);
+        }
+        for (i, rows) in by_part.into_iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            self.share_held_keys(i);
+            let part = &mut self.parts[i];
+            let rows = match delivered.as_deref_mut() {
+                Some(delivered) => {
+                    part.mark_delivered(delivered, rows, metadata, self.marker_table, summary)
+                        .await?
+                }
+                None => rows,
+            };
+            if !rows.is_empty() {
+                part.resolve(
+                    rows,
+                    &mut self.producer,
+                    metadata,
+                    self.marker_table,
+                    summary,
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives outbox `to` the keys every other outbox parked or halted on.
+    fn share_held_keys(&mut self, to: usize) {
+        let (parked, halted) = self
+            .parts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != to)
+            .fold((Vec::new(), Vec::new()), |(mut p, mut h), (_, part)| {
+                let (parked, halted) = part.rules.held_keys();
+                p.extend(parked.cloned());
+                h.extend(halted.cloned());
+                (p, h)
+            });
+        if let Some(part) = self.parts.get_mut(to) {
+            part.rules.hold(parked, halted);
+        }
+    }
+}
+
+/// Splits a merged window into segments, in order: a segment ends before a row
+/// whose key an earlier row of the segment from another outbox has (module docs).
+fn segments(window: Vec<(usize, BatchRow)>) -> Vec<Vec<(usize, BatchRow)>> {
+    let mut segments = Vec::new();
+    let mut segment: Vec<(usize, BatchRow)> = Vec::new();
+    let mut owners: HashMap<ParkedKey, usize> = HashMap::new();
+    for (part, row) in window {
+        if let RowResult::Event { event, .. } = &row.result {
+            let key = crate::cdc::poison_policy::key_of(event);
+            if owners.get(&key).is_some_and(|owner| *owner != part) {
+                segments.push(std::mem::take(&mut segment));
+                owners.clear();
+            }
+            owners.insert(key, part);
+        }
+        segment.push((part, row));
+    }
+    if !segment.is_empty() {
+        segments.push(segment);
+    }
+    segments
+}
+
+/// A row halted under `relay.on_poison = "halt"`.
+#[derive(Debug, Clone)]
+struct HaltedRow {
+    id: String,
+    error: String,
+}
+
+/// One outbox's backlog: mapper, prepared marks, the per-key rules.
+pub(super) struct Backlog<'a> {
+    config: &'a Config,
+    prepared: poller::Prepared,
+    sql: poller::Sql,
+    layout: poller::Layout,
+    mapper: OutboxMapper,
+    rules: KeyRules,
+    parking: WriterStatements,
+    max_attempts: i32,
+    /// Rows read so far: a parked row's place in the backlog.
+    ordinal: u64,
+    halted: Vec<HaltedRow>,
+    /// Exactly-once mode: each round in a Kafka transaction.
+    transactions: Option<BacklogTransactions>,
+    /// The consistent point of the slot the backlog is read for.
+    consistent_point: Lsn,
+}
+
+impl<'a> Backlog<'a> {
+    /// What can fail for lack of a column or a table; in exactly-once mode (the
+    /// producer's `transactional_id`) the marks the last backlog transaction left
+    /// for this outbox are written ([`transactions`]).
+    async fn open(
+        config: &'a Config,
+        metadata: &Client,
+        history: ServerHistory,
+        transactional_id: Option<String>,
+    ) -> Result<Backlog<'a>> {
+        let layout = poller::inspect_tables(metadata, &config.outbox).await?;
+        // A shard's cutover or resync publishes its shard's rows only.
+        let shard_filter = crate::config::shard::row_filter(
+            &config.outbox.columns.aggregate_id,
+            config.postgres.shards,
+            config.postgres.shard,
+        );
+        let sql = poller::Sql::new(
+            &config.outbox,
+            &layout,
+            config.relay.poison_copy_limit_bytes,
+            shard_filter.as_deref(),
+            Some(&config.postgres.slot_name()),
+        );
+        let prepared = poller::Prepared::new(metadata, &sql).await?;
+        let parked = crate::cdc::poison_policy::parked_keys(metadata, config).await?;
+        let mapper =
+            OutboxMapper::new(&config.outbox, &config.kafka, config.kafka.envelope.clone())?;
+        let transactions = match transactional_id {
+            Some(id) => Some(BacklogTransactions::open(config, id, metadata, &sql, history).await?),
+            None => None,
+        };
+        let max_attempts = i32::try_from(config.relay.max_attempts).unwrap_or(i32::MAX);
+        Ok(Backlog {
+            config,
+            prepared,
+            sql,
+            layout,
+            mapper,
+            rules: KeyRules::new(config.relay.on_poison, max_attempts, parked),
+            parking: WriterStatements::new(&config.outbox),
+            max_attempts,
+            ordinal: 0,
+            halted: Vec::new(),
+            transactions,
+            consistent_point: Lsn::ZERO,
+        })
+    }
+
+    /// Opens this outbox's cursor over `query` in the snapshot's transaction.
+    async fn cursor(&self, tx: &Transaction<'_>, query: BacklogQuery) -> Result<Cursor> {
         let (sql, params): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match &query {
             BacklogQuery::Unsent => (&self.sql.backlog, vec![]),
             BacklogQuery::Undelivered { delivered_xmin } => {
@@ -307,56 +461,32 @@ impl<'a> Backlog<'a> {
             .bind(&statement, &params)
             .await
             .map_err(poller::pg_error)?;
-        let window = i32::try_from(self.window).unwrap_or(i32::MAX);
-        let mut delivered = match query {
-            // Without a reader every row is published, as before.
-            BacklogQuery::Undelivered { .. } => DeliveredKeys::new(self.config)
-                .inspect_err(|e| tracing::warn!(error = %e, "resync: cannot read the topics; rows delivered before the loss are published again"))
-                .ok(),
-            BacklogQuery::Unsent => None,
-        };
-        loop {
-            let chunk = tx
-                .query_portal(&portal, window)
-                .await
-                .map_err(poller::pg_error)?;
-            let fetched = chunk.len();
-            let mut rows = Vec::with_capacity(fetched);
-            for row in &chunk {
-                let (polled, outbox_row) = poller::read_row(row, self.layout.payload_format)?;
-                rows.push(BatchRow::map(
-                    &self.mapper,
-                    polled,
-                    &outbox_row,
-                    Some(consistent_point),
-                ));
-            }
-            drop(chunk);
-            summary.rows += fetched as u64;
-            if let Some(delivered) = delivered.as_mut() {
-                rows = self.mark_delivered(delivered, rows, &mut summary).await?;
-            }
-            if !rows.is_empty() {
-                self.resolve(rows, &mut summary).await?;
-                tracing::debug!(
-                    rows = summary.rows,
-                    published = summary.published,
-                    "backlog window resolved"
-                );
-            }
-            if fetched < self.window {
-                break;
-            }
+        Ok(Cursor {
+            portal,
+            read: VecDeque::new(),
+            done: false,
+        })
+    }
+
+    /// Reads up to `limit` more rows from `cursor`, mapped, with their ranks.
+    async fn read(&self, tx: &Transaction<'_>, cursor: &mut Cursor, limit: usize) -> Result<()> {
+        let chunk = tx
+            .query_portal(&cursor.portal, i32::try_from(limit).unwrap_or(i32::MAX))
+            .await
+            .map_err(poller::pg_error)?;
+        cursor.done = chunk.len() < limit;
+        for row in &chunk {
+            let (polled, outbox_row, rank) =
+                poller::read_ranked_row(row, self.layout.payload_format)?;
+            let row = BatchRow::map(
+                &self.mapper,
+                polled,
+                &outbox_row,
+                Some(self.consistent_point),
+            );
+            cursor.read.push_back((rank, row));
         }
-        tx.commit().await.map_err(poller::pg_error)?;
-        match self.halted.first() {
-            None => Ok(summary),
-            Some(first) => Err(Error::BacklogHalted {
-                count: self.halted.len(),
-                id: first.id.clone(),
-                error: first.error.clone(),
-            }),
-        }
+        Ok(())
     }
 
     /// Marks sent the rows of a resync's window whose record the topic already holds
@@ -365,6 +495,8 @@ impl<'a> Backlog<'a> {
         &mut self,
         delivered: &mut DeliveredKeys,
         rows: Vec<BatchRow>,
+        metadata: &mut Client,
+        marker_table: Option<&str>,
         summary: &mut BacklogSummary,
     ) -> Result<Vec<BatchRow>> {
         let mut wants: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
@@ -391,7 +523,8 @@ impl<'a> Backlog<'a> {
                 *delivery = poller::Delivery::Acked;
             }
         }
-        self.write(&held, &[], summary).await?;
+        self.write(metadata, marker_table, &held, &[], summary)
+            .await?;
         summary.already_delivered += held.len() as u64;
         tracing::info!(
             rows = held.len(),
@@ -402,7 +535,14 @@ impl<'a> Backlog<'a> {
 
     /// Publishes one window in rounds until every row is acked, poisoned, parked or
     /// halted; the marks of each round are committed with the marker row's counters.
-    async fn resolve(&mut self, rows: Vec<BatchRow>, summary: &mut BacklogSummary) -> Result<()> {
+    async fn resolve(
+        &mut self,
+        rows: Vec<BatchRow>,
+        producer: &mut Producer,
+        metadata: &mut Client,
+        marker_table: Option<&str>,
+        summary: &mut BacklogSummary,
+    ) -> Result<()> {
         let mut window: Vec<(u64, Unresolved)> = rows
             .into_iter()
             .map(|row| {
@@ -412,7 +552,9 @@ impl<'a> Backlog<'a> {
             .collect();
         let mut backoff = Backoff::new(RETRY_BACKOFF_INITIAL, RETRY_BACKOFF_MAX);
         while !window.is_empty() {
-            let round = self.round(window, summary).await?;
+            let round = self
+                .round(window, producer, metadata, marker_table, summary)
+                .await?;
             window = round.left;
             if round.stuck {
                 // Only rows behind a halted row are left: they stay unpublished.
@@ -437,6 +579,9 @@ impl<'a> Backlog<'a> {
     async fn round(
         &mut self,
         window: Vec<(u64, Unresolved)>,
+        producer: &mut Producer,
+        metadata: &mut Client,
+        marker_table: Option<&str>,
         summary: &mut BacklogSummary,
     ) -> Result<Round> {
         let steps = self.rules.plan(window.iter().map(|(_, u)| u));
@@ -469,19 +614,21 @@ impl<'a> Backlog<'a> {
         if let Some(transactions) = &self.transactions
             && !published.is_empty()
         {
-            transactions.begin(&self.publisher)?;
+            transactions.begin(&producer.publisher)?;
         }
-        let base = self.next_id;
-        self.next_id = self.next_id.wrapping_add(published.len() as u64);
+        let base = producer.next_id;
+        producer.next_id = producer.next_id.wrapping_add(published.len() as u64);
         let sent = poller::publish_holding(
-            &self.publisher,
-            &mut self.reports,
+            &producer.publisher,
+            &mut producer.reports,
             base,
             &mut published,
             |i| produce.get(i).and_then(|(_, u)| u.key.as_ref()),
         )
         .await?;
-        let committed = self.settle_transaction(&published, &sent).await?;
+        let committed = self
+            .settle_transaction(&producer.publisher, &published, &sent)
+            .await?;
         let mut failed = usize::from(!committed);
         for (((ordinal, mut meta), row), sent) in produce.into_iter().zip(published).zip(sent) {
             meta.row = row;
@@ -528,7 +675,9 @@ impl<'a> Backlog<'a> {
                 RowResult::Unmappable { .. } => None,
             })
             .collect();
-        let (outcome, answers) = self.write(&marks, &parked_rows, summary).await?;
+        let (outcome, answers) = self
+            .write(metadata, marker_table, &marks, &parked_rows, summary)
+            .await?;
         summary.published += outcome.delivered as u64;
         summary.poisoned += outcome.poisoned as u64;
         for ((ordinal, row), answer) in park.into_iter().zip(answers) {
@@ -554,7 +703,12 @@ impl<'a> Backlog<'a> {
     /// Exactly-once mode: commits the round's Kafka transaction when every record of
     /// it was delivered, else aborts it. `true` when the deliveries stand (committed,
     /// nothing produced, or at-least-once).
-    async fn settle_transaction(&mut self, published: &[BatchRow], sent: &[bool]) -> Result<bool> {
+    async fn settle_transaction(
+        &mut self,
+        publisher: &Publisher,
+        published: &[BatchRow],
+        sent: &[bool],
+    ) -> Result<bool> {
         let Some(transactions) = self.transactions.as_mut() else {
             return Ok(true);
         };
@@ -566,12 +720,12 @@ impl<'a> Backlog<'a> {
             return Ok(true);
         }
         if !(sent.iter().all(|s| *s) && produced.iter().all(|row| is_acked(row))) {
-            transactions.abort(&self.publisher).await?;
+            transactions.abort(publisher).await?;
             return Ok(false);
         }
         let ids = produced.iter().map(|row| row.polled.id.clone()).collect();
         transactions
-            .commit(&self.publisher, self.consistent_point, ids)
+            .commit(publisher, self.consistent_point, ids)
             .await
     }
 
@@ -579,17 +733,15 @@ impl<'a> Backlog<'a> {
     /// marker row's counters.
     async fn write(
         &mut self,
+        metadata: &mut Client,
+        marker_table: Option<&str>,
         marks: &[BatchRow],
         parked: &[PoisonRow],
         summary: &BacklogSummary,
     ) -> Result<(poller::BatchOutcome, Vec<Parked>)> {
         let holds_keys =
             (self.config.relay.on_poison == PoisonKeyMode::ParkKey).then_some(&self.parking);
-        let tx = self
-            .metadata
-            .transaction()
-            .await
-            .map_err(poller::pg_error)?;
+        let tx = metadata.transaction().await.map_err(poller::pg_error)?;
         let outcome =
             poller::write_marks(&tx, &self.prepared, self.max_attempts, marks, holds_keys).await?;
         let refs: Vec<&PoisonRow> = parked.iter().collect();
@@ -606,7 +758,7 @@ impl<'a> Backlog<'a> {
             .await
             .map_err(poller::pg_error)?
         };
-        if let Some(marker_table) = self.marker_table {
+        if let Some(marker_table) = marker_table {
             let recorded = answers.iter().filter(|a| **a == Parked::Recorded).count();
             let published = summary.published + outcome.delivered as u64;
             let poisoned = summary.poisoned + (outcome.poisoned + recorded) as u64;
@@ -707,6 +859,56 @@ fn count(n: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Row `id` of `entity` in the topic `events`.
+    fn row(id: &str, entity: &str) -> BatchRow {
+        let mapper =
+            OutboxMapper::with_template(&crate::config::OutboxConfig::default(), "events", None)
+                .expect("a valid template");
+        let row = crate::outbox::OutboxRow {
+            id: Some(bytes::Bytes::from(id.to_owned())),
+            aggregate_id: Some(bytes::Bytes::from(entity.to_owned())),
+            payload: Some(bytes::Bytes::from_static(b"{}")),
+            ..Default::default()
+        };
+        let polled = Polled {
+            id: id.to_owned(),
+            attempts: 0,
+            last_error: None,
+        };
+        BatchRow::map(&mapper, polled, &row, None)
+    }
+
+    #[test]
+    fn a_segment_ends_before_a_key_another_outbox_has_in_it() {
+        // Outbox 0: a, b, a; outbox 1: c, a, b (merged in commit order).
+        let window = vec![
+            (0, row("1", "a")),
+            (1, row("2", "c")),
+            (0, row("3", "b")),
+            (0, row("4", "a")),
+            (1, row("5", "a")),
+            (1, row("6", "b")),
+            (0, row("7", "c")),
+        ];
+        let ids: Vec<Vec<(usize, String)>> = segments(window)
+            .into_iter()
+            .map(|s| s.into_iter().map(|(p, r)| (p, r.polled.id)).collect())
+            .collect();
+        let seg = |rows: &[(usize, &str)]| -> Vec<(usize, String)> {
+            rows.iter().map(|(p, id)| (*p, (*id).to_owned())).collect()
+        };
+        assert_eq!(
+            ids,
+            [
+                // a and b of outbox 0 and c of outbox 1: no key in both.
+                seg(&[(0, "1"), (1, "2"), (0, "3"), (0, "4")]),
+                // Outbox 1's a waits for outbox 0's; in the new segment c is
+                // outbox 0's alone (outbox 1's c was in the first).
+                seg(&[(1, "5"), (1, "6"), (0, "7")]),
+            ]
+        );
+    }
 
     #[test]
     fn window_is_the_in_flight_window_bounded() {

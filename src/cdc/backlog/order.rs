@@ -107,6 +107,27 @@ impl KeyRules {
         }
     }
 
+    /// The keys parked now and those a halted row holds.
+    pub(crate) fn held_keys(
+        &self,
+    ) -> (
+        impl Iterator<Item = &ParkedKey>,
+        impl Iterator<Item = &ParkedKey>,
+    ) {
+        (self.parked.iter(), self.halted.iter())
+    }
+
+    /// Holds keys another outbox's backlog parked or halted on: this backlog's rows
+    /// of them are parked, or wait, as its own would.
+    pub(crate) fn hold(
+        &mut self,
+        parked: impl IntoIterator<Item = ParkedKey>,
+        halted: impl IntoIterator<Item = ParkedKey>,
+    ) {
+        self.parked.extend(parked);
+        self.halted.extend(halted);
+    }
+
     /// The step of each row of `rows` (in commit order) for the next round.
     pub(crate) fn plan<'r>(&self, rows: impl IntoIterator<Item = &'r Unresolved>) -> Vec<Step> {
         let mut held: HashSet<&ParkedKey> = HashSet::new();

@@ -94,31 +94,45 @@ pub(super) struct BacklogTransactions {
     outbox: Option<String>,
 }
 
+/// Fences every older producer of the slot (`init_transactions` settles what it
+/// left open) and makes sure the broker commits transactions (the stream's probe,
+/// `cdc::exactly_once`): once per producer, before any outbox's
+/// [`BacklogTransactions::open`].
+///
+/// # Errors
+///
+/// A transactional failure (fenced or a broker without transactions: exit 3), a
+/// missing progress topic (exit 3).
+pub(super) async fn fence(config: &Config, id: &str, publisher: &Publisher) -> Result<()> {
+    retrying(|| publisher.init_transactions(id)).await?;
+    probe(
+        publisher,
+        id,
+        &config.kafka.progress_topic,
+        &config.postgres.slot_name(),
+    )
+    .await
+    .map_err(|failed| failed.error)?;
+    Ok(())
+}
+
 impl BacklogTransactions {
-    /// Fences every older producer of the slot (`init_transactions` settles what it
-    /// left open), makes sure the broker commits transactions (the stream's probe,
-    /// `cdc::exactly_once`), reads the slot's latest committed progress record, and
-    /// writes the marks of the backlog rows it names (see the module docs for when it
-    /// does not).
+    /// Reads the slot's latest committed progress record and writes the marks of
+    /// this outbox's backlog rows it names (see the module docs for when it does
+    /// not). The producer is [`fence`]d first.
     ///
     /// # Errors
     ///
-    /// A transactional failure (fenced or a broker without transactions: exit 3), a
-    /// missing progress topic (exit 3), a record that cannot be read, a failed mark.
+    /// A record that cannot be read, a failed mark.
     pub(super) async fn open(
         config: &Config,
         id: String,
-        publisher: &Publisher,
         metadata: &Client,
         sql: &poller::Sql,
         history: ServerHistory,
     ) -> Result<BacklogTransactions> {
-        retrying(|| publisher.init_transactions(&id)).await?;
         let slot = config.postgres.slot_name();
         let topic = config.kafka.progress_topic.clone();
-        probe(publisher, &id, &topic, &slot)
-            .await
-            .map_err(|failed| failed.error)?;
         let reader = progress_reader_config(config, READER_CLIENT_ID)?;
         let latest = read_latest(&reader, &topic, &slot).await?;
         let mut carried = latest.unwrap_or_else(|| ProgressRecord {
