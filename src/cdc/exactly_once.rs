@@ -31,6 +31,7 @@ use rdkafka::ClientConfig;
 use crate::cdc::progress::{Core, ProgressMark};
 use crate::cdc::progress_record::{self, ProgressRecord};
 use crate::cdc::start::ServerView;
+use crate::cdc::wal_identity::{self, TxIdentity, TxLog, TxNames, Verdict};
 use crate::config::{Config, DeliveryMode};
 use crate::delivery::EventId;
 use crate::error::Result;
@@ -85,6 +86,11 @@ pub(crate) struct ExactlyOnce {
     outcome: Option<(Ending, std::result::Result<(), TransactionError>)>,
     /// A failure the session must act on ([`ExactlyOnce::take_failure`]).
     failure: Option<TransactionError>,
+    /// The identities of the transactions the next record may name
+    /// (`cdc::wal_identity`).
+    transactions: TxLog,
+    /// `track_commit_timestamp` was found off (said once).
+    unverifiable_said: bool,
 }
 
 impl ExactlyOnce {
@@ -115,7 +121,21 @@ impl ExactlyOnce {
             call: None,
             outcome: None,
             failure: None,
+            transactions: TxLog::default(),
+            unverifiable_said: false,
         }))
+    }
+
+    /// A `Begin`: the transaction committing at `commit` has this xid and commit
+    /// time (microseconds since 2000-01-01), which a record naming it carries.
+    pub(crate) fn transaction_begun(&mut self, commit: Lsn, xid: u32, commit_time: i64) {
+        self.transactions
+            .begin(commit, TxIdentity::from_begin(xid, commit_time));
+    }
+
+    /// A `Commit`: the transaction committing at `commit` ends at `end`.
+    pub(crate) fn transaction_ended(&mut self, commit: Lsn, end: Lsn) {
+        self.transactions.commit(commit, end);
     }
 
     /// The producer was replaced: the new one needs its `init_transactions`, and
@@ -173,9 +193,10 @@ impl ExactlyOnce {
         publisher: &Publisher,
         core: &mut Core,
         server: &ServerView,
+        metadata: &tokio_postgres::Client,
         start: Lsn,
     ) -> Result<()> {
-        let outcome = self.prepare(publisher, core, server, start).await;
+        let outcome = self.prepare(publisher, core, server, metadata, start).await;
         if let Err(crate::error::Error::Transaction(e)) = &outcome
             && !e.needs_operator()
         {
@@ -189,6 +210,7 @@ impl ExactlyOnce {
         publisher: &Publisher,
         core: &mut Core,
         server: &ServerView,
+        metadata: &tokio_postgres::Client,
         start: Lsn,
     ) -> Result<()> {
         if !self.initialized {
@@ -205,9 +227,16 @@ impl ExactlyOnce {
         };
         let (history, wal_end) = (server.history, server.wal_end);
         match usable_mark(&record, history, &server.forks, start, wal_end) {
+            Ok(mark) if !self.same_wal(metadata, &record, history, start).await? => {
+                tracing::warn!(%start, %wal_end, recorded_saved = %record.saved, confirmed = %mark.confirmed,
+                    "the transactions the progress record names are not this server's (restored in place and written since?): the record is not used; events it covered may be published again");
+            }
             Ok(mark) => {
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
+                if record.history == history {
+                    self.transactions.remember(mark.confirmed, &record.names);
+                }
                 core.resume_from(&mark);
             }
             Err(Unused::Restored) => {
@@ -218,6 +247,50 @@ impl ExactlyOnce {
                 "the progress record belongs to another database: not used; events it covered may be published again"),
         }
         Ok(())
+    }
+
+    /// Whether the transactions `record` names by identity are this server's
+    /// (`cdc::wal_identity`): asked on the record's own history when its mark
+    /// reaches past `start` (below it nothing is sent again). `true` when the server
+    /// cannot say (`track_commit_timestamp` off, said once) or the record names none.
+    ///
+    /// # Errors
+    ///
+    /// The server's answer failed.
+    async fn same_wal(
+        &mut self,
+        metadata: &tokio_postgres::Client,
+        record: &ProgressRecord,
+        history: ServerHistory,
+        start: Lsn,
+    ) -> Result<bool> {
+        let reaches_past_start =
+            record.mark.confirmed > start || record.mark.partial.iter().any(|p| p.commit >= start);
+        if record.history != history || !reaches_past_start {
+            return Ok(true);
+        }
+        let verdict = wal_identity::check(metadata, &record.names)
+            .await
+            .map_err(crate::poller::pg_error)?;
+        match verdict {
+            Verdict::Same => Ok(true),
+            Verdict::Other { xid } => {
+                tracing::warn!(
+                    xid,
+                    "a transaction the progress record names did not commit on this server at the recorded time"
+                );
+                Ok(false)
+            }
+            Verdict::Unknown => {
+                if !self.unverifiable_said {
+                    self.unverifiable_said = true;
+                    tracing::warn!(
+                        "track_commit_timestamp is off: the relay cannot tell a data directory restored in place and written past the progress record from a restart; turn it on (it needs a restart) so such a restore publishes again instead of skipping new events"
+                    );
+                }
+                Ok(true)
+            }
+        }
     }
 
     /// [`probe`] with this session's producer.
@@ -267,11 +340,26 @@ impl ExactlyOnce {
     /// [`Action::CommitTransaction`](crate::cdc::progress::Action): writes the
     /// progress record in the transaction and starts the commit.
     pub(crate) fn commit(&mut self, publisher: &Publisher, core: &Core, history: ServerHistory) {
+        let mark = core.transaction_mark().cloned().unwrap_or_default();
+        let names = TxNames {
+            watermark: self.transactions.ending_at(mark.confirmed),
+            partial: mark
+                .partial
+                .iter()
+                .filter_map(|p| {
+                    self.transactions
+                        .committing_at(p.commit)
+                        .map(|id| (p.commit, id))
+                })
+                .collect(),
+        };
+        self.transactions.forget_before(mark.confirmed);
         let record = ProgressRecord {
             slot: self.slot.clone(),
             history,
             saved: core.saved_position(),
-            mark: core.transaction_mark().cloned().unwrap_or_default(),
+            mark,
+            names,
             backlog: None,
         };
         let value = record.encode_within(MAX_RECORD_BYTES);
@@ -598,6 +686,7 @@ mod tests {
                     },
                 ],
             },
+            names: TxNames::default(),
             backlog: None,
         }
     }

@@ -31,6 +31,7 @@ mod resync;
 pub mod session;
 pub mod start;
 pub mod start_checks;
+pub mod wal_identity;
 
 pub use session::{RunSummary, run, run_checked, run_with_health};
 pub use start_checks::StartChecks;

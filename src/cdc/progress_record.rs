@@ -45,6 +45,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 
 use crate::cdc::progress::{PartialTx, ProgressMark};
+pub use crate::cdc::wal_identity::{TxIdentity, TxNames};
 use crate::kafka::ReaderContext;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
@@ -78,6 +79,10 @@ pub struct ProgressRecord {
     /// not hold for it.
     pub saved: Lsn,
     pub mark: ProgressMark,
+    /// The transactions the mark names, by what a restore cannot hand out again
+    /// (`cdc::wal_identity`): the one ending at the watermark and the partial ones,
+    /// where known.
+    pub names: TxNames,
     /// The rows a backlog published in the transaction of this record.
     pub backlog: Option<BacklogSent>,
 }
@@ -115,7 +120,34 @@ struct Json {
     #[serde(default)]
     partial: Vec<JsonPartial>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    watermark_tx: Option<JsonTx>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     backlog: Option<JsonBacklog>,
+}
+
+/// A transaction's identity: its xid and commit time (µs since the Unix epoch).
+#[derive(Serialize, Deserialize)]
+struct JsonTx {
+    xid: u32,
+    committed_at_us: i64,
+}
+
+impl From<TxIdentity> for JsonTx {
+    fn from(id: TxIdentity) -> JsonTx {
+        JsonTx {
+            xid: id.xid,
+            committed_at_us: id.committed_us,
+        }
+    }
+}
+
+impl From<&JsonTx> for TxIdentity {
+    fn from(j: &JsonTx) -> TxIdentity {
+        TxIdentity {
+            xid: j.xid,
+            committed_us: j.committed_at_us,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -140,6 +172,8 @@ struct JsonPartial {
     admitted: u32,
     #[serde(default)]
     unresolved: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tx: Option<JsonTx>,
 }
 
 /// A record that could not be read.
@@ -201,8 +235,15 @@ impl ProgressRecord {
                     commit: p.commit.to_string(),
                     admitted: p.admitted,
                     unresolved: p.unresolved.clone(),
+                    tx: self
+                        .names
+                        .partial
+                        .iter()
+                        .find(|(commit, _)| *commit == p.commit)
+                        .map(|(_, id)| JsonTx::from(*id)),
                 })
                 .collect(),
+            watermark_tx: self.names.watermark.map(JsonTx::from),
             backlog: self.backlog.as_ref().map(|b| JsonBacklog {
                 system_identifier: b.history.system_identifier.to_string(),
                 timeline: b.history.timeline,
@@ -260,11 +301,19 @@ impl ProgressRecord {
             })
         };
         let mut partial = Vec::with_capacity(json.partial.len());
+        let mut names = TxNames {
+            watermark: json.watermark_tx.as_ref().map(TxIdentity::from),
+            partial: Vec::new(),
+        };
         for p in &json.partial {
             let mut unresolved = p.unresolved.clone();
             unresolved.sort_unstable();
+            let commit = lsn("partial.commit", &p.commit)?;
+            if let Some(tx) = &p.tx {
+                names.partial.push((commit, TxIdentity::from(tx)));
+            }
             partial.push(PartialTx {
-                commit: lsn("partial.commit", &p.commit)?,
+                commit,
                 admitted: p.admitted,
                 unresolved,
             });
@@ -280,6 +329,7 @@ impl ProgressRecord {
                 confirmed: lsn("confirmed", &json.confirmed)?,
                 partial,
             },
+            names,
             backlog: match json.backlog {
                 Some(b) => Some(BacklogSent {
                     history: ServerHistory {
@@ -466,8 +516,34 @@ mod tests {
                     unresolved: vec![1],
                 }],
             },
+            names: TxNames::default(),
             backlog: None,
         }
+    }
+
+    #[test]
+    fn a_record_names_its_transactions_by_xid_and_commit_time() {
+        let mut named = record();
+        named.names = TxNames {
+            watermark: Some(TxIdentity {
+                xid: 4_000_000_001,
+                committed_us: 1_796_371_200_123_456,
+            }),
+            partial: vec![(
+                Lsn(0xAFDD_BD00),
+                TxIdentity {
+                    xid: 4_000_000_002,
+                    committed_us: 1_796_371_200_223_456,
+                },
+            )],
+        };
+        let value = named.encode();
+        let text = String::from_utf8(value.clone()).unwrap();
+        assert!(
+            text.contains(r#""unresolved":[1],"tx":{"xid":4000000002,"committed_at_us":1796371200223456}}],"watermark_tx":{"xid":4000000001,"committed_at_us":1796371200123456}"#),
+            "{text}"
+        );
+        assert_eq!(ProgressRecord::decode(&value).unwrap(), named);
     }
 
     #[test]

@@ -1114,7 +1114,7 @@ impl Relay {
         if let Some(eo) = self.exactly_once.as_mut() {
             // Only now, holding the slot: fences the producer of a relay that held
             // it before, and resumes a core without this process's memory.
-            eo.start_session(&self.publisher, &mut self.core, &server, start)
+            eo.start_session(&self.publisher, &mut self.core, &server, &metadata, start)
                 .await?;
         }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
@@ -1611,10 +1611,16 @@ impl Relay {
                 tracing::trace!(xid = begin.xid, final_lsn = %begin.final_lsn, "begin");
                 self.current_commit_lsn = begin.final_lsn;
                 self.current_commit_time = begin.commit_time;
+                if let Some(eo) = self.exactly_once.as_mut() {
+                    eo.transaction_begun(begin.final_lsn, begin.xid, begin.commit_time);
+                }
                 Ok(self.core.begin(begin.final_lsn, begin.xid)?)
             }
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
+                if let Some(eo) = self.exactly_once.as_mut() {
+                    eo.transaction_ended(commit.commit_lsn, commit.end_lsn);
+                }
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }
             LogicalReplicationMessage::Relation(relation) => {

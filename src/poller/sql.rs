@@ -215,12 +215,21 @@ fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
 
 /// The two columns of a backlog row's rank ([`crate::poller::CommitRank`]): the
 /// [`commit_order`] keys as microseconds since the Unix epoch, comparable between
-/// tables (a `timestamp` `created_at` is taken as UTC, as the mapper does).
+/// tables (a `timestamp` `created_at` is taken as UTC, as the mapper does). A
+/// `created_at` of `±infinity` or beyond `bigint` microseconds is clamped (in the
+/// order SQL sorts it, below NULL) rather than failing the statement: the row is
+/// poisoned by the mapper as before.
 fn commit_rank(alias: &str, created_at: &str) -> String {
+    let micros = |ts: &str| {
+        format!(
+            "CASE WHEN {ts} IS NULL THEN NULL ELSE least(greatest(extract(epoch FROM {ts}) * 1000000, \
+             -9000000000000000000), 9000000000000000000)::int8 END"
+        )
+    };
     format!(
-        "CASE WHEN current_setting('track_commit_timestamp')::bool \
-             THEN (extract(epoch FROM pg_xact_commit_timestamp({alias}.xmin)) * 1000000)::int8 END, \
-         (extract(epoch FROM {alias}.{created_at}) * 1000000)::int8"
+        "CASE WHEN current_setting('track_commit_timestamp')::bool THEN {} END, {}",
+        micros(&format!("pg_xact_commit_timestamp({alias}.xmin)")),
+        micros(&format!("{alias}.{created_at}"))
     )
 }
 

@@ -862,3 +862,122 @@ async fn an_event_poisoned_just_before_a_kill_is_not_published_after_the_restart
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// A trigger that refuses every save that moves the relay's position: the
+/// position row, and the `saved` of every progress record, stay where they are
+/// (a session start writes the position it starts from, which is let through).
+const REFUSE_SAVES: &str = "
+    CREATE FUNCTION refuse_saves() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN
+        IF NEW.confirmed_lsn > OLD.confirmed_lsn THEN
+          RAISE EXCEPTION 'position saves refused by the test';
+        END IF;
+        RETURN NEW;
+      END $$;
+    CREATE TRIGGER refuse_saves BEFORE UPDATE ON outbox_relay_position
+      FOR EACH ROW EXECUTE FUNCTION refuse_saves();";
+
+/// `rows` events of `entity` (seq `first..first + rows`), one transaction each.
+async fn one_per_transaction(client: &Client, entity: &str, first: i64, rows: i64) {
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+               FOR g IN {first}..{last} LOOP
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', '{entity}', 'Created', jsonb_build_object('seq', g));
+                 COMMIT;
+               END LOOP;
+             END $$",
+            last = first + rows - 1
+        ))
+        .await
+        .unwrap();
+}
+
+/// The current WAL insert position.
+async fn wal_lsn(client: &Client) -> u64 {
+    let row = client
+        .query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint", &[])
+        .await
+        .unwrap();
+    u64::try_from(row.get::<_, i64>(0)).unwrap()
+}
+
+/// A data directory restored in place to a point between the relay's saved
+/// position and its progress record's watermark, then written past the watermark
+/// before the relay starts again: the two signs of a restore (a start below the
+/// record's saved position, a WAL ending before its watermark) both miss it, and
+/// the new commits take LSNs below the watermark. The relay resolved them as the
+/// record's, without a produce: every one of them was lost. The record now names
+/// its watermark transaction by xid and commit time, which the restored server
+/// does not have (`track_commit_timestamp = on`), and the record is not used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_written_past_the_progress_record_loses_nothing() {
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let cluster = harness::PrivateCluster::start("logical").await;
+    harness::connect(&cluster.url)
+        .await
+        .batch_execute("ALTER SYSTEM SET track_commit_timestamp = on")
+        .await
+        .unwrap();
+    cluster.restart("fast").await;
+    let db = TestDb::create_in(&cluster.url, "eos_restore", 1, "").await;
+    let env = exactly_once_on(&brokers, &db, None).await;
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    one_per_transaction(&db.client, "a", 0, 50).await;
+    read_committed_until_complete(&brokers, &db.topic, 50, Duration::from_secs(60)).await;
+    let end = wal_lsn(&db.client).await;
+    harness::wait_until(Duration::from_secs(60), "the relay to confirm", || async {
+        harness::confirmed_flush(&db.client, &db.slot).await + 4_096 >= end
+    })
+    .await;
+    relay.kill9().await;
+    db.client.batch_execute(REFUSE_SAVES).await.unwrap();
+    cluster.snapshot("before").await;
+
+    // Streamed and committed to Kafka with the relay's position unsaved: every
+    // progress record has the snapshot's saved position and a watermark past the
+    // snapshot's WAL end.
+    let client = harness::connect(&db.url).await;
+    let relay = RelayProcess::start(&db.config_path, &env);
+    until_streaming(&relay, 1).await;
+    one_per_transaction(&client, "b", 0, 300).await;
+    read_committed_until_complete(&brokers, &db.topic, 350, Duration::from_secs(90)).await;
+    let watermark_at_most = wal_lsn(&client).await;
+    relay.kill9().await;
+
+    cluster.restore("before").await;
+    let client = harness::connect(&db.url).await;
+    client
+        .batch_execute("DROP TRIGGER refuse_saves ON outbox_relay_position")
+        .await
+        .unwrap();
+    let mut written = 0;
+    while wal_lsn(&client).await <= watermark_at_most + 8_192 {
+        one_per_transaction(&client, "c", written, 100).await;
+        written += 100;
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    until_streaming(&relay, 1).await;
+    let expected = usize::try_from(350 + written).unwrap();
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(90)).await;
+    let log = relay.log();
+    let (unique, duplicates) = tally(&records);
+    let c = harness::key_sequence(&records, "c");
+    assert_eq!(
+        c,
+        (0..written).collect::<Vec<i64>>(),
+        "every event written after the restore, in order ({unique} unique, {duplicates} duplicates); log:\n{log}"
+    );
+    assert!(
+        log.contains("are not this server's"),
+        "the relay says why it does not use the record; log:\n{log}"
+    );
+    eprintln!(
+        "restore written past the record: {written} new events, {unique} unique, {duplicates} duplicates"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+}

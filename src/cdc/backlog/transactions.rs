@@ -140,6 +140,7 @@ impl BacklogTransactions {
             history,
             saved: Lsn::ZERO,
             mark: Default::default(),
+            names: Default::default(),
             backlog: None,
         });
         let server_started = crate::postgres::postmaster_started(metadata).await?;

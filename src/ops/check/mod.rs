@@ -366,7 +366,7 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
             |view| async move { resync::check(client, &view).await }
         ),
     );
-    vec![
+    let mut checks = vec![
         tls,
         wal,
         slots,
@@ -378,7 +378,11 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
         keep,
         migrations,
         resync,
-    ]
+    ];
+    if config.kafka.delivery == crate::config::DeliveryMode::ExactlyOnce {
+        checks.push(resync::restore_detection(client).await);
+    }
+    checks
 }
 
 /// A check of one outbox table, made for each of several `[[outbox]]` entries and

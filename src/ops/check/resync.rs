@@ -118,6 +118,40 @@ fn verdict(config: &Config, outbox: &str, missing: &[&str], commit_timestamps: b
     }
 }
 
+/// `postgres.track_commit_timestamp`, in exactly-once mode: whether a data
+/// directory restored in place and written past the progress record can be told
+/// from a restart (`crate::cdc::wal_identity`). Off, such a restore's new events
+/// below the record's watermark would be taken as delivered.
+pub(super) async fn restore_detection(client: &Client) -> Check {
+    const NAME: &str = "postgres.track_commit_timestamp";
+    let on = match client
+        .query_one(
+            "SELECT current_setting('track_commit_timestamp')::bool",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+        Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
+    };
+    if on {
+        Check::ok(
+            NAME,
+            "on: exactly-once tells a data directory restored in place from a restart by the \
+             commit times of the transactions its progress record names",
+        )
+    } else {
+        Check::warn(
+            NAME,
+            "off: exactly-once cannot tell a data directory restored in place (a storage \
+             snapshot rolled back) and written past its progress record before the relay \
+             came back from a restart; events committed after such a restore could be taken \
+             as delivered",
+            "ALTER SYSTEM SET track_commit_timestamp = on; then restart PostgreSQL",
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
