@@ -360,18 +360,21 @@ async fn a_resync_the_layout_cannot_carry_is_refused_with_the_ways_out() {
 }
 
 /// Produces the record the relay makes of outbox row `id` (key, value, idempotency
-/// key), as the lost slot's stream would have delivered it.
+/// key, and the row's `created_at` as its timestamp), as the lost slot's stream
+/// would have delivered it.
 async fn deliver_as_the_stream_did(db: &TestDb, id: &str) {
     let row = db
         .client
         .query_one(
-            "SELECT aggregate_id, payload::text, idempotency_key FROM outbox WHERE id::text = $1",
+            "SELECT aggregate_id, payload::text, idempotency_key,
+                    (extract(epoch FROM created_at) * 1000)::int8
+             FROM outbox WHERE id::text = $1",
             &[&id],
         )
         .await
         .unwrap();
-    let (key, value, idempotency_key): (String, String, String) =
-        (row.get(0), row.get(1), row.get(2));
+    let (key, value, idempotency_key, created_ms): (String, String, String, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
     let topic = db.topic.clone();
     tokio::task::spawn_blocking(move || {
         use rdkafka::ClientConfig;
@@ -390,6 +393,7 @@ async fn deliver_as_the_stream_did(db: &TestDb, id: &str) {
                 BaseRecord::to(&topic)
                     .key(key.as_bytes())
                     .payload(value.as_bytes())
+                    .timestamp(created_ms)
                     .headers(headers),
             )
             .map_err(|(e, _)| e)
@@ -455,6 +459,49 @@ async fn a_resync_that_publishes_a_key_again_ends_it_with_its_latest_row() {
         .filter(|r| r.key.as_deref() == Some(b"held".as_slice()))
         .count();
     assert_eq!(held_records, 1, "held is not published again; log:\n{log}");
+    relay.terminate(Duration::from_secs(30)).await;
+    db.drop_slot().await;
+}
+
+/// [`a_resync_that_publishes_a_key_again_ends_it_with_its_latest_row`], with the
+/// resync that published k:0 again stopped before k:1: k:0 is marked sent and its
+/// new record follows k:1's. The resync that starts over reads k:1 alone and finds
+/// its record; it must see the older record after it and publish k:1 again, or the
+/// key's latest record stays k:0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_started_over_ends_a_key_with_its_latest_row() {
+    let db = lost_slot_db("resync_over", "").await;
+    let earlier = insert(&db, "k", &small(0)).await;
+    let later = insert(&db, "k", &small(1)).await;
+    deliver_as_the_stream_did(&db, &later).await;
+    // What the resync that stopped did: published k:0 again and marked it sent.
+    deliver_as_the_stream_did(&db, &earlier).await;
+    db.client
+        .execute(
+            "UPDATE outbox SET sent_at = clock_timestamp() WHERE id::text = $1",
+            &[&earlier],
+        )
+        .await
+        .unwrap();
+    let relay = RelayProcess::start(&db.config_path, &[]);
+    db.wait_streaming(&relay).await;
+    let log = relay.log();
+    assert!(log.contains("resync complete"), "{log}");
+    let records = consume(&db.topic, usize::MAX, Duration::from_secs(5)).await;
+    let mut k: Vec<&harness::Record> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(b"k".as_slice()))
+        .collect();
+    k.sort_by_key(|r| (r.partition, r.offset));
+    let seqs: Vec<i64> = k
+        .iter()
+        .map(|r| {
+            let v: serde_json::Value =
+                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
+            v["seq"].as_i64().unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, [1, 0, 1], "k ends with its latest row; log:\n{log}");
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }

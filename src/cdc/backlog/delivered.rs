@@ -39,6 +39,14 @@
 //! stream delivered a prefix of the backlog before the slot was lost) and nothing
 //! more is published.
 //!
+//! What one resync published is in memory only, and a resync that stops part-way
+//! starts over: the rows it published are marked sent and not read again. So the
+//! topic is asked too: a held row is skipped only if every record of its key after
+//! its own (same partition) is newer (a later record timestamp, which is a row's
+//! `created_at`), or as old and the record of a later row of the same window. A
+//! record of an older row after it (published by the resync that stopped) makes
+//! the row, and its key's later rows, published again.
+//!
 //! # What it cannot lose
 //!
 //! A record found in the topic is a delivery: skipping its row loses nothing. What
@@ -48,7 +56,7 @@
 //! idempotency key, record key and value are one event to the relay's consumers,
 //! who drop the second by its key; here the second is not published either.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::time::{Duration, Instant};
 
@@ -98,7 +106,38 @@ pub(super) struct DeliveredKeys {
 #[derive(Default)]
 struct Tail {
     since_ms: Option<i64>,
-    records: HashSet<Fingerprint>,
+    /// Where each record is (its last copy).
+    records: HashMap<Fingerprint, Placed>,
+    /// Each record key's records, by partition and offset.
+    by_key: HashMap<Bytes, BTreeMap<(i32, i64), Placed>>,
+}
+
+impl Tail {
+    fn add(&mut self, read: Vec<(Option<Bytes>, Placed)>) {
+        for (key, placed) in read {
+            let at = (placed.partition, placed.offset);
+            let newer = self
+                .records
+                .get(&placed.fingerprint)
+                .is_none_or(|p| (p.partition, p.offset) <= at);
+            if newer {
+                self.records
+                    .insert(placed.fingerprint.clone(), placed.clone());
+            }
+            if let Some(key) = key {
+                self.by_key.entry(key).or_default().insert(at, placed);
+            }
+        }
+    }
+}
+
+/// A record read: where it is, its timestamp, what it stands for.
+#[derive(Debug, Clone)]
+struct Placed {
+    partition: i32,
+    offset: i64,
+    timestamp_ms: Option<i64>,
+    fingerprint: Fingerprint,
 }
 
 /// A record as a row would make it: its idempotency key, and a hash of its record
@@ -110,6 +149,15 @@ struct Fingerprint {
 }
 
 impl Fingerprint {
+    /// The record `event` makes (a tombstone's has no value).
+    fn of_event(event: &OutboxEvent) -> Fingerprint {
+        Fingerprint::of(
+            &event.idempotency_key,
+            Some(&event.key),
+            (!event.tombstone).then_some(&event.payload[..]),
+        )
+    }
+
     fn of(idempotency_key: &[u8], key: Option<&[u8]>, value: Option<&[u8]>) -> Fingerprint {
         // SipHash with fixed keys: the same in the reader and the resync.
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -165,7 +213,7 @@ impl DeliveredKeys {
                             "resync: the topic could not be read to its end; rows not found in what was read are published again");
                     }
                     let tail = self.topics.entry(topic).or_default();
-                    tail.records.extend(records);
+                    tail.add(records);
                 }
                 Ok(Err(e)) => tracing::warn!(topic = %topic, error = %e,
                     "resync: cannot read what the topic holds; its rows are published again (duplicates possible)"),
@@ -176,12 +224,41 @@ impl DeliveredKeys {
         }
     }
 
-    /// Whether the resync skips `event`'s row as delivered: the topic holds its
-    /// record (idempotency key, record key and value) and no earlier row of its key
-    /// is published by this resync. Asked of a backlog's rows in their order; a row
-    /// not skipped makes its key's later rows published too (module docs).
-    pub(super) fn skips(&mut self, event: &OutboxEvent) -> bool {
-        skips(&self.topics, &mut self.published, event)
+    /// Whether the resync skips `event`'s row as delivered (module docs): the topic
+    /// holds its record, no earlier row of its key is published by this resync, and
+    /// no record of its key after its own is older, unless it is the record of a
+    /// row after this one in the window (`later`, which this takes it out of). Asked of
+    /// a backlog's rows in their order; a row not skipped makes its key's later rows
+    /// published too.
+    pub(super) fn skips(&mut self, event: &OutboxEvent, later: &mut Later) -> bool {
+        skips(&self.topics, &mut self.published, event, later.after(event))
+    }
+}
+
+/// The rows of a window after each one, as [`DeliveredKeys::skips`] asks for them:
+/// counts of fingerprints, from which each row takes its own out in turn.
+pub(super) struct Later(HashMap<Fingerprint, usize>);
+
+impl Later {
+    /// Every event of the window.
+    pub(super) fn of<'e>(events: impl IntoIterator<Item = &'e OutboxEvent>) -> Later {
+        let mut counts = HashMap::new();
+        for event in events {
+            *counts.entry(Fingerprint::of_event(event)).or_insert(0) += 1;
+        }
+        Later(counts)
+    }
+
+    /// Takes `event` out: what is left is after it.
+    fn after(&mut self, event: &OutboxEvent) -> &HashMap<Fingerprint, usize> {
+        let fingerprint = Fingerprint::of_event(event);
+        if let Some(n) = self.0.get_mut(&fingerprint) {
+            *n -= 1;
+            if *n == 0 {
+                self.0.remove(&fingerprint);
+            }
+        }
+        &self.0
     }
 }
 
@@ -190,36 +267,53 @@ fn skips(
     topics: &HashMap<String, Tail>,
     published: &mut HashSet<ParkedKey>,
     event: &OutboxEvent,
+    later: &HashMap<Fingerprint, usize>,
 ) -> bool {
     let key = crate::cdc::poison_policy::key_of(event);
     if published.contains(&key) {
         return false;
     }
-    // A tombstone's record has no value.
-    let value = (!event.tombstone).then_some(&event.payload[..]);
-    let held = event.timestamp_ms.is_some()
-        && topics.get(&event.topic).is_some_and(|tail| {
-            tail.records.contains(&Fingerprint::of(
-                &event.idempotency_key,
-                Some(&event.key),
-                value,
-            ))
-        });
+    let tail = topics.get(&event.topic);
+    let own = tail.and_then(|t| t.records.get(&Fingerprint::of_event(event)));
+    let held = match (tail, own, event.timestamp_ms) {
+        (Some(tail), Some(own), Some(_)) => tail
+            .by_key
+            .get(&event.key)
+            .is_none_or(|records| newer_after(records, own, later)),
+        _ => false,
+    };
     if !held {
         published.insert(key);
     }
     held
 }
 
-/// The fingerprints of `topic`'s committed records with a timestamp at or after
-/// `since_ms` (from the offset `ListOffsets` gives for it, to the end a
-/// `read_committed` reader sees), and whether every partition was read to its end.
+/// Whether every record of a key after `own` (its partition) is newer than it, or
+/// as old and a later row's of the window (`later`).
+fn newer_after(
+    records: &BTreeMap<(i32, i64), Placed>,
+    own: &Placed,
+    later: &HashMap<Fingerprint, usize>,
+) -> bool {
+    let after = records.range((own.partition, own.offset + 1)..(own.partition, i64::MAX));
+    after
+        .into_iter()
+        .all(|(_, x)| match (x.timestamp_ms, own.timestamp_ms) {
+            (Some(theirs), Some(ours)) if theirs > ours => true,
+            (Some(theirs), Some(ours)) if theirs == ours => later.contains_key(&x.fingerprint),
+            _ => false,
+        })
+}
+
+/// `topic`'s committed records with a timestamp at or after `since_ms` (from the
+/// offset `ListOffsets` gives for it, to the end a `read_committed` reader sees),
+/// each with its record key, and whether every partition was read to its end.
 /// Blocking.
 fn read_keys(
     reader: &ClientConfig,
     topic: &str,
     since_ms: i64,
-) -> Result<(HashSet<Fingerprint>, bool), KafkaError> {
+) -> Result<(Vec<(Option<Bytes>, Placed)>, bool), KafkaError> {
     let consumer: BaseConsumer<ReaderContext> = reader.create_with_context(CONTEXT)?;
     let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
     let partitions: Vec<i32> = metadata
@@ -246,7 +340,7 @@ fn read_keys(
             ends.insert(element.partition(), high);
         }
     }
-    let mut keys = HashSet::new();
+    let mut keys = Vec::new();
     if ends.is_empty() {
         return Ok((keys, true));
     }
@@ -260,7 +354,15 @@ fn read_keys(
                         .find(|h| h.key == HEADER_IDEMPOTENCY_KEY)
                         .and_then(|h| h.value)
                 }) {
-                    keys.insert(Fingerprint::of(idempotency_key, m.key(), m.payload()));
+                    keys.push((
+                        m.key().map(Bytes::copy_from_slice),
+                        Placed {
+                            partition: m.partition(),
+                            offset: m.offset(),
+                            timestamp_ms: m.timestamp().to_millis(),
+                            fingerprint: Fingerprint::of(idempotency_key, m.key(), m.payload()),
+                        },
+                    ));
                 }
                 if ends
                     .get(&m.partition())
@@ -295,55 +397,91 @@ mod tests {
     use crate::config::OutboxConfig;
     use crate::outbox::{OutboxMapper, OutboxRow};
 
-    /// Row `id` of `entity`, created at `created_ms`, whose payload is `seq`.
-    fn event(id: &str, entity: &str, seq: u32) -> OutboxEvent {
+    /// Row `id` of `entity`, created `created_s` seconds into the minute, whose
+    /// payload is `seq`.
+    fn event(id: &str, entity: &str, seq: u32, created_s: u32) -> OutboxEvent {
         let mapper = OutboxMapper::with_template(&OutboxConfig::default(), "events", None)
             .expect("a valid template");
         let row = OutboxRow {
             id: Some(Bytes::from(id.to_owned())),
             aggregate_id: Some(Bytes::from(entity.to_owned())),
             payload: Some(Bytes::from(format!("{{\"seq\":{seq}}}"))),
-            created_at: Some(Bytes::from_static(b"2026-12-06 10:00:00.000000+00")),
+            created_at: Some(Bytes::from(format!(
+                "2026-12-06 10:00:{created_s:02}.000000+00"
+            ))),
             ..OutboxRow::default()
         };
         mapper.map_row(&row, None).expect("a mappable row")
     }
 
-    /// The topic holding the records of `events`.
+    /// The topic holding the records of `events`, in this order (record timestamp:
+    /// the row's).
     fn holding(events: &[&OutboxEvent]) -> HashMap<String, Tail> {
         let mut tail = Tail::default();
-        for e in events {
-            tail.records.insert(Fingerprint::of(
-                &e.idempotency_key,
-                Some(&e.key),
-                Some(&e.payload),
-            ));
-        }
+        let read = events
+            .iter()
+            .enumerate()
+            .map(|(offset, e)| {
+                (
+                    Some(e.key.clone()),
+                    Placed {
+                        partition: 0,
+                        offset: i64::try_from(offset).unwrap_or(i64::MAX),
+                        timestamp_ms: e.timestamp_ms,
+                        fingerprint: Fingerprint::of_event(e),
+                    },
+                )
+            })
+            .collect();
+        tail.add(read);
         HashMap::from([("events".to_owned(), tail)])
+    }
+
+    /// Which of `window` (in order) a resync skips, given what `topics` holds.
+    fn skipped(topics: &HashMap<String, Tail>, window: &[&OutboxEvent]) -> Vec<bool> {
+        let mut published = HashSet::new();
+        let mut later = Later::of(window.iter().copied());
+        window
+            .iter()
+            .map(|e| skips(topics, &mut published, e, later.after(e)))
+            .collect()
     }
 
     #[test]
     fn a_key_published_again_publishes_its_later_held_rows_too() {
-        let (a0, a1, a2) = (event("1", "a", 0), event("2", "a", 1), event("4", "a", 2));
-        let (b0, b1) = (event("3", "b", 0), event("5", "b", 1));
-        assert!(a0.timestamp_ms.is_some(), "the row has a record timestamp");
+        let (a0, a1, a2) = (
+            event("1", "a", 0, 0),
+            event("2", "a", 1, 1),
+            event("4", "a", 2, 2),
+        );
+        let (b0, b1) = (event("3", "b", 0, 1), event("5", "b", 1, 3));
         // a:0's record is gone (compacted away, or not read); a:1, a:2 and b:0 are
         // held. Skipping a:1 and a:2 would leave a:0 as the key's latest record.
-        let topics = holding(&[&a1, &a2, &b0]);
-        let mut published = HashSet::new();
-        let skipped: Vec<bool> = [&a0, &b0, &a1, &b1, &a2]
-            .into_iter()
-            .map(|e| skips(&topics, &mut published, e))
-            .collect();
-        assert_eq!(skipped, [false, true, false, false, false]);
+        let topics = holding(&[&a1, &b0, &a2]);
+        assert_eq!(
+            skipped(&topics, &[&a0, &b0, &a1, &b1, &a2]),
+            [false, true, false, false, false]
+        );
         // The usual resync: a held prefix of each key, then rows never delivered.
         let topics = holding(&[&a0, &a1]);
-        let mut published = HashSet::new();
-        let skipped: Vec<bool> = [&a0, &a1, &a2]
-            .into_iter()
-            .map(|e| skips(&topics, &mut published, e))
-            .collect();
-        assert_eq!(skipped, [true, true, false]);
+        assert_eq!(skipped(&topics, &[&a0, &a1, &a2]), [true, true, false]);
+    }
+
+    #[test]
+    fn an_older_row_published_after_a_held_one_publishes_it_again() {
+        // The stream delivered a:0 and a:1; a:0 was compacted away. A resync
+        // published a:0 again and stopped before a:1: a:0 is marked sent, so the
+        // resync that starts over reads a:1 alone, and must not skip it.
+        let (a0, a1) = (event("1", "a", 0, 0), event("2", "a", 1, 1));
+        let topics = holding(&[&a1, &a0]);
+        assert_eq!(skipped(&topics, &[&a1]), [false]);
+        // Rows of one millisecond: a later row's record after a held one is in
+        // order when the later row is in the window.
+        let (c0, c1) = (event("6", "c", 0, 5), event("7", "c", 1, 5));
+        let topics = holding(&[&c0, &c1]);
+        assert_eq!(skipped(&topics, &[&c0, &c1]), [true, true]);
+        // Without it, the same-time record after c:0 may be an older row's.
+        assert_eq!(skipped(&topics, &[&c0]), [false]);
     }
 
     #[test]

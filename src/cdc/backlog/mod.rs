@@ -73,7 +73,7 @@ use crate::poison::{Parked, ParkedKey, PoisonRow, WriterStatements};
 use crate::poller::{self, BatchRow, CommitRank, Polled, RowResult};
 use crate::postgres::replication::quote_literal;
 
-use delivered::DeliveredKeys;
+use delivered::{DeliveredKeys, Later};
 use order::{KeyRules, Step, Unresolved, Verdict, reset_for_retry};
 use transactions::BacklogTransactions;
 
@@ -510,9 +510,13 @@ impl<'a> Backlog<'a> {
         }
         delivered.learn(wants).await;
         // In order: a row not skipped makes its key's later rows published too.
+        let mut later = Later::of(rows.iter().filter_map(|row| match &row.result {
+            RowResult::Event { event, .. } => Some(event),
+            RowResult::Unmappable { .. } => None,
+        }));
         let (mut held, left): (Vec<BatchRow>, Vec<BatchRow>) =
             rows.into_iter().partition(|row| match &row.result {
-                RowResult::Event { event, .. } => delivered.skips(event),
+                RowResult::Event { event, .. } => delivered.skips(event, &mut later),
                 RowResult::Unmappable { .. } => false,
             });
         if held.is_empty() {
