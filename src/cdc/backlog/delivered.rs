@@ -113,7 +113,7 @@ struct Tail {
 }
 
 impl Tail {
-    fn add(&mut self, read: Vec<(Option<Bytes>, Placed)>) {
+    fn add(&mut self, read: Vec<KeyedRecord>) {
         for (key, placed) in read {
             let at = (placed.partition, placed.offset);
             let newer = self
@@ -130,6 +130,9 @@ impl Tail {
         }
     }
 }
+
+/// A record read, with its record key.
+type KeyedRecord = (Option<Bytes>, Placed);
 
 /// A record read: where it is, its timestamp, what it stands for.
 #[derive(Debug, Clone)]
@@ -313,7 +316,7 @@ fn read_keys(
     reader: &ClientConfig,
     topic: &str,
     since_ms: i64,
-) -> Result<(Vec<(Option<Bytes>, Placed)>, bool), KafkaError> {
+) -> Result<(Vec<KeyedRecord>, bool), KafkaError> {
     let consumer: BaseConsumer<ReaderContext> = reader.create_with_context(CONTEXT)?;
     let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
     let partitions: Vec<i32> = metadata
