@@ -133,9 +133,10 @@ impl ExactlyOnce {
             .begin(commit, TxIdentity::from_begin(xid, commit_time));
     }
 
-    /// A `Commit`: the transaction committing at `commit` ends at `end`.
-    pub(crate) fn transaction_ended(&mut self, commit: Lsn, end: Lsn) {
-        self.transactions.commit(commit, end);
+    /// A `Commit`: the transaction committing at `commit` ends at `end`; the slot
+    /// is confirmed to `confirmed` (no record names what ended before it).
+    pub(crate) fn transaction_ended(&mut self, commit: Lsn, end: Lsn, confirmed: Lsn) {
+        self.transactions.commit(commit, end, confirmed);
     }
 
     /// The producer was replaced: the new one needs its `init_transactions`, and
@@ -220,6 +221,8 @@ impl ExactlyOnce {
             self.probe(publisher).await?;
             self.probed = true;
         }
+        // What the last session saw may be sent again, or be another WAL's.
+        self.transactions.clear();
         let latest = read_latest(&self.reader, &self.topic, &self.slot).await?;
         let Some(record) = latest else {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
@@ -269,7 +272,7 @@ impl ExactlyOnce {
         if record.history != history || !reaches_past_start {
             return Ok(true);
         }
-        let verdict = wal_identity::check(metadata, &record.names)
+        let verdict = wal_identity::check(metadata, &record.names, record.mark.confirmed, start)
             .await
             .map_err(crate::poller::pg_error)?;
         match verdict {
@@ -285,7 +288,7 @@ impl ExactlyOnce {
                 if !self.unverifiable_said {
                     self.unverifiable_said = true;
                     tracing::warn!(
-                        "track_commit_timestamp is off: the relay cannot tell a data directory restored in place and written past the progress record from a restart; turn it on (it needs a restart) so such a restore publishes again instead of skipping new events"
+                        "the server keeps no commit time for the progress record's transactions (track_commit_timestamp off, or turned on since they committed): the relay cannot tell a data directory restored in place and written past the record from a restart; with track_commit_timestamp = on (it needs a restart) such a restore publishes again instead of skipping new events"
                     );
                 }
                 Ok(true)
@@ -353,7 +356,6 @@ impl ExactlyOnce {
                 })
                 .collect(),
         };
-        self.transactions.forget_before(mark.confirmed);
         let record = ProgressRecord {
             slot: self.slot.clone(),
             history,

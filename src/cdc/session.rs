@@ -1619,7 +1619,7 @@ impl Relay {
             LogicalReplicationMessage::Commit(commit) => {
                 tracing::trace!(commit_lsn = %commit.commit_lsn, end_lsn = %commit.end_lsn, "commit");
                 if let Some(eo) = self.exactly_once.as_mut() {
-                    eo.transaction_ended(commit.commit_lsn, commit.end_lsn);
+                    eo.transaction_ended(commit.commit_lsn, commit.end_lsn, self.core.confirmed());
                 }
                 Ok(self.core.commit(commit.commit_lsn, commit.end_lsn, now)?)
             }

@@ -43,7 +43,7 @@ const POSTGRES_EPOCH_US: i64 = 946_684_800_000_000;
 
 /// Transactions remembered at most: past it the oldest are forgotten, and a record
 /// whose watermark is one of them names none (it is used as before).
-const MAX_REMEMBERED: usize = 1 << 20;
+const MAX_REMEMBERED: usize = 1 << 16;
 
 /// A transaction as its `Begin` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,13 +54,15 @@ pub struct TxIdentity {
 }
 
 impl TxIdentity {
-    /// From a `Begin` message's xid and commit time (microseconds since 2000-01-01).
+    /// From a `Begin` message's xid and commit time (microseconds since 2000-01-01);
+    /// `None` for a commit time of 0 (a transaction replayed with a replication
+    /// origin but no origin timestamp: the stored commit time is another).
     #[must_use]
-    pub fn from_begin(xid: u32, commit_time: i64) -> TxIdentity {
-        TxIdentity {
+    pub fn from_begin(xid: u32, commit_time: i64) -> Option<TxIdentity> {
+        (commit_time != 0).then(|| TxIdentity {
             xid,
             committed_us: commit_time.saturating_add(POSTGRES_EPOCH_US),
-        }
+        })
     }
 }
 
@@ -73,16 +75,26 @@ struct Seen {
     identity: TxIdentity,
 }
 
-/// The identities of the transactions a progress record may name: those delivered
-/// since its last watermark.
+/// The identities of the transactions a progress record may name: those the
+/// session delivered that end at or after the confirmed position (every later
+/// record's watermark is at or above it), in stream order.
 #[derive(Debug, Default)]
 pub(crate) struct TxLog {
     seen: VecDeque<Seen>,
 }
 
 impl TxLog {
-    /// A `Begin`.
-    pub(crate) fn begin(&mut self, commit: Lsn, identity: TxIdentity) {
+    /// A session starts: what the last one saw may be sent again, or be another
+    /// WAL's (a restore, another history); the record read next is remembered.
+    pub(crate) fn clear(&mut self) {
+        self.seen.clear();
+    }
+
+    /// A `Begin` (`None`: a transaction that cannot be named).
+    pub(crate) fn begin(&mut self, commit: Lsn, identity: Option<TxIdentity>) {
+        let Some(identity) = identity else {
+            return;
+        };
         if self.seen.len() >= MAX_REMEMBERED {
             self.seen.pop_front();
         }
@@ -93,8 +105,9 @@ impl TxLog {
         });
     }
 
-    /// The `Commit` of the transaction committing at `commit`.
-    pub(crate) fn commit(&mut self, commit: Lsn, end: Lsn) {
+    /// The `Commit` of the transaction committing at `commit`; forgets what ended
+    /// before `confirmed` (the slot's confirmed position: no record names it).
+    pub(crate) fn commit(&mut self, commit: Lsn, end: Lsn, confirmed: Lsn) {
         if let Some(seen) = self
             .seen
             .iter_mut()
@@ -102,6 +115,12 @@ impl TxLog {
             .find(|s| s.commit == Some(commit))
         {
             seen.end = Some(end);
+        }
+        while self.seen.front().is_some_and(|s| match s.end {
+            Some(end) => end < confirmed,
+            None => s.commit.is_some_and(|c| c < confirmed),
+        }) {
+            self.seen.pop_front();
         }
     }
 
@@ -121,13 +140,6 @@ impl TxLog {
             .rev()
             .find(|s| s.commit == Some(commit))
             .map(|s| s.identity)
-    }
-
-    /// Forgets the transactions that ended before `watermark`: no record names them
-    /// any more (watermarks only move up).
-    pub(crate) fn forget_before(&mut self, watermark: Lsn) {
-        self.seen
-            .retain(|s| s.end.is_none_or(|end| end >= watermark));
     }
 
     /// Remembers what a record used at a session start names (its watermark is
@@ -161,11 +173,21 @@ pub struct TxNames {
 }
 
 impl TxNames {
-    /// Every identity named.
-    fn identities(&self) -> impl Iterator<Item = TxIdentity> + '_ {
+    /// The identities a session starting at `start` is sent again: the watermark
+    /// transaction when the watermark (`confirmed`) is past `start`, the partial
+    /// ones committing at or after it. Those before were read before `start`, and
+    /// their commit times may no longer be kept.
+    fn past(&self, confirmed: Lsn, start: Lsn) -> Vec<TxIdentity> {
         self.watermark
+            .filter(|_| confirmed > start)
             .into_iter()
-            .chain(self.partial.iter().map(|(_, id)| *id))
+            .chain(
+                self.partial
+                    .iter()
+                    .filter(|(commit, _)| *commit >= start)
+                    .map(|(_, id)| *id),
+            )
+            .collect()
     }
 }
 
@@ -174,14 +196,16 @@ impl TxNames {
 pub(crate) enum Verdict {
     /// Each committed at the recorded time: the record is this WAL's.
     Same,
-    /// This xid did not commit at the recorded time (another time, or none the
-    /// server knows): the WAL is another, restored in place.
+    /// This xid did not commit at the recorded time (another time, or not at all
+    /// as far as the server knows): the WAL is another, restored in place.
     Other { xid: u32 },
-    /// The server cannot say (`track_commit_timestamp` is off).
+    /// The server cannot say: `track_commit_timestamp` is off, or an xid committed
+    /// without a kept commit time (before the setting was turned on).
     Unknown,
 }
 
-/// Asks the server when each transaction `names` names committed.
+/// Asks the server when each transaction `names` names past `start` committed (the
+/// record's watermark is `confirmed`).
 ///
 /// # Errors
 ///
@@ -190,16 +214,28 @@ pub(crate) enum Verdict {
 pub(crate) async fn check(
     metadata: &Client,
     names: &TxNames,
+    confirmed: Lsn,
+    start: Lsn,
 ) -> Result<Verdict, tokio_postgres::Error> {
-    let expected: Vec<TxIdentity> = names.identities().collect();
+    let expected = names.past(confirmed, start);
     if expected.is_empty() {
         return Ok(Verdict::Same);
     }
     let xids: Vec<String> = expected.iter().map(|id| id.xid.to_string()).collect();
+    // A commit time the server does not keep is told from a transaction it never
+    // committed by the xid's status, its 64-bit form taken in the epoch of the next
+    // xid (one above the next is from the epoch before: too old to know, or never
+    // assigned).
     let rows = metadata
         .query(
-            "SELECT (extract(epoch FROM pg_xact_commit_timestamp(x::xid)) * 1000000)::int8
-             FROM unnest($1::text[]) WITH ORDINALITY AS t(x, n) ORDER BY n",
+            "WITH next AS (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8 AS n),
+                  asked AS (SELECT t.x, t.i, (next.n & ~4294967295::int8) | t.x::int8 AS full_xid, next.n
+                            FROM next, unnest($1::text[]) WITH ORDINALITY AS t(x, i))
+             SELECT (extract(epoch FROM pg_xact_commit_timestamp(x::xid)) * 1000000)::int8,
+                    pg_xact_status((CASE WHEN full_xid < n THEN full_xid
+                                         WHEN full_xid >= 4294967296 THEN full_xid - 4294967296
+                                    END)::text::xid8) = 'committed'
+             FROM asked ORDER BY i",
             &[&xids],
         )
         .await;
@@ -216,19 +252,46 @@ pub(crate) async fn check(
     };
     let mut answers = Vec::with_capacity(rows.len());
     for row in &rows {
-        answers.push(row.try_get::<_, Option<i64>>(0)?);
+        answers.push(Answer {
+            committed_us: row.try_get(0)?,
+            committed: row.try_get::<_, Option<bool>>(1)?.unwrap_or(false),
+        });
     }
     Ok(judge(&expected, &answers))
 }
 
-/// [`check`]'s verdict from the commit times the server gave, in the same order.
-fn judge(expected: &[TxIdentity], answers: &[Option<i64>]) -> Verdict {
+/// What the server said of one xid.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    /// Its commit time, if kept.
+    committed_us: Option<i64>,
+    /// `pg_xact_status` says it committed.
+    committed: bool,
+}
+
+/// [`check`]'s verdict from the server's answers, in the same order: a commit time
+/// that differs, or none for an xid that did not commit, is another WAL's; none for
+/// a committed xid cannot be told.
+fn judge(expected: &[TxIdentity], answers: &[Answer]) -> Verdict {
+    let mut unknown = false;
     for (i, identity) in expected.iter().enumerate() {
-        if answers.get(i).copied().flatten() != Some(identity.committed_us) {
-            return Verdict::Other { xid: identity.xid };
+        match answers.get(i) {
+            Some(Answer {
+                committed_us: Some(at),
+                ..
+            }) if *at == identity.committed_us => {}
+            Some(Answer {
+                committed_us: None,
+                committed: true,
+            }) => unknown = true,
+            _ => return Verdict::Other { xid: identity.xid },
         }
     }
-    Verdict::Same
+    if unknown {
+        Verdict::Unknown
+    } else {
+        Verdict::Same
+    }
 }
 
 #[cfg(test)]
@@ -243,26 +306,31 @@ mod tests {
     fn a_begin_counts_from_postgres_epoch() {
         // 2000-01-01 00:00:01 UTC.
         assert_eq!(
-            TxIdentity::from_begin(7, 1_000_000).committed_us,
-            946_684_801_000_000
+            TxIdentity::from_begin(7, 1_000_000).map(|id| id.committed_us),
+            Some(946_684_801_000_000)
         );
+        // A transaction replayed with an origin but no origin timestamp.
+        assert_eq!(TxIdentity::from_begin(7, 0), None);
     }
 
     #[test]
     fn the_log_names_the_watermark_and_the_partial_transactions() {
         let mut log = TxLog::default();
-        log.begin(Lsn(100), id(1, 10));
-        log.commit(Lsn(100), Lsn(120));
-        log.begin(Lsn(200), id(2, 20));
-        log.commit(Lsn(200), Lsn(220));
-        log.begin(Lsn(300), id(3, 30));
+        log.begin(Lsn(100), Some(id(1, 10)));
+        log.commit(Lsn(100), Lsn(120), Lsn(0));
+        log.begin(Lsn(200), Some(id(2, 20)));
+        log.commit(Lsn(200), Lsn(220), Lsn(0));
+        log.begin(Lsn(300), Some(id(3, 30)));
         assert_eq!(log.ending_at(Lsn(220)), Some(id(2, 20)));
         assert_eq!(log.ending_at(Lsn(200)), None, "a commit LSN is no end");
         assert_eq!(log.committing_at(Lsn(300)), Some(id(3, 30)));
-        log.forget_before(Lsn(220));
+        // The slot confirmed 220: what ended before it is forgotten.
+        log.commit(Lsn(300), Lsn(320), Lsn(220));
         assert_eq!(log.ending_at(Lsn(120)), None);
         assert_eq!(log.ending_at(Lsn(220)), Some(id(2, 20)));
-        assert_eq!(log.committing_at(Lsn(300)), Some(id(3, 30)), "open: kept");
+        assert_eq!(log.ending_at(Lsn(320)), Some(id(3, 30)));
+        log.clear();
+        assert_eq!(log.ending_at(Lsn(320)), None);
     }
 
     #[test]
@@ -280,18 +348,46 @@ mod tests {
 
     #[test]
     fn a_restored_server_is_told_by_its_commit_times() {
+        let at = |us| Answer {
+            committed_us: Some(us),
+            committed: true,
+        };
+        let none = |committed| Answer {
+            committed_us: None,
+            committed,
+        };
         let expected = [id(1000, 5_000), id(1001, 6_000)];
-        assert_eq!(judge(&expected, &[Some(5_000), Some(6_000)]), Verdict::Same);
+        assert_eq!(judge(&expected, &[at(5_000), at(6_000)]), Verdict::Same);
         // The xid went to a new commit after the restore, at another time.
         assert_eq!(
-            judge(&expected, &[Some(5_000), Some(9_999)]),
+            judge(&expected, &[at(5_000), at(9_999)]),
             Verdict::Other { xid: 1001 }
         );
         // Not (yet) committed on this server.
         assert_eq!(
-            judge(&expected, &[None, Some(6_000)]),
+            judge(&expected, &[none(false), at(6_000)]),
             Verdict::Other { xid: 1000 }
         );
+        // Committed, its time not kept (before the setting was turned on).
+        assert_eq!(judge(&expected, &[none(true), at(6_000)]), Verdict::Unknown);
+        assert_eq!(
+            judge(&expected, &[none(true), at(1)]),
+            Verdict::Other { xid: 1001 }
+        );
         assert_eq!(judge(&[], &[]), Verdict::Same);
+    }
+
+    #[test]
+    fn only_what_the_session_is_sent_again_is_asked() {
+        let names = TxNames {
+            watermark: Some(id(2, 20)),
+            partial: vec![(Lsn(150), id(1, 15)), (Lsn(300), id(3, 30))],
+        };
+        assert_eq!(names.past(Lsn(220), Lsn(200)), [id(2, 20), id(3, 30)]);
+        assert_eq!(names.past(Lsn(220), Lsn(220)), [id(3, 30)]);
+        assert_eq!(
+            names.past(Lsn(220), Lsn(100)),
+            [id(2, 20), id(1, 15), id(3, 30)]
+        );
     }
 }

@@ -42,10 +42,14 @@
 //! What one resync published is in memory only, and a resync that stops part-way
 //! starts over: the rows it published are marked sent and not read again. So the
 //! topic is asked too: a held row is skipped only if every record of its key after
-//! its own (same partition) is newer (a later record timestamp, which is a row's
-//! `created_at`), or as old and the record of a later row of the same window. A
-//! record of an older row after it (published by the resync that stopped) makes
-//! the row, and its key's later rows, published again.
+//! its own is newer (a later record timestamp, which is a row's `created_at`: one
+//! entity's rows come in commit order by it under the same assumption the
+//! backlog's order makes, see `poller::Sql`), or as old and the record of a later
+//! row of the same window. A record of an older row after it (published by the
+//! resync that stopped) makes the row, and its key's later rows, published again.
+//! Where the topic cannot say, the row is published: a key whose records sit in
+//! several partitions, a partition not read to its end, a record timestamp that is
+//! the broker's append time.
 //!
 //! # What it cannot lose
 //!
@@ -110,6 +114,8 @@ struct Tail {
     records: HashMap<Fingerprint, Placed>,
     /// Each record key's records, by partition and offset.
     by_key: HashMap<Bytes, BTreeMap<(i32, i64), Placed>>,
+    /// Partitions a read did not finish: what follows a record there is unknown.
+    unfinished: HashSet<i32>,
 }
 
 impl Tail {
@@ -210,13 +216,14 @@ impl DeliveredKeys {
                 tokio::task::spawn_blocking(move || read_keys(&reader, &read_topic, since_ms))
                     .await;
             match read {
-                Ok(Ok((records, complete))) => {
-                    if !complete {
+                Ok(Ok((records, unfinished))) => {
+                    if !unfinished.is_empty() {
                         tracing::warn!(topic = %topic, records = records.len(),
                             "resync: the topic could not be read to its end; rows not found in what was read are published again");
                     }
                     let tail = self.topics.entry(topic).or_default();
                     tail.add(records);
+                    tail.unfinished.extend(unfinished);
                 }
                 Ok(Err(e)) => tracing::warn!(topic = %topic, error = %e,
                     "resync: cannot read what the topic holds; its rows are published again (duplicates possible)"),
@@ -279,10 +286,13 @@ fn skips(
     let tail = topics.get(&event.topic);
     let own = tail.and_then(|t| t.records.get(&Fingerprint::of_event(event)));
     let held = match (tail, own, event.timestamp_ms) {
-        (Some(tail), Some(own), Some(_)) => tail
-            .by_key
-            .get(&event.key)
-            .is_none_or(|records| newer_after(records, own, later)),
+        (Some(tail), Some(own), Some(_)) if !tail.unfinished.contains(&own.partition) => {
+            tail.by_key.get(&event.key).is_none_or(|records| {
+                // A key in several partitions (a random partitioner, partitions
+                // added) has no one order to read.
+                records.keys().all(|(p, _)| *p == own.partition) && newer_after(records, own, later)
+            })
+        }
         _ => false,
     };
     if !held {
@@ -310,13 +320,13 @@ fn newer_after(
 
 /// `topic`'s committed records with a timestamp at or after `since_ms` (from the
 /// offset `ListOffsets` gives for it, to the end a `read_committed` reader sees),
-/// each with its record key, and whether every partition was read to its end.
+/// each with its record key, and the partitions not read to their end.
 /// Blocking.
 fn read_keys(
     reader: &ClientConfig,
     topic: &str,
     since_ms: i64,
-) -> Result<(Vec<KeyedRecord>, bool), KafkaError> {
+) -> Result<(Vec<KeyedRecord>, HashSet<i32>), KafkaError> {
     let consumer: BaseConsumer<ReaderContext> = reader.create_with_context(CONTEXT)?;
     let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
     let partitions: Vec<i32> = metadata
@@ -345,7 +355,7 @@ fn read_keys(
     }
     let mut keys = Vec::new();
     if ends.is_empty() {
-        return Ok((keys, true));
+        return Ok((keys, HashSet::new()));
     }
     consumer.assign(&assignment)?;
     let deadline = Instant::now() + READ_LIMIT;
@@ -362,7 +372,11 @@ fn read_keys(
                         Placed {
                             partition: m.partition(),
                             offset: m.offset(),
-                            timestamp_ms: m.timestamp().to_millis(),
+                            // A broker's append time says nothing of the row.
+                            timestamp_ms: match m.timestamp() {
+                                rdkafka::Timestamp::CreateTime(ms) => Some(ms),
+                                _ => None,
+                            },
                             fingerprint: Fingerprint::of(idempotency_key, m.key(), m.payload()),
                         },
                     ));
@@ -387,11 +401,11 @@ fn read_keys(
             // What was read stays true: the rest is published again.
             Some(Err(e)) => {
                 tracing::debug!(topic, error = %e, "resync: reading the topic stopped");
-                return Ok((keys, false));
+                return Ok((keys, ends.into_keys().collect()));
             }
         }
     }
-    Ok((keys, ends.is_empty()))
+    Ok((keys, ends.into_keys().collect()))
 }
 
 #[cfg(test)]
@@ -485,6 +499,32 @@ mod tests {
         assert_eq!(skipped(&topics, &[&c0, &c1]), [true, true]);
         // Without it, the same-time record after c:0 may be an older row's.
         assert_eq!(skipped(&topics, &[&c0]), [false]);
+    }
+
+    #[test]
+    fn where_the_topic_cannot_say_the_row_is_published() {
+        let (a0, a1) = (event("1", "a", 0, 0), event("2", "a", 1, 1));
+        let mut topics = holding(&[&a0]);
+        assert_eq!(skipped(&topics, &[&a0]), [true]);
+        // A partition not read to its end: a record of an older row may follow.
+        if let Some(tail) = topics.get_mut("events") {
+            tail.unfinished.insert(0);
+        }
+        assert_eq!(skipped(&topics, &[&a0]), [false]);
+        // The key's records in two partitions: no one order to read.
+        let mut topics = holding(&[&a0]);
+        if let Some(tail) = topics.get_mut("events") {
+            tail.add(vec![(
+                Some(a1.key.clone()),
+                Placed {
+                    partition: 1,
+                    offset: 0,
+                    timestamp_ms: a1.timestamp_ms,
+                    fingerprint: Fingerprint::of_event(&a1),
+                },
+            )]);
+        }
+        assert_eq!(skipped(&topics, &[&a0, &a1]), [false, false]);
     }
 
     #[test]
