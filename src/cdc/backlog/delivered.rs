@@ -48,8 +48,13 @@
 //! row of the same window. A record of an older row after it (published by the
 //! resync that stopped) makes the row, and its key's later rows, published again.
 //! Where the topic cannot say, the row is published: a key whose records sit in
-//! several partitions, a partition not read to its end, a record timestamp that is
-//! the broker's append time.
+//! several partitions, or whose record is not in the partition the producer's
+//! partitioner puts the key in now (partitions were added: a record published
+//! since sits in another one, perhaps before the window's oldest timestamp and
+//! unread), a partitioner that does not place keys by a hash this reader can
+//! compute (only `murmur2` and `murmur2_random`, the relay's default, are), a
+//! partition not read to its end, a record timestamp that is the broker's append
+//! time.
 //!
 //! # What it cannot lose
 //!
@@ -98,6 +103,8 @@ const CONTEXT: ReaderContext = ReaderContext {
 /// What the topics hold, read once per topic from the oldest timestamp asked for.
 pub(super) struct DeliveredKeys {
     reader: ClientConfig,
+    /// The producer places keys by murmur2 (the Java client's hash).
+    murmur2: bool,
     topics: HashMap<String, Tail>,
     /// Time spent reading so far (see [`BUDGET`]).
     spent: Duration,
@@ -116,6 +123,8 @@ struct Tail {
     by_key: HashMap<Bytes, BTreeMap<(i32, i64), Placed>>,
     /// Partitions a read did not finish: what follows a record there is unknown.
     unfinished: HashSet<i32>,
+    /// The topic's partition count when last read.
+    partitions: usize,
 }
 
 impl Tail {
@@ -139,6 +148,54 @@ impl Tail {
 
 /// A record read, with its record key.
 type KeyedRecord = (Option<Bytes>, Placed);
+
+/// What one read of a topic found.
+struct Read {
+    records: Vec<KeyedRecord>,
+    /// Partitions not read to their end.
+    unfinished: HashSet<i32>,
+    /// The topic's partition count.
+    partitions: usize,
+}
+
+/// The partition librdkafka's `murmur2` partitioner (the Java client's) puts `key`
+/// in among `partitions`: the positive 32-bit murmur2 hash (seed `0x9747b28c`)
+/// modulo the count.
+fn murmur2_partition(key: &[u8], partitions: usize) -> Option<i32> {
+    let n = u32::try_from(partitions).ok().filter(|n| *n > 0)?;
+    i32::try_from((murmur2(key) & 0x7fff_ffff) % n).ok()
+}
+
+/// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), as unsigned.
+fn murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    // Kafka hashes the length as an int: keys above 4 GiB do not exist.
+    let mut h: u32 = 0x9747_b28c ^ u32::try_from(data.len()).unwrap_or(u32::MAX);
+    let mut chunks = data.chunks_exact(4);
+    for chunk in &mut chunks {
+        let mut k = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let tail = chunks.remainder();
+    if tail.len() >= 3 {
+        h ^= u32::from(tail[2]) << 16;
+    }
+    if tail.len() >= 2 {
+        h ^= u32::from(tail[1]) << 8;
+    }
+    if let Some(&first) = tail.first() {
+        h ^= u32::from(first);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
+}
 
 /// A record read: where it is, its timestamp, what it stands for.
 #[derive(Debug, Clone)]
@@ -189,6 +246,10 @@ impl DeliveredKeys {
         let reader = crate::cdc::exactly_once::progress_reader_config(config, READER_CLIENT_ID)?;
         Ok(DeliveredKeys {
             reader,
+            murmur2: matches!(
+                config.kafka.partitioner.as_str(),
+                "murmur2" | "murmur2_random"
+            ),
             topics: HashMap::new(),
             spent: Duration::ZERO,
             published: HashSet::new(),
@@ -216,7 +277,11 @@ impl DeliveredKeys {
                 tokio::task::spawn_blocking(move || read_keys(&reader, &read_topic, since_ms))
                     .await;
             match read {
-                Ok(Ok((records, unfinished))) => {
+                Ok(Ok(Read {
+                    records,
+                    unfinished,
+                    partitions,
+                })) => {
                     if !unfinished.is_empty() {
                         tracing::warn!(topic = %topic, records = records.len(),
                             "resync: the topic could not be read to its end; rows not found in what was read are published again");
@@ -224,6 +289,7 @@ impl DeliveredKeys {
                     let tail = self.topics.entry(topic).or_default();
                     tail.add(records);
                     tail.unfinished.extend(unfinished);
+                    tail.partitions = partitions;
                 }
                 Ok(Err(e)) => tracing::warn!(topic = %topic, error = %e,
                     "resync: cannot read what the topic holds; its rows are published again (duplicates possible)"),
@@ -241,7 +307,14 @@ impl DeliveredKeys {
     /// a backlog's rows in their order; a row not skipped makes its key's later rows
     /// published too.
     pub(super) fn skips(&mut self, event: &OutboxEvent, later: &mut Later) -> bool {
-        skips(&self.topics, &mut self.published, event, later.after(event))
+        let placed_by_hash = self.murmur2;
+        skips(
+            &self.topics,
+            &mut self.published,
+            event,
+            later.after(event),
+            placed_by_hash,
+        )
     }
 }
 
@@ -278,6 +351,7 @@ fn skips(
     published: &mut HashSet<ParkedKey>,
     event: &OutboxEvent,
     later: &HashMap<Fingerprint, usize>,
+    murmur2: bool,
 ) -> bool {
     let key = crate::cdc::poison_policy::key_of(event);
     if published.contains(&key) {
@@ -286,7 +360,13 @@ fn skips(
     let tail = topics.get(&event.topic);
     let own = tail.and_then(|t| t.records.get(&Fingerprint::of_event(event)));
     let held = match (tail, own, event.timestamp_ms) {
-        (Some(tail), Some(own), Some(_)) if !tail.unfinished.contains(&own.partition) => {
+        (Some(tail), Some(own), Some(_))
+            if !tail.unfinished.contains(&own.partition)
+                && (tail.partitions == 1
+                    || (murmur2
+                        && murmur2_partition(&event.key, tail.partitions)
+                            == Some(own.partition))) =>
+        {
             tail.by_key.get(&event.key).is_none_or(|records| {
                 // A key in several partitions (a random partitioner, partitions
                 // added) has no one order to read.
@@ -322,11 +402,7 @@ fn newer_after(
 /// offset `ListOffsets` gives for it, to the end a `read_committed` reader sees),
 /// each with its record key, and the partitions not read to their end.
 /// Blocking.
-fn read_keys(
-    reader: &ClientConfig,
-    topic: &str,
-    since_ms: i64,
-) -> Result<(Vec<KeyedRecord>, HashSet<i32>), KafkaError> {
+fn read_keys(reader: &ClientConfig, topic: &str, since_ms: i64) -> Result<Read, KafkaError> {
     let consumer: BaseConsumer<ReaderContext> = reader.create_with_context(CONTEXT)?;
     let metadata = consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
     let partitions: Vec<i32> = metadata
@@ -354,8 +430,14 @@ fn read_keys(
         }
     }
     let mut keys = Vec::new();
+    let count = partitions.len();
+    let read = |records, unfinished: HashMap<i32, i64>| Read {
+        records,
+        unfinished: unfinished.into_keys().collect(),
+        partitions: count,
+    };
     if ends.is_empty() {
-        return Ok((keys, HashSet::new()));
+        return Ok(read(keys, ends));
     }
     consumer.assign(&assignment)?;
     let deadline = Instant::now() + READ_LIMIT;
@@ -401,11 +483,11 @@ fn read_keys(
             // What was read stays true: the rest is published again.
             Some(Err(e)) => {
                 tracing::debug!(topic, error = %e, "resync: reading the topic stopped");
-                return Ok((keys, ends.into_keys().collect()));
+                return Ok(read(keys, ends));
             }
         }
     }
-    Ok((keys, ends.into_keys().collect()))
+    Ok(read(keys, ends))
 }
 
 #[cfg(test)]
@@ -451,6 +533,7 @@ mod tests {
             })
             .collect();
         tail.add(read);
+        tail.partitions = 1;
         HashMap::from([("events".to_owned(), tail)])
     }
 
@@ -460,7 +543,7 @@ mod tests {
         let mut later = Later::of(window.iter().copied());
         window
             .iter()
-            .map(|e| skips(topics, &mut published, e, later.after(e)))
+            .map(|e| skips(topics, &mut published, e, later.after(e), true))
             .collect()
     }
 
@@ -525,6 +608,52 @@ mod tests {
             )]);
         }
         assert_eq!(skipped(&topics, &[&a0, &a1]), [false, false]);
+    }
+
+    #[test]
+    fn keys_are_placed_as_the_java_client_places_them() {
+        // Kafka's own test vectors (UtilsTest.testMurmur2), as signed ints.
+        for (key, hash) in [
+            ("21", -973_932_308_i32),
+            ("foobar", -790_332_482),
+            ("a-little-bit-long-string", -985_981_536),
+            ("a-little-bit-longer-string", -1_486_304_829),
+            (
+                "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+                -58_897_971,
+            ),
+            ("abc", 479_470_107),
+        ] {
+            assert_eq!(murmur2(key.as_bytes()).cast_signed(), hash, "{key}");
+        }
+        assert_eq!(murmur2_partition(b"21", 1), Some(0));
+        assert_eq!(murmur2_partition(b"21", 0), None);
+    }
+
+    #[test]
+    fn a_key_whose_partition_moved_is_published() {
+        let a0 = event("1", "a", 0, 0);
+        let mut topics = holding(&[&a0]);
+        let expected = murmur2_partition(&a0.key, 4);
+        if let Some(tail) = topics.get_mut("events") {
+            tail.partitions = 4;
+        }
+        // The record sits in partition 0; with 4 partitions the key goes to
+        // `expected` now.
+        let mut published = HashSet::new();
+        let mut later = Later::of([&a0]);
+        let held = skips(&topics, &mut published, &a0, later.after(&a0), true);
+        assert_eq!(held, expected == Some(0));
+        // A partitioner whose placement this reader cannot compute.
+        let mut published = HashSet::new();
+        let mut later = Later::of([&a0]);
+        assert!(!skips(
+            &topics,
+            &mut published,
+            &a0,
+            later.after(&a0),
+            false
+        ));
     }
 
     #[test]
