@@ -359,6 +359,23 @@ async fn a_resync_the_layout_cannot_carry_is_refused_with_the_ways_out() {
     assert!(!db.slot_exists().await, "no slot made");
 }
 
+/// Every record of `entity`, duplicates included, as the seqs of their payloads in
+/// offset order (a compacted topic's reader sees the last one as the state).
+fn every_seq(records: &[harness::Record], entity: &str) -> Vec<i64> {
+    let mut mine: Vec<&harness::Record> = records
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(entity.as_bytes()))
+        .collect();
+    mine.sort_by_key(|r| (r.partition, r.offset));
+    mine.iter()
+        .map(|r| {
+            let v: serde_json::Value =
+                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
+            v["seq"].as_i64().unwrap()
+        })
+        .collect()
+}
+
 /// Produces the record the relay makes of outbox row `id` (key, value, idempotency
 /// key, and the row's `created_at` as its timestamp), as the lost slot's stream
 /// would have delivered it.
@@ -435,19 +452,7 @@ async fn a_resync_that_publishes_a_key_again_ends_it_with_its_latest_row() {
     let log = relay.log();
     assert!(log.contains("resync complete"), "{log}");
     let records = consume(&db.topic, usize::MAX, Duration::from_secs(5)).await;
-    let mut k: Vec<&harness::Record> = records
-        .iter()
-        .filter(|r| r.key.as_deref() == Some(b"k".as_slice()))
-        .collect();
-    k.sort_by_key(|r| (r.partition, r.offset));
-    let seqs: Vec<i64> = k
-        .iter()
-        .map(|r| {
-            let v: serde_json::Value =
-                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-            v["seq"].as_i64().unwrap()
-        })
-        .collect();
+    let seqs = every_seq(&records, "k");
     assert_eq!(
         seqs,
         [1, 0, 1],
@@ -488,19 +493,7 @@ async fn a_resync_started_over_ends_a_key_with_its_latest_row() {
     let log = relay.log();
     assert!(log.contains("resync complete"), "{log}");
     let records = consume(&db.topic, usize::MAX, Duration::from_secs(5)).await;
-    let mut k: Vec<&harness::Record> = records
-        .iter()
-        .filter(|r| r.key.as_deref() == Some(b"k".as_slice()))
-        .collect();
-    k.sort_by_key(|r| (r.partition, r.offset));
-    let seqs: Vec<i64> = k
-        .iter()
-        .map(|r| {
-            let v: serde_json::Value =
-                serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
-            v["seq"].as_i64().unwrap()
-        })
-        .collect();
+    let seqs = every_seq(&records, "k");
     assert_eq!(seqs, [1, 0, 1], "k ends with its latest row; log:\n{log}");
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;

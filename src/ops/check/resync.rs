@@ -45,14 +45,8 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
         .filter(|c| !columns.iter().any(|have| have == c))
         .collect();
     // Without it, a resync reads the backlog by created_at (see cdc::backlog).
-    let commit_timestamps = match client
-        .query_one(
-            "SELECT current_setting('track_commit_timestamp')::bool",
-            &[],
-        )
-        .await
-    {
-        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+    let commit_timestamps = match commit_timestamps(client).await {
+        Ok(on) => on,
         Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
     };
     let (schema, _) = crate::config::qualified_name(&config.outbox.table).unwrap_or_default();
@@ -118,20 +112,25 @@ fn verdict(config: &Config, outbox: &str, missing: &[&str], commit_timestamps: b
     }
 }
 
+/// Whether the server keeps commit timestamps (`track_commit_timestamp`).
+async fn commit_timestamps(client: &Client) -> Result<bool, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('track_commit_timestamp')::bool",
+            &[],
+        )
+        .await?;
+    row.try_get(0)
+}
+
 /// `postgres.track_commit_timestamp`, in exactly-once mode: whether a data
 /// directory restored in place and written past the progress record can be told
 /// from a restart (`crate::cdc::wal_identity`). Off, such a restore's new events
 /// below the record's watermark would be taken as delivered.
 pub(super) async fn restore_detection(client: &Client) -> Check {
     const NAME: &str = "postgres.track_commit_timestamp";
-    let on = match client
-        .query_one(
-            "SELECT current_setting('track_commit_timestamp')::bool",
-            &[],
-        )
-        .await
-    {
-        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+    let on = match commit_timestamps(client).await {
+        Ok(on) => on,
         Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
     };
     if on {
