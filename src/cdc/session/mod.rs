@@ -45,10 +45,12 @@
 
 mod assemble;
 mod ends;
+mod poison_path;
 
 use assemble::relay_publisher;
 pub use assemble::{run, run_checked, run_with_health};
 use ends::{Drain, FailureStreak, FrameError, Lost, SessionEnd, SlotHolder, session_or_process};
+use poison_path::PoisonPath;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -65,7 +67,7 @@ use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
-use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
+use crate::cdc::poison_policy::PoisonPolicy;
 use crate::cdc::position_saver::SaverEvent;
 use crate::cdc::progress::{
     Action, Core, CoreConfig, MissingRecord, ProtocolError, Records, StatusUpdate,
@@ -84,7 +86,7 @@ use crate::lsn::Lsn;
 use crate::outbox::message::{MessageMapped, is_outbox_prefix};
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::outbox::{MapError, Mapped, OutboxMapper};
-use crate::poison::{Parked, Parking, PoisonOutcome, PoisonRequest, PoisonWriter, RecordedPoison};
+use crate::poison::{PoisonWriter, RecordedPoison};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::pgoutput::{DecodeError, Decoder, LogicalReplicationMessage};
 use crate::postgres::prerequisite::Prerequisite;
@@ -225,11 +227,9 @@ struct Relay {
     /// "block"`), with the error kind; cleared by a delivery to the topic.
     blocked_topics: HashMap<String, &'static str>,
     streak: FailureStreak,
-    /// `relay.on_poison` and the keys it parked.
-    policy: PoisonPolicy,
-    /// Events of this session's stretch of WAL that an earlier process poisoned:
-    /// resolved as poisoned instead of produced again.
-    recorded: RecordedPoison,
+    /// `relay.on_poison`, the keys it parked, the poison rows an earlier process
+    /// wrote, and the poison writer's channels.
+    poison: PoisonPath,
     /// Sends records in batches of one, for retries after a size error (see
     /// [`Relay::retry_alone`]); made on first use.
     alone: Option<Publisher>,
@@ -240,8 +240,6 @@ struct Relay {
     idle_gate: IdleGate,
     /// `relay.read_pause_ms`: whether to wait before reading again once caught up.
     pacing: ReadPacing,
-    poison_tx: mpsc::Sender<PoisonRequest>,
-    outcomes: mpsc::Receiver<PoisonOutcome>,
     /// Commit LSN of the open transaction (from its Begin), for `source_lsn`.
     current_commit_lsn: Lsn,
     /// Commit time of the open transaction (from its Begin), for the latency metric.
@@ -434,9 +432,10 @@ impl Relay {
                 }
                 None => Drain::Ended,
             },
-            outcome = self.outcomes.recv() => match outcome {
+            outcome = self.poison.next_outcome() => match outcome {
                 Some(outcome) => {
-                    self.on_poison_outcome(outcome);
+                    self.poison
+                        .on_outcome(outcome, &mut self.core, &mut self.records, &mut self.summary, &mut self.instruments);
                     Drain::Progress
                 }
                 None => Drain::Ended,
@@ -463,7 +462,13 @@ impl Relay {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt)?,
-                Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
+                Action::InsertPoison { id, attempts } => self.poison.request(
+                    id,
+                    attempts,
+                    &mut self.core,
+                    &mut self.records,
+                    &self.health,
+                ),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 // No stream to send it on: the next session starts from what is
                 // saved or remembered.
@@ -747,13 +752,14 @@ impl Relay {
         if fresh_core || first {
             // A cutover's or a resync's backlog may have parked keys meanwhile, and
             // so may the relay that streamed while this one waited for the slot.
-            self.policy = PoisonPolicy::new(
+            self.poison.set_policy(PoisonPolicy::new(
                 self.config.relay.on_poison,
                 crate::cdc::poison_policy::parked_keys(&metadata, &self.config).await?,
-            );
+            ));
         }
         self.reset_core(history, start, fresh_core);
-        self.recorded = self.recorded_poison(&mut metadata, start).await;
+        let recorded = self.recorded_poison(&mut metadata, start).await;
+        self.poison.set_recorded(recorded);
         self.server_started = server.started;
         self.confirmation.start_session(
             &self.conninfo,
@@ -1036,11 +1042,12 @@ impl Relay {
                         self.on_report(report);
                     }
                 }
-                outcome = self.outcomes.recv() => {
+                outcome = self.poison.next_outcome() => {
                     let Some(outcome) = outcome else {
                         return Err(Error::RelayPoisonWriterStopped);
                     };
-                    self.on_poison_outcome(outcome);
+                    self.poison
+                        .on_outcome(outcome, &mut self.core, &mut self.records, &mut self.summary, &mut self.instruments);
                 }
                 event = self.confirmation.next_event() => {
                     if let Some(lost) = self.on_saver_event(event) {
@@ -1534,34 +1541,6 @@ impl Relay {
         }
     }
 
-    fn on_poison_outcome(&mut self, outcome: PoisonOutcome) {
-        let now = Instant::now();
-        match outcome.result {
-            Ok(Parked::Recorded) => {
-                if let Some(pending) = self.records.remove(outcome.id) {
-                    if let InFlight::Event { parked: true, .. } = pending {
-                        self.summary.parked += 1;
-                        ::metrics::counter!(m::EVENTS_PARKED).increment(1);
-                    } else {
-                        self.summary.poisoned += 1;
-                        self.instruments.poisoned(pending.topic());
-                    }
-                }
-                self.core.poison_committed(outcome.id, now);
-            }
-            Ok(Parked::Released) => {
-                if let Some(InFlight::Event { event, parked, .. }) =
-                    self.records.get_mut(outcome.id)
-                {
-                    *parked = false;
-                    self.policy.released(event);
-                }
-                self.core.unpark(outcome.id, now);
-            }
-            Err(_) => self.core.poison_insert_failed(outcome.id, now),
-        }
-    }
-
     /// Executes every action the core has queued.
     async fn execute_actions(
         &mut self,
@@ -1573,7 +1552,13 @@ impl Relay {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt)?,
-                Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
+                Action::InsertPoison { id, attempts } => self.poison.request(
+                    id,
+                    attempts,
+                    &mut self.core,
+                    &mut self.records,
+                    &self.health,
+                ),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 Action::SendStatus(status) => {
                     // The core caps it at the saved position (`progress::saving`).
@@ -1612,7 +1597,10 @@ impl Relay {
     /// tells the core so). A produce the core asks for without a record kept is a
     /// broken invariant that ends the session ([`MissingRecord`]).
     fn produce(&mut self, id: EventId, attempt: u32) -> std::result::Result<(), MissingRecord> {
-        if self.recorded_before(id) {
+        if self
+            .poison
+            .recorded_before(id, &self.core, &mut self.records)
+        {
             // Resolved as poisoned without an insert (`request_poison`). Any attempt:
             // a produce handed out again after an abort may never have been sent.
             self.core.refuse(id, Instant::now());
@@ -1623,7 +1611,7 @@ impl Relay {
             // admission.
             return Err(self.missing_record(id, attempt));
         };
-        if attempt == 1 && self.policy.parks(event) {
+        if attempt == 1 && self.poison.parks(event) {
             // Its key waits for `replay` (relay.on_poison = "park-key").
             *parked = true;
             self.core.park(id, Instant::now());
@@ -1700,41 +1688,6 @@ impl Relay {
         MissingRecord { id, attempt }
     }
 
-    /// Whether an earlier process already recorded `id` in the poison table
-    /// (`poison::RecordedPoison`); marks it so.
-    fn recorded_before(&mut self, id: EventId) -> bool {
-        if self.recorded.is_empty() {
-            return false;
-        }
-        let (Some(pending), Some(origin)) = (self.records.get_mut(id), self.core.origin(id)) else {
-            return false;
-        };
-        match pending {
-            InFlight::Event {
-                recorded_before: true,
-                ..
-            } => return true,
-            InFlight::Event { .. } => {}
-            InFlight::Unmappable { .. } => return false,
-        }
-        let row = || pending.poison_row(1, Parking::None, origin);
-        if !self.recorded.take(origin.commit, origin.ordinal, row) {
-            return false;
-        }
-        if let InFlight::Event {
-            event,
-            recorded_before,
-            ..
-        } = pending
-        {
-            tracing::info!(%id, commit = %origin.commit, ordinal = origin.ordinal,
-                idempotency_key = %String::from_utf8_lossy(&event.idempotency_key),
-                "an earlier process recorded this event in the poison table: not produced again");
-            *recorded_before = true;
-        }
-        true
-    }
-
     /// Whether `id` is to be retried alone; makes the producer that sends records
     /// alone on first use (when it cannot be made, the shared producer is used).
     fn make_alone_publisher(&mut self, id: EventId) -> bool {
@@ -1782,67 +1735,6 @@ impl Relay {
             "the broker refused a batch for its size; retrying this record alone"
         );
         true
-    }
-
-    fn request_poison(&mut self, id: EventId, attempts: u32) {
-        let (Some(pending), Some(origin)) = (self.records.get(id), self.core.origin(id)) else {
-            return;
-        };
-        if let InFlight::Event {
-            recorded_before: true,
-            ..
-        } = pending
-        {
-            // Its row is committed already.
-            self.records.remove(id);
-            self.core.poison_committed(id, Instant::now());
-            return;
-        }
-        let parking = match self.policy.dispose(pending) {
-            Disposal::Insert(parking) => parking,
-            Disposal::Halt => return self.halt(id, attempts),
-        };
-        let row = pending.poison_row(attempts, parking, origin);
-        // The channel holds one request per in-flight event at most, so it is never
-        // full; if it were, the core retries after a backoff.
-        if self.poison_tx.try_send(PoisonRequest { id, row }).is_err() {
-            self.core.poison_insert_failed(id, Instant::now());
-        }
-    }
-
-    /// `relay.on_poison = "halt"`: `id` is not poisoned; it holds the relay, with an
-    /// error log and an alert that say which event and why.
-    fn halt(&mut self, id: EventId, attempts: u32) {
-        let (Some(pending), Some(origin)) = (self.records.get(id), self.core.origin(id)) else {
-            return;
-        };
-        let row = pending.poison_row(attempts, Parking::None, origin);
-        tracing::error!(
-            idempotency_key = row.fields.idempotency_key.as_deref().unwrap_or(""),
-            topic = row.fields.topic.as_deref().unwrap_or(""),
-            key = row.fields.aggregate_id.as_deref().unwrap_or(""),
-            lsn = %row.lsn.unwrap_or(Lsn::ZERO),
-            error_kind = %row.error_kind,
-            error = %row.error,
-            "an event cannot be delivered and relay.on_poison = \"halt\": the relay stops \
-             confirming past it. Fix the cause and restart the relay, or set relay.on_poison \
-             to \"park-key\" or \"skip\" to record it in the poison table"
-        );
-        self.core.halt(id, Instant::now());
-        let halted = self.core.halted_events();
-        // Exact: at most a window of events.
-        #[allow(clippy::cast_precision_loss)]
-        ::metrics::gauge!(m::HALTED_EVENTS).set(halted as f64);
-        self.health.set_alert(
-            "poison",
-            Some(format!(
-                "{halted} event(s) cannot be delivered and relay.on_poison = \"halt\"; first: \
-                 idempotency key {:?}, {}: {}",
-                row.fields.idempotency_key.as_deref().unwrap_or(""),
-                row.error_kind,
-                row.error
-            )),
-        );
     }
 
     /// Stop reading, wait (bounded) for in-flight events to resolve, send the final
