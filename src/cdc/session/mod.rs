@@ -462,13 +462,7 @@ impl Relay {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt)?,
-                Action::InsertPoison { id, attempts } => self.poison.request(
-                    id,
-                    attempts,
-                    &mut self.core,
-                    &mut self.records,
-                    &self.health,
-                ),
+                Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 // No stream to send it on: the next session starts from what is
                 // saved or remembered.
@@ -1552,13 +1546,7 @@ impl Relay {
         while let Some(action) = self.core.next_action() {
             match action {
                 Action::Produce { id, attempt } => self.produce(id, attempt)?,
-                Action::InsertPoison { id, attempts } => self.poison.request(
-                    id,
-                    attempts,
-                    &mut self.core,
-                    &mut self.records,
-                    &self.health,
-                ),
+                Action::InsertPoison { id, attempts } => self.request_poison(id, attempts),
                 Action::Save { lsn, urgent } => self.request_save(lsn, urgent),
                 Action::SendStatus(status) => {
                     // The core caps it at the saved position (`progress::saving`).
@@ -1591,6 +1579,17 @@ impl Relay {
             Verdict::ServerStopping(reason) => Some(Lost::ServerStopping { reason }),
             Verdict::Refused(reason) => Some(Lost::PositionRefused { reason }),
         }
+    }
+
+    /// [`Action::InsertPoison`]: the poison path disposes of `id` (`relay.on_poison`).
+    fn request_poison(&mut self, id: EventId, attempts: u32) {
+        self.poison.request(
+            id,
+            attempts,
+            &mut self.core,
+            &mut self.records,
+            &self.health,
+        );
     }
 
     /// Hands the record of `id` to the producer (or refuses, parks or fails it, and
