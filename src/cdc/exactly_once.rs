@@ -253,10 +253,9 @@ impl ExactlyOnce {
     }
 
     /// Whether the transactions `record` names by identity are this server's
-    /// (`cdc::wal_identity`), asked on the record's own history of the transactions
-    /// past `start` (`wal_identity::check` picks them: below it nothing is sent
-    /// again). `true` when the server cannot say (`track_commit_timestamp` off, said
-    /// once) or the record names none past `start`.
+    /// (`cdc::wal_identity`): asked on the record's own history when its mark
+    /// reaches past `start` (below it nothing is sent again). `true` when the server
+    /// cannot say (`track_commit_timestamp` off, said once) or the record names none.
     ///
     /// # Errors
     ///
@@ -268,7 +267,9 @@ impl ExactlyOnce {
         history: ServerHistory,
         start: Lsn,
     ) -> Result<bool> {
-        if record.history != history {
+        let reaches_past_start =
+            record.mark.confirmed > start || record.mark.partial.iter().any(|p| p.commit >= start);
+        if record.history != history || !reaches_past_start {
             return Ok(true);
         }
         let verdict = wal_identity::check(metadata, &record.names, record.mark.confirmed, start)
