@@ -43,11 +43,62 @@ async fn next_report(rx: &mut mpsc::Receiver<DeliveryReport>, timeout: Duration)
         .expect("report channel open")
 }
 
-/// The partition the Java client's default partitioner picks for `key` (its hash is
-/// checked against Kafka's own vectors in `kafka::partitioner`).
+/// Kafka's `Utils.murmur2`, as the Java client's default partitioner uses it.
+fn java_murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    // Java hashes an `int` length; keys here are far shorter than 4 GiB.
+    let length = u32::try_from(data.len()).expect("key shorter than 4 GiB");
+    let mut h: u32 = 0x9747_b28c ^ length;
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        if rest.len() >= 3 {
+            h ^= u32::from(rest[2]) << 16;
+        }
+        if rest.len() >= 2 {
+            h ^= u32::from(rest[1]) << 8;
+        }
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
+}
+
 fn java_partition(key: &[u8], partitions: u32) -> i32 {
-    let partitions = usize::try_from(partitions).expect("a small partition count");
-    outbox_relay::kafka::murmur2_partition(key, partitions).expect("partitions")
+    i32::try_from((java_murmur2(key) & 0x7fff_ffff) % partitions).expect("small partition")
+}
+
+#[test]
+fn java_murmur2_matches_kafka_test_vectors() {
+    // From Kafka's UtilsTest.testMurmur2.
+    for (input, expected) in [
+        ("21", -973_932_308_i32),
+        ("foobar", -790_332_482),
+        ("a-little-bit-long-string", -985_981_536),
+        ("a-little-bit-longer-string", -1_486_304_829),
+        (
+            "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+            -58_897_971,
+        ),
+    ] {
+        // Kafka's vectors are Java `int`s: the same 32 bits, read as signed.
+        assert_eq!(
+            java_murmur2(input.as_bytes()).cast_signed(),
+            expected,
+            "{input}"
+        );
+    }
 }
 
 /// 1,000 sends to a 3-partition topic: one report per id with distinct offsets, every

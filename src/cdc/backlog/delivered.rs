@@ -158,6 +158,45 @@ struct Read {
     partitions: usize,
 }
 
+/// The partition librdkafka's `murmur2` partitioner (the Java client's) puts `key`
+/// in among `partitions`: the positive 32-bit murmur2 hash (seed `0x9747b28c`)
+/// modulo the count.
+fn murmur2_partition(key: &[u8], partitions: usize) -> Option<i32> {
+    let n = u32::try_from(partitions).ok().filter(|n| *n > 0)?;
+    i32::try_from((murmur2(key) & 0x7fff_ffff) % n).ok()
+}
+
+/// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), as unsigned.
+fn murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    // Kafka hashes the length as an int: keys above 4 GiB do not exist.
+    let mut h: u32 = 0x9747_b28c ^ u32::try_from(data.len()).unwrap_or(u32::MAX);
+    let mut chunks = data.chunks_exact(4);
+    for chunk in &mut chunks {
+        let mut k = u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let tail = chunks.remainder();
+    if tail.len() >= 3 {
+        h ^= u32::from(tail[2]) << 16;
+    }
+    if tail.len() >= 2 {
+        h ^= u32::from(tail[1]) << 8;
+    }
+    if let Some(&first) = tail.first() {
+        h ^= u32::from(first);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
+}
+
 /// A record read: where it is, its timestamp, what it stands for.
 #[derive(Debug, Clone)]
 struct Placed {
@@ -325,7 +364,7 @@ fn skips(
             if !tail.unfinished.contains(&own.partition)
                 && (tail.partitions == 1
                     || (murmur2
-                        && crate::kafka::murmur2_partition(&event.key, tail.partitions)
+                        && murmur2_partition(&event.key, tail.partitions)
                             == Some(own.partition))) =>
         {
             tail.by_key.get(&event.key).is_none_or(|records| {
@@ -572,10 +611,30 @@ mod tests {
     }
 
     #[test]
+    fn keys_are_placed_as_the_java_client_places_them() {
+        // Kafka's own test vectors (UtilsTest.testMurmur2), as signed ints.
+        for (key, hash) in [
+            ("21", -973_932_308_i32),
+            ("foobar", -790_332_482),
+            ("a-little-bit-long-string", -985_981_536),
+            ("a-little-bit-longer-string", -1_486_304_829),
+            (
+                "lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8",
+                -58_897_971,
+            ),
+            ("abc", 479_470_107),
+        ] {
+            assert_eq!(murmur2(key.as_bytes()).cast_signed(), hash, "{key}");
+        }
+        assert_eq!(murmur2_partition(b"21", 1), Some(0));
+        assert_eq!(murmur2_partition(b"21", 0), None);
+    }
+
+    #[test]
     fn a_key_whose_partition_moved_is_published() {
         let a0 = event("1", "a", 0, 0);
         let mut topics = holding(&[&a0]);
-        let expected = crate::kafka::murmur2_partition(&a0.key, 4);
+        let expected = murmur2_partition(&a0.key, 4);
         if let Some(tail) = topics.get_mut("events") {
             tail.partitions = 4;
         }
