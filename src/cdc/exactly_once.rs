@@ -228,7 +228,17 @@ impl ExactlyOnce {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
         };
-        let (history, wal_end) = (server.history, server.wal_end);
+        // The WAL end now, read after the record: `server` was seen when the session
+        // connected, before any wait for the slot, and the relay that held the slot
+        // meanwhile committed records past it. Judged by that older end, its last
+        // record looked written past the server's WAL (a restore) and was dropped,
+        // and a standby that took over published the records since again.
+        let wal_end = server.wal_end.max(
+            crate::postgres::wal_end(metadata)
+                .await
+                .map_err(crate::poller::pg_error)?,
+        );
+        let history = server.history;
         match usable_mark(&record, history, &server.forks, start, wal_end) {
             Ok(mark) if !self.same_wal(metadata, &record, history, start).await? => {
                 tracing::warn!(%start, %wal_end, recorded_saved = %record.saved, confirmed = %mark.confirmed,

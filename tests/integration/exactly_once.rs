@@ -408,6 +408,82 @@ async fn the_drill_kills_restarts_and_takes_over_without_duplicates() {
     active.terminate(Duration::from_secs(30)).await;
 }
 
+/// A standby relay reads the server's WAL end when it connects, then waits for the
+/// slot while the active relay commits Kafka transactions past that end. After the
+/// active relay is killed, the standby must resume from the last progress record:
+/// judged by the WAL end it saw before its wait, the record looked written past the
+/// server's WAL (a restore in place), was dropped, and everything since the last
+/// saved position was published a second time (seen as 3 to 64 duplicates in the
+/// drill on a loaded machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_that_waited_for_the_slot_resumes_from_the_progress_record() {
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let db = TestDb::create("eos_standby_wait").await;
+    harness::create_topic_on(&brokers, &db.topic, 3).await;
+    harness::create_progress_topic_on(&brokers).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..2)
+        .map(|w| tokio::spawn(drill_writer(db.url.clone(), w, stop.clone())))
+        .collect();
+    let active = drill_relay(&db, &brokers);
+    until_streaming(&active, 1).await;
+    let standby = drill_relay(&db, &brokers);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !standby
+        .log()
+        .contains("replication slot is active in another process")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the standby never waited for the slot; log:\n{}",
+            standby.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The active relay commits transactions (and progress records) past the WAL
+    // end the standby saw: everything written from now on is delivered first.
+    let marker_from = {
+        let client = harness::connect(&db.url).await;
+        let row = client
+            .query_one("SELECT count(*) FROM outbox", &[])
+            .await
+            .expect("count the outbox");
+        usize::try_from(row.get::<_, i64>(0)).expect("a count")
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ =
+        read_committed_until_complete(&brokers, &db.topic, marker_from, Duration::from_secs(60))
+            .await;
+    active.kill9().await;
+    until_streaming(&standby, 1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let mut expected = 0_usize;
+    for w in writers {
+        expected += usize::try_from(w.await.expect("writer")).unwrap();
+    }
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(120))
+            .await;
+    let (unique, duplicates) = tally(&records);
+    let log = standby.log();
+    assert_eq!(
+        unique, expected,
+        "read_committed saw {unique} of {expected}; standby log:\n{log}"
+    );
+    assert!(
+        log.contains("resuming from the last committed progress record"),
+        "the standby did not resume from the progress record; its log:\n{log}"
+    );
+    assert_eq!(
+        duplicates, 0,
+        "read_committed saw duplicates; standby log:\n{log}"
+    );
+    assert_per_key_order(&records);
+    standby.terminate(Duration::from_secs(30)).await;
+}
+
 /// Creates `db`'s topic and the progress topic on `brokers`; the environment of an
 /// exactly-once relay that writes to them (`window`: `relay.max_in_flight_events`).
 pub(crate) async fn exactly_once_on<'b>(
