@@ -3,7 +3,43 @@
 //! position saver, the poison writer and the heartbeat, then the loop of
 //! [`Relay::run`](super::Relay).
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::{
+    Delivery, Opening, PoisonPath, RECONNECT_BACKOFF_INITIAL, RECONNECT_BACKOFF_MAX, Relay,
+    RunSummary, StreamReader, Telemetry, TransactionDriver,
+};
+use crate::cdc::binary::BinaryDecoding;
+use crate::cdc::confirmation::Confirmation;
+use crate::cdc::exactly_once::ExactlyOnce;
+use crate::cdc::heartbeat::{self, HeartbeatConfig};
+use crate::cdc::metrics::Health;
+use crate::cdc::poison_policy::PoisonPolicy;
+use crate::cdc::progress::{Core, CoreConfig, Records, TransactionLimits};
+use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
+use crate::config::Config;
+use crate::delivery::ErrorClass;
+use crate::error::Result;
+use crate::kafka;
+use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
+use crate::lsn::Lsn;
+use crate::outbox::OutboxMapper;
+use crate::outbox::position::PositionTable;
+use crate::poison::PoisonWriter;
+use crate::postgres::conninfo::ConnInfo;
+use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::slot;
+
+/// pgoutput sends logical-decoding messages (our heartbeats) from this server
+/// version on (`messages` option).
+const MESSAGES_OPTION_SINCE: u32 = 140_000;
+/// pgoutput's `binary` option exists since PostgreSQL 14.
+const BINARY_OPTION_SINCE: u32 = 140_000;
+
+/// Slot sampling period when the heartbeat itself is off.
+const SLOT_SAMPLE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Runs the CDC relay until `shutdown` completes or a fatal error occurs.
 pub async fn run(config: Config, shutdown: Shutdown) -> Result<RunSummary> {
@@ -33,9 +69,11 @@ pub async fn run_checked(
     };
     let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
     let exactly_once = ExactlyOnce::new(&config, &mut producer_config)?;
-    let (publisher, reports) = relay_publisher(&producer_config, &config.relay)?;
+    let delivery = Delivery::new(producer_config, &config.relay, exactly_once.is_some())?;
     let checks_started = Instant::now();
-    checks.check(&metadata, &publisher, &config).await?;
+    checks
+        .check(&metadata, delivery.publisher(), &config)
+        .await?;
     tracing::info!(
         took_ms = millis(checks_started.elapsed()),
         "start-up checks passed"
@@ -67,7 +105,6 @@ pub async fn run_checked(
     let writer = PoisonWriter::new(conninfo.clone(), &config);
     tokio::spawn(crate::poison::run_writer(writer, poison_rx, outcome_tx));
 
-    let pacing = ReadPacing::new(config.relay.read_pause_ms);
     let core_config = CoreConfig {
         max_in_flight_events: config.relay.max_in_flight_events,
         max_in_flight_bytes: config.relay.max_in_flight_bytes,
@@ -92,63 +129,32 @@ pub async fn run_checked(
         emit: heartbeat_secs > 0,
     })));
 
-    let topic_limits = TopicLimits::new(&producer_config);
-    let linger = kafka::linger(&producer_config);
     let binary_decoding =
         config.postgres.binary_decoding && prerequisites.server_version_num >= BINARY_OPTION_SINCE;
-    let now = Instant::now();
-    let mut relay = Relay {
-        config,
-        conninfo,
-        core: Core::new(core_config, Lsn::ZERO, now),
-        records: Records::default(),
+    let reader = StreamReader::new(
+        &config,
         mapper,
-        publisher,
-        producer_config,
-        reports,
-        confirmation: Confirmation::new(positions),
-        history: None,
-        server_started: None,
-        last_report_at: now,
-        producer_fatal: None,
-        producer_alerted: false,
-        blocked_topics: HashMap::new(),
-        streak: FailureStreak::default(),
-        poison: PoisonPath::new(policy, poison_tx, outcomes),
-        alone: None,
-        topic_limits,
-        idle_gate: IdleGate::new(linger),
-        pacing,
-        current_commit_lsn: Lsn::ZERO,
-        current_commit_time: 0,
-        summary: RunSummary::default(),
-        wal_sender_timeout: prerequisites.wal_sender_timeout,
-        messages_option: prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
-        binary: BinaryDecoding::new(binary_decoding),
-        health,
-        instruments: Instruments::new(),
+        BinaryDecoding::new(binary_decoding),
+        prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
+        prerequisites.wal_sender_timeout,
+    );
+    let transactions = TransactionDriver::new(
         exactly_once,
-        last_status: None,
+        Duration::from_millis(config.kafka.transaction_timeout_ms),
+    );
+    let mut relay = Relay {
+        core: Core::new(core_config, Lsn::ZERO, Instant::now()),
+        records: Records::default(),
+        confirmation: Confirmation::new(positions),
+        opening: Opening::new(conninfo, prerequisites.wal_sender_timeout),
+        reader,
+        delivery,
+        transactions,
+        poison: PoisonPath::new(policy, poison_tx, outcomes),
+        telemetry: Telemetry::new(health),
+        config,
     };
     relay.run(shutdown).await
-}
-
-/// The relay's producer with the relay's settings: configuration errors poisoned or
-/// not (`relay.on_config_error`), lingering records sent when the stream goes idle
-/// (`relay.flush_when_idle`).
-pub(super) fn relay_publisher(
-    producer_config: &ClientConfig,
-    relay: &RelayConfig,
-) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>)> {
-    let (publisher, reports) =
-        Publisher::new(producer_config.clone(), kafka::report_capacity(relay))?;
-    let publisher = publisher.with_configuration_errors_poisoned(relay.on_config_error.poisons());
-    let publisher = if relay.flush_when_idle {
-        publisher.with_idle_flush()?
-    } else {
-        publisher
-    };
-    Ok((publisher, reports))
 }
 
 /// Opens the first metadata connection, waiting with backoff while PostgreSQL is

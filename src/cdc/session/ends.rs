@@ -2,7 +2,15 @@
 //! shutdown, or a lost session (the reason logged, whether the producer is replaced)
 //! after which the relay reconnects and restarts from the slot, which is always safe.
 
-use super::*;
+use rdkafka::error::RDKafkaErrorCode;
+
+use crate::cdc::binary::BinaryRefused;
+use crate::cdc::progress::{MissingRecord, ProtocolError};
+use crate::error::Result;
+use crate::lsn::Lsn;
+use crate::outbox::MapError;
+use crate::postgres::pgoutput::DecodeError;
+use crate::postgres::replication::ReplicationError;
 
 /// Why a replication session ended.
 #[derive(Debug)]
@@ -65,7 +73,7 @@ pub(super) enum Lost {
     #[error(transparent)]
     MissingRecord(#[from] MissingRecord),
     /// The coordinator fenced the producer while this session held the slot: it
-    /// aborted the transaction itself on its timeout (`Relay::transaction_failure_in`).
+    /// aborted the transaction itself on its timeout (`TransactionDriver::failure_in`).
     #[error(
         "the Kafka transaction coordinator aborted the open transaction on its timeout and \
          fenced the producer ({0}); this relay still holds the slot: replacing the producer"
@@ -73,7 +81,7 @@ pub(super) enum Lost {
     CoordinatorAborted(crate::kafka::TransactionError),
 }
 
-/// Who holds the slot, as the server says ([`Relay::slot_holder`]).
+/// Who holds the slot, as the server says (`TransactionDriver::failure_in`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SlotHolder {
     /// This session's walsender.
@@ -95,7 +103,7 @@ impl Lost {
     }
 }
 
-/// What one wait of a drain ([`Relay::await_in_flight`]) came to.
+/// What one wait of a drain (`Relay::await_in_flight`) came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Drain {
     /// Something resolved or a timer ran: go on while events are in flight.
@@ -130,7 +138,7 @@ impl FailureStreak {
 }
 
 /// A replication frame the relay cannot make sense of: the stream is inconsistent
-/// from here on, so the session ends (see [`Relay::on_frame`]).
+/// from here on, so the session ends (see `StreamReader::on_frame`).
 #[derive(Debug, thiserror::Error)]
 pub(super) enum FrameError {
     /// The XLogData payload is not a pgoutput message.
