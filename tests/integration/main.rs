@@ -29,6 +29,7 @@ mod kafka_publisher;
 mod kafka_security;
 mod message_outbox;
 mod migrate_names;
+mod monitoring;
 mod operations;
 mod parking;
 mod pg17_failover;

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::harness::{self, RelayProcess, TestDb, confirmed_flush, parse_lsn, unique};
 
 /// `GET path` on `addr`; returns the status code and the body.
-async fn http_get(addr: &str, path: &str) -> (u16, String) {
+pub(crate) async fn http_get(addr: &str, path: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
         .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
@@ -32,7 +32,7 @@ async fn http_get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// The value of the first sample whose name (with labels) is exactly `series`.
-fn sample(page: &str, series: &str) -> Option<f64> {
+pub(crate) fn sample(page: &str, series: &str) -> Option<f64> {
     page.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
         l.strip_prefix(series)?
             .strip_prefix(' ')?
@@ -43,7 +43,7 @@ fn sample(page: &str, series: &str) -> Option<f64> {
 }
 
 /// Waits for the relay's "listening" line and returns the bound address.
-async fn metrics_addr(relay: &RelayProcess) -> String {
+pub(crate) async fn metrics_addr(relay: &RelayProcess) -> String {
     let mut found = None;
     harness::wait_until(
         Duration::from_secs(30),
@@ -80,7 +80,7 @@ async fn wait_ready(addr: &str, timeout: Duration) {
     .await;
 }
 
-async fn metrics_page(addr: &str) -> String {
+pub(crate) async fn metrics_page(addr: &str) -> String {
     let (status, body) = http_get(addr, "/metrics").await;
     assert_eq!(status, 200, "{body}");
     body
