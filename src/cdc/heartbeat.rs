@@ -21,9 +21,10 @@
 //! an end-to-end probe of "WAL written → decoded → received", even with no events.
 //!
 //! **Slot sampling.** The same tick reads `pg_replication_slots` for the lag from
-//! `pg_current_wal_lsn()` to `confirmed_flush_lsn` and the WAL retained since
-//! `restart_lsn`: the numbers an operator alerts on (the disk fills from the slot,
-//! not from the relay). Failures are logged once per outage and counted; the task
+//! `pg_current_wal_lsn()` to `confirmed_flush_lsn`, the WAL retained since
+//! `restart_lsn`, and the slot's `safe_wal_size` (how much more WAL the server may
+//! write before `max_slot_wal_keep_size` invalidates the slot): the numbers an
+//! operator alerts on (the disk fills from the slot, not from the relay). Failures are logged once per outage and counted; the task
 //! reconnects on the next tick. References: PostgreSQL docs, "Logical Decoding
 //! Output Plugins / Generic Message" and `pg_logical_emit_message` in
 //! "Replication Management Functions".
@@ -138,28 +139,59 @@ async fn beat(client: &Client, config: &HeartbeatConfig) -> Result<(), tokio_pos
             )
             .await?;
     }
+    // `safe_wal_size` through `to_jsonb`: NULL, not an error, before PostgreSQL 13
+    // (no such column, no limit either).
     let row = client
         .query_opt(
             "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::float8,
-                    (pg_current_wal_lsn() - restart_lsn)::float8
-               FROM pg_replication_slots WHERE slot_name = $1",
+                    (pg_current_wal_lsn() - restart_lsn)::float8,
+                    (to_jsonb(s) ->> 'safe_wal_size')::float8,
+                    coalesce(current_setting('max_slot_wal_keep_size', true), '-1') = '-1'
+               FROM pg_replication_slots s WHERE slot_name = $1",
             &[&config.slot],
         )
         .await?;
     if let Some(row) = row {
-        if let Some(lag) = row.get::<_, Option<f64>>(0) {
+        if let Some(lag) = row.try_get::<_, Option<f64>>(0)? {
             metrics::gauge!(crate::cdc::metrics::SLOT_LAG_BYTES).set(lag.max(0.0));
         }
-        if let Some(retained) = row.get::<_, Option<f64>>(1) {
+        if let Some(retained) = row.try_get::<_, Option<f64>>(1)? {
             metrics::gauge!(crate::cdc::metrics::SLOT_RETAINED_WAL_BYTES).set(retained.max(0.0));
+        }
+        let unlimited = row.try_get::<_, Option<bool>>(3)?.unwrap_or(true);
+        if let Some(safe) = safe_wal_bytes(row.try_get::<_, Option<f64>>(2)?, unlimited) {
+            metrics::gauge!(crate::cdc::metrics::SLOT_SAFE_WAL_BYTES).set(safe);
         }
     }
     Ok(())
 }
 
+/// The `SLOT_SAFE_WAL_BYTES` sample for the slot's `safe_wal_size` and whether the
+/// server has no `max_slot_wal_keep_size`: `+Inf` without a limit (the slot is never
+/// invalidated for its WAL), the size (0 at or past the limit, where PostgreSQL
+/// reports it negative) with one, and no sample when it is NULL under a limit (the
+/// slot has lost its WAL or reserves none; `restart_lsn` is NULL then too, and the
+/// retained-WAL gauge is not sampled either).
+fn safe_wal_bytes(safe_wal_size: Option<f64>, unlimited: bool) -> Option<f64> {
+    if unlimited {
+        Some(f64::INFINITY)
+    } else {
+        safe_wal_size.map(|bytes| bytes.max(0.0))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn safe_wal_is_infinite_without_a_limit_and_never_negative() {
+        assert_eq!(safe_wal_bytes(None, true), Some(f64::INFINITY));
+        assert_eq!(safe_wal_bytes(Some(5.0), true), Some(f64::INFINITY));
+        assert_eq!(safe_wal_bytes(Some(5.0), false), Some(5.0));
+        assert_eq!(safe_wal_bytes(Some(-16.0), false), Some(0.0));
+        assert_eq!(safe_wal_bytes(None, false), None);
+    }
 
     #[test]
     fn own_heartbeat_round_trips() {

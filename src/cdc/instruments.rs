@@ -11,6 +11,14 @@
 //! stage that is not per event (acked → confirmed: a status update confirms many
 //! transactions at once) keeps a small ring of "resolved up to here at this instant"
 //! marks, allocated once ([`ConfirmClock`]).
+//!
+//! The slot's lag in seconds (`SLOT_LAG_SECONDS`) needs the commit time of the oldest
+//! event not yet confirmed: [`PendingCommits`] keeps one `(commit LSN, commit time)`
+//! per transaction with a received event, in commit order, dropped from the front as
+//! the confirmed watermark passes it. Per event that is one comparison with the
+//! newest entry; per transaction one push and one pop. It holds at most the
+//! transactions the core tracks (at most `max_in_flight_events + 1`), and its buffer
+//! is reused.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Instant, SystemTime};
@@ -46,6 +54,7 @@ pub(crate) struct Instruments {
     received_to_produced: Histogram,
     produced_to_acked: Histogram,
     confirm: ConfirmClock,
+    pending_commits: PendingCommits,
     transient_errors: Counter,
     reconnects: Counter,
     read_pauses: Counter,
@@ -72,6 +81,7 @@ impl Instruments {
             received_to_produced: stage(m::STAGE_RECEIVED_TO_PRODUCED),
             produced_to_acked: stage(m::STAGE_PRODUCED_TO_ACKED),
             confirm: ConfirmClock::new(stage(m::STAGE_ACKED_TO_CONFIRMED)),
+            pending_commits: PendingCommits::default(),
             transient_errors: ::metrics::counter!(m::BROKER_TRANSIENT_ERRORS),
             reconnects: ::metrics::counter!(m::RECONNECTS),
             read_pauses: ::metrics::counter!(m::READ_PAUSES),
@@ -113,10 +123,12 @@ impl Instruments {
         &self.per_topic[label]
     }
 
-    /// An event's frame was taken off the stream; its transaction committed at
-    /// `committed_at` (µs since 2000-01-01, the server's clock).
-    pub(crate) fn received(&self, committed_at: i64) {
+    /// An event's frame was taken off the stream; its transaction's commit record is
+    /// at `commit` and it committed at `committed_at` (µs since 2000-01-01, the
+    /// server's clock).
+    pub(crate) fn received(&mut self, commit: Lsn, committed_at: i64) {
         self.commit_to_received.record(since_commit(committed_at));
+        self.pending_commits.received(commit, committed_at);
     }
 
     /// An event received at `received_at` was handed to the producer at `now` for the
@@ -161,6 +173,7 @@ impl Instruments {
     /// by a status of this one.
     pub(crate) fn session_started(&mut self, start: Lsn) {
         self.confirm.restart(start);
+        self.pending_commits.restart();
     }
 
     /// An event of `topic` (`""` for a row that has none) was poisoned.
@@ -234,6 +247,7 @@ impl Instruments {
         let advanced = confirmed > self.last_confirmed;
         self.last_confirmed = confirmed;
         health.observe(in_flight, advanced, Instant::now());
+        health.set_oldest_pending_commit(self.pending_commits.confirmed_up_to(confirmed));
         // Gauges are `f64`: exact below 2^53, i.e. for any window and for LSNs up to
         // 8 PiB of WAL; beyond that a gauge is off by a few bytes, never wrong in kind.
         #[allow(clippy::cast_precision_loss)]
@@ -243,6 +257,51 @@ impl Instruments {
             self.received.set(core.written().as_u64() as f64);
             self.confirmed.set(confirmed.as_u64() as f64);
         }
+    }
+}
+
+/// The transactions with an event received and not yet confirmed, oldest first:
+/// `(commit LSN, commit time)`, for `SLOT_LAG_SECONDS`. The watermark confirms a
+/// transaction when it passes its commit record (it becomes that record's end, see
+/// `crate::cdc::progress::tracker`), so an entry leaves once the confirmed LSN is
+/// above its commit LSN. Entries are strictly increasing in commit LSN (a
+/// transaction's later events add nothing). A new session forgets them all: it
+/// starts at or before the confirmed LSN and the server sends every unconfirmed
+/// transaction again (on a new timeline some may not exist any more), so only in
+/// the moment before the first one is received again does the lag read 0.
+#[derive(Debug, Default)]
+struct PendingCommits {
+    commits: VecDeque<(Lsn, i64)>,
+}
+
+impl PendingCommits {
+    /// An event of the transaction committed at `commit` (LSN), `committed_at` (time).
+    fn received(&mut self, commit: Lsn, committed_at: i64) {
+        if self
+            .commits
+            .back()
+            .is_none_or(|&(newest, _)| commit > newest)
+        {
+            self.commits.push_back((commit, committed_at));
+        }
+    }
+
+    /// Drops the transactions `confirmed` covers; the commit time of the oldest
+    /// left, if any.
+    fn confirmed_up_to(&mut self, confirmed: Lsn) -> Option<i64> {
+        while self
+            .commits
+            .front()
+            .is_some_and(|&(commit, _)| commit < confirmed)
+        {
+            self.commits.pop_front();
+        }
+        self.commits.front().map(|&(_, committed_at)| committed_at)
+    }
+
+    /// A new session: what it receives is all that is pending.
+    fn restart(&mut self) {
+        self.commits.clear();
     }
 }
 
@@ -413,6 +472,53 @@ mod tests {
             .expect("the stage's sum");
         // Two events, each 50 ms from the earliest report to the status.
         assert!((sum - 0.1).abs() < 1e-6, "{sum}");
+    }
+
+    #[test]
+    fn pending_commits_give_the_oldest_unconfirmed_transaction() {
+        let mut pending = PendingCommits::default();
+        assert_eq!(pending.confirmed_up_to(Lsn(0)), None);
+        // Two events of the transaction committing at 100, one of 200, one of 300.
+        pending.received(Lsn(100), 10);
+        pending.received(Lsn(100), 10);
+        pending.received(Lsn(200), 20);
+        pending.received(Lsn(300), 30);
+        assert_eq!(pending.commits.len(), 3);
+        // Confirmed at 100 (the start) covers nothing; the end of 100's commit
+        // record (say 150) covers it.
+        assert_eq!(pending.confirmed_up_to(Lsn(100)), Some(10));
+        assert_eq!(pending.confirmed_up_to(Lsn(150)), Some(20));
+        // More events of transactions already here add nothing.
+        pending.received(Lsn(200), 20);
+        pending.received(Lsn(300), 30);
+        assert_eq!(pending.commits.len(), 2);
+        assert_eq!(pending.confirmed_up_to(Lsn(250)), Some(30));
+        assert_eq!(pending.confirmed_up_to(Lsn(350)), None);
+        assert!(pending.commits.is_empty());
+        // A new session sends the unconfirmed transactions again, from its start.
+        pending.received(Lsn(400), 40);
+        pending.received(Lsn(500), 50);
+        pending.restart();
+        assert_eq!(pending.confirmed_up_to(Lsn(350)), None);
+        pending.received(Lsn(400), 40);
+        pending.received(Lsn(500), 50);
+        assert_eq!(pending.confirmed_up_to(Lsn(350)), Some(40));
+    }
+
+    #[test]
+    fn observe_publishes_the_oldest_pending_commit() {
+        let mut instruments = Instruments::new();
+        let health = Health::default();
+        let core = Core::new(
+            crate::cdc::progress::CoreConfig::default(),
+            Lsn(100),
+            Instant::now(),
+        );
+        let committed_at = pg_epoch_micros(SystemTime::now()) - 42_000_000;
+        instruments.received(Lsn(120), committed_at);
+        instruments.observe(&core, &health);
+        let lag = health.slot_lag(SystemTime::now());
+        assert!((42.0..43.0).contains(&lag), "{lag}");
     }
 
     #[test]

@@ -26,6 +26,9 @@
 //! pending or the confirmed LSN advanced within `metrics.ready_stall_secs`; a stalled
 //! relay turns not-ready, a standby (waiting for a slot another relay holds) is
 //! not ready, and `/healthz` stays 200 as long as the process serves HTTP.
+//! The same verdict is exported as `READY`, with `STREAMING` and `SLOT_LAG_SECONDS`
+//! beside it, all three set on each scrape from [`Health`] ([`Health::publish`]):
+//! they depend on the clock as much as on events, and exist from the first scrape.
 //!
 //! **Why these crates.** `metrics` is the de-facto facade (cheap handles, no global
 //! lock on the hot path) and `metrics-exporter-prometheus` renders the exposition
@@ -42,8 +45,8 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::extract::State;
@@ -52,6 +55,10 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::error::{Error, Result};
+use crate::postgres::replication::frames::pg_epoch_micros;
+
+/// `oldest_pending_commit` when no event is pending.
+const NOTHING_PENDING: i64 = i64::MIN;
 
 /// Counter, label `topic`: events acknowledged by the broker.
 pub(crate) const EVENTS_RELAYED: &str = "outbox_relay_events_relayed_total";
@@ -94,6 +101,13 @@ pub(crate) const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
 pub(crate) const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
 /// Gauge: `pg_current_wal_lsn() - restart_lsn` of the slot: WAL the slot retains.
 pub(crate) const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
+/// Gauge: `safe_wal_size` of the slot (bytes of WAL the server may still write before
+/// the slot is invalidated by `max_slot_wal_keep_size`), 0 at or past the limit,
+/// `+Inf` when the server has no limit (`-1`, or before PostgreSQL 13).
+pub(crate) const SLOT_SAFE_WAL_BYTES: &str = "outbox_relay_slot_safe_wal_bytes";
+/// Gauge (seconds): age of the oldest event received and not yet confirmed (now minus
+/// its transaction's commit timestamp), 0 when nothing is pending.
+pub(crate) const SLOT_LAG_SECONDS: &str = "outbox_relay_slot_lag_seconds";
 /// Counter: delivery reports with a transient (retried) broker error.
 pub(crate) const BROKER_TRANSIENT_ERRORS: &str = "outbox_relay_broker_transient_errors_total";
 /// Counter: replication sessions lost and re-established.
@@ -103,8 +117,10 @@ pub(crate) const READ_PAUSES: &str = "outbox_relay_read_pauses_total";
 /// Counter: logical decoding messages that are not events of this relay, by
 /// `reason` (`foreign_prefix`, `other_outbox`, `not_transactional`).
 pub(crate) const MESSAGES_IGNORED: &str = "outbox_relay_messages_ignored_total";
-/// Gauge: 1 while the relay streams from its slot, else 0.
+/// Gauge: 1 while the relay streams from its slot, else 0 (from the start).
 pub(crate) const STREAMING: &str = "outbox_relay_streaming";
+/// Gauge: 1 while `/readyz` would answer 200, else 0 (from the start).
+pub(crate) const READY: &str = "outbox_relay_ready";
 /// Histogram (seconds): heartbeat message emitted on the metadata connection until
 /// it came back through the replication stream.
 pub(crate) const HEARTBEAT_ROUND_TRIP: &str = "outbox_relay_heartbeat_round_trip_seconds";
@@ -195,6 +211,16 @@ fn describe() {
         Unit::Bytes,
         "WAL retained by the slot"
     );
+    describe_gauge!(
+        SLOT_SAFE_WAL_BYTES,
+        Unit::Bytes,
+        "WAL the server may still write before it invalidates the slot (+Inf without max_slot_wal_keep_size)"
+    );
+    describe_gauge!(
+        SLOT_LAG_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest event received and not yet confirmed (now minus its commit time), 0 when none"
+    );
     describe_counter!(BROKER_TRANSIENT_ERRORS, "Transient broker errors (retried)");
     describe_counter!(
         crate::kafka::PRODUCE_REQUESTS,
@@ -214,6 +240,10 @@ fn describe() {
         "Logical decoding messages that are not events of this relay, by reason"
     );
     describe_gauge!(STREAMING, "1 while streaming from the slot");
+    describe_gauge!(
+        READY,
+        "1 while /readyz answers 200 (streaming, progressing, no alert)"
+    );
     describe_histogram!(
         HEARTBEAT_ROUND_TRIP,
         Unit::Seconds,
@@ -274,6 +304,9 @@ struct HealthState {
     /// Milliseconds since `origin` of the last confirmed-LSN advance (or of the
     /// moment the pending count went from zero to non-zero).
     last_progress_ms: AtomicU64,
+    /// Commit timestamp (µs since 2000-01-01, the server's clock) of the oldest event
+    /// received and not yet confirmed; [`NOTHING_PENDING`] when there is none.
+    oldest_pending_commit: AtomicI64,
     /// Conditions an operator must know about, by source (slot lost and resyncing,
     /// producer wedged, sessions failing again and again at one position, topics
     /// refusing events): not ready while any is raised.
@@ -287,6 +320,7 @@ impl Default for Health {
             streaming: AtomicBool::new(false),
             pending: AtomicU64::new(0),
             last_progress_ms: AtomicU64::new(0),
+            oldest_pending_commit: AtomicI64::new(NOTHING_PENDING),
             alerts: std::sync::Mutex::new(std::collections::BTreeMap::new()),
         }))
     }
@@ -305,7 +339,40 @@ impl Health {
                 .store(self.millis(now), Ordering::Relaxed);
         }
         self.0.streaming.store(streaming, Ordering::Relaxed);
-        metrics::gauge!(STREAMING).set(if streaming { 1.0 } else { 0.0 });
+    }
+
+    /// The commit timestamp (µs since 2000-01-01) of the oldest event received and
+    /// not yet confirmed, `None` when nothing is pending.
+    pub(crate) fn set_oldest_pending_commit(&self, committed_at: Option<i64>) {
+        self.0
+            .oldest_pending_commit
+            .store(committed_at.unwrap_or(NOTHING_PENDING), Ordering::Relaxed);
+    }
+
+    /// Seconds from the oldest pending event's commit to `now` (0 when none).
+    #[must_use]
+    pub(crate) fn slot_lag(&self, now: SystemTime) -> f64 {
+        lag_seconds(
+            self.0.oldest_pending_commit.load(Ordering::Relaxed),
+            pg_epoch_micros(now),
+        )
+    }
+
+    /// Sets the gauges that follow from this state — `STREAMING`, `READY` and
+    /// `SLOT_LAG_SECONDS` — as they are at `now` (the relay's endpoint calls it on
+    /// each scrape, before rendering).
+    ///
+    /// Why at the scrape: readiness and the lag depend on the time as much as on
+    /// events (a stall is "no advance for `stall`", the lag grows while nothing
+    /// happens), so a gauge set when events happen would go stale exactly when the
+    /// relay is stuck. Computed when read, with the clock `/readyz` uses, they give
+    /// the same verdict, cost nothing per event, and exist from the first scrape.
+    pub(crate) fn publish(&self, now: Instant, wall: SystemTime, stall: Duration) {
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let ready = self.readiness(now, stall) == Readiness::Ready;
+        metrics::gauge!(STREAMING).set(flag(self.0.streaming.load(Ordering::Relaxed)));
+        metrics::gauge!(READY).set(flag(ready));
+        metrics::gauge!(SLOT_LAG_SECONDS).set(self.slot_lag(wall));
     }
 
     /// Records the in-flight count and whether the confirmed LSN just advanced.
@@ -362,6 +429,18 @@ impl Health {
             stall,
         )
     }
+}
+
+/// Seconds from `committed_at` to `now` (both µs since 2000-01-01), 0 when nothing
+/// is pending ([`NOTHING_PENDING`]) or the clocks disagree.
+fn lag_seconds(committed_at: i64, now: i64) -> f64 {
+    if committed_at == NOTHING_PENDING {
+        return 0.0;
+    }
+    // Exact enough: lags are far below 2^53 µs.
+    #[allow(clippy::cast_precision_loss)]
+    let seconds = now.saturating_sub(committed_at).max(0) as f64 / 1e6;
+    seconds
 }
 
 /// `/readyz`'s answer.
@@ -443,7 +522,8 @@ pub async fn serve(
     health: Health,
     stall: Duration,
 ) -> Result<SocketAddr> {
-    let app = metrics_and_liveness()
+    let app = liveness()
+        .route("/metrics", get(relay_metrics_page))
         .route("/readyz", get(readyz))
         .with_state(ServerState {
             handle: handle.clone(),
@@ -461,19 +541,19 @@ pub async fn serve(
 ///
 /// [`Error::MetricsBind`] when the address is invalid or cannot be bound.
 pub async fn serve_poller(listen: &str, handle: PrometheusHandle) -> Result<SocketAddr> {
-    let app = metrics_and_liveness().with_state(ServerState {
-        handle: handle.clone(),
-        health: Health::default(),
-        stall: Duration::ZERO,
-    });
+    let app = liveness()
+        .route("/metrics", get(metrics_page))
+        .with_state(ServerState {
+            handle: handle.clone(),
+            health: Health::default(),
+            stall: Duration::ZERO,
+        });
     serve_app(listen, handle, app).await
 }
 
-/// The routes the relay and the poller both serve.
-fn metrics_and_liveness() -> Router<ServerState> {
-    Router::new()
-        .route("/metrics", get(metrics_page))
-        .route("/healthz", get(|| async { "ok\n" }))
+/// The route the relay and the poller both serve; each adds its `/metrics`.
+fn liveness() -> Router<ServerState> {
+    Router::new().route("/healthz", get(|| async { "ok\n" }))
 }
 
 async fn serve_app(listen: &str, handle: PrometheusHandle, app: Router) -> Result<SocketAddr> {
@@ -503,6 +583,14 @@ async fn serve_app(listen: &str, handle: PrometheusHandle, app: Router) -> Resul
 }
 
 async fn metrics_page(State(state): State<ServerState>) -> String {
+    state.handle.render()
+}
+
+/// The relay's page: the gauges that follow from [`Health`] are set first.
+async fn relay_metrics_page(State(state): State<ServerState>) -> String {
+    state
+        .health
+        .publish(Instant::now(), SystemTime::now(), state.stall);
     state.handle.render()
 }
 
@@ -664,6 +752,66 @@ mod tests {
             health.readiness(t0 + Duration::from_secs(901), STALL),
             Readiness::NotStreaming
         );
+    }
+
+    /// The value of the unlabelled series `name` on a rendered page.
+    fn value(page: &str, name: &str) -> Option<f64> {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+
+    /// Publishes `health` at `now` into a fresh recorder and renders it.
+    fn published(health: &Health, now: Instant, wall: SystemTime) -> String {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || health.publish(now, wall, STALL));
+        handle.render()
+    }
+
+    #[test]
+    fn published_gauges_follow_readiness_and_exist_from_the_start() {
+        let health = Health::default();
+        let t0 = Instant::now();
+        let wall = SystemTime::now();
+        let page = published(&health, t0, wall);
+        assert_eq!(value(&page, STREAMING), Some(0.0), "{page}");
+        assert_eq!(value(&page, READY), Some(0.0), "{page}");
+        assert_eq!(value(&page, SLOT_LAG_SECONDS), Some(0.0), "{page}");
+        health.set_streaming(true, t0);
+        let page = published(&health, t0, wall);
+        assert_eq!(value(&page, STREAMING), Some(1.0), "{page}");
+        assert_eq!(value(&page, READY), Some(1.0), "{page}");
+        // Busy and no advance: the gauge turns 0 with time alone, as /readyz does.
+        health.observe(2, false, t0);
+        let later = t0 + STALL;
+        assert!(matches!(
+            health.readiness(later, STALL),
+            Readiness::Stalled { .. }
+        ));
+        assert_eq!(value(&published(&health, later, wall), READY), Some(0.0));
+        health.observe(2, true, later);
+        assert_eq!(value(&published(&health, later, wall), READY), Some(1.0));
+        health.set_alert("topics", Some("topic t does not exist".into()));
+        assert_eq!(value(&published(&health, later, wall), READY), Some(0.0));
+    }
+
+    #[test]
+    fn slot_lag_is_the_oldest_pending_commits_age() {
+        let health = Health::default();
+        let wall = SystemTime::now();
+        let now = pg_epoch_micros(wall);
+        assert!(health.slot_lag(wall).abs() < f64::EPSILON);
+        health.set_oldest_pending_commit(Some(now - 90_500_000));
+        assert!((health.slot_lag(wall) - 90.5).abs() < 1e-9);
+        assert_eq!(
+            value(&published(&health, Instant::now(), wall), SLOT_LAG_SECONDS),
+            Some(90.5)
+        );
+        // A commit "in the future" (clocks apart) is no lag, not a negative one.
+        health.set_oldest_pending_commit(Some(now + 1_000_000));
+        assert!(health.slot_lag(wall).abs() < f64::EPSILON);
+        health.set_oldest_pending_commit(None);
+        assert!(health.slot_lag(wall).abs() < f64::EPSILON);
     }
 
     #[test]

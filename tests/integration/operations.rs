@@ -134,6 +134,8 @@ async fn metrics_and_readiness_follow_the_relay() {
                         .is_some_and(|n| n >= 1.0)
                     && sample(&page, "outbox_relay_slot_lag_bytes").is_some()
                     && sample(&page, "outbox_relay_slot_retained_wal_bytes").is_some()
+                    && sample(&page, "outbox_relay_slot_safe_wal_bytes").is_some()
+                    && sample(&page, "outbox_relay_slot_lag_seconds") == Some(0.0)
             }
         },
     )
@@ -143,6 +145,7 @@ async fn metrics_and_readiness_follow_the_relay() {
     let received = sample(&page, "outbox_relay_received_lsn").expect("received gauge");
     assert!(confirmed > 0.0 && received >= confirmed, "{page}");
     assert_eq!(sample(&page, "outbox_relay_streaming"), Some(1.0), "{page}");
+    assert_eq!(sample(&page, "outbox_relay_ready"), Some(1.0), "{page}");
     assert!(
         page.contains("# TYPE outbox_relay_delivery_latency_seconds histogram"),
         "{page}"
@@ -165,11 +168,32 @@ async fn metrics_and_readiness_follow_the_relay() {
         sample(&page, "outbox_relay_in_flight_events").is_some_and(|n| n >= 1.0),
         "{page}"
     );
+    // The ready gauge says what /readyz says; the pending event's age is at least
+    // the stall window (its commit preceded it).
+    assert_eq!(sample(&page, "outbox_relay_ready"), Some(0.0), "{page}");
+    assert!(
+        sample(&page, "outbox_relay_slot_lag_seconds").is_some_and(|s| s >= 2.0),
+        "{page}"
+    );
 
     broker.resume().await;
     wait_ready(&addr, Duration::from_secs(90)).await;
     let records = harness::consume_from(&brokers, &db.topic, 21, Duration::from_secs(60)).await;
     assert!(records.len() >= 21, "log:\n{}", relay.log());
+    let a = addr.clone();
+    harness::wait_until(
+        Duration::from_secs(30),
+        "the ready gauge back at 1 and nothing unconfirmed",
+        || {
+            let a = a.clone();
+            async move {
+                let page = metrics_page(&a).await;
+                sample(&page, "outbox_relay_ready") == Some(1.0)
+                    && sample(&page, "outbox_relay_slot_lag_seconds") == Some(0.0)
+            }
+        },
+    )
+    .await;
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }

@@ -601,7 +601,7 @@ impl Relay {
                                 core: &mut self.core,
                                 records: &mut self.records,
                                 transactions: &mut self.transactions,
-                                instruments: &self.telemetry.instruments,
+                                instruments: &mut self.telemetry.instruments,
                             };
                             if let Err(reason) = self.reader.on_frame(frame, intake, &self.telemetry.health) {
                                 return Ok(SessionEnd::Lost(reason.into()));

@@ -43,7 +43,7 @@ pub(super) struct Intake<'a> {
     pub(super) records: &'a mut Records<InFlight>,
     /// For the names of the transactions (exactly-once's progress record).
     pub(super) transactions: &'a mut TransactionDriver,
-    pub(super) instruments: &'a Instruments,
+    pub(super) instruments: &'a mut Instruments,
 }
 
 /// How a pause in reading ended.
@@ -300,7 +300,7 @@ impl StreamReader {
             Mapped::NotOutbox => Ok(()),
             Mapped::Event(event) => {
                 let id = core.admit_keyed(event.byte_size(), Some(order_key(&event)), now)?;
-                instruments.received(self.current_commit_time);
+                instruments.received(self.current_commit_lsn, self.current_commit_time);
                 records.admitted(
                     core,
                     id,
