@@ -27,7 +27,7 @@
 //! relay turns not-ready, a standby (waiting for a slot another relay holds) is
 //! not ready, and `/healthz` stays 200 as long as the process serves HTTP.
 //! The same verdict is exported as `READY`, with `STREAMING` and `SLOT_LAG_SECONDS`
-//! beside it, all three set on each scrape from [`Health`] ([`Health::publish`]):
+//! beside it, all three set on each scrape from [`Health`] (`Health::publish`):
 //! they depend on the clock as much as on events, and exist from the first scrape.
 //!
 //! **Why these crates.** `metrics` is the de-facto facade (cheap handles, no global
