@@ -58,3 +58,8 @@ GRANT UPDATE (replayed_at, replay_count) ON public.poison_outbox TO outbox_relay
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_cutover TO outbox_relay_app;
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_position TO outbox_relay_app;
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_parked_key TO outbox_relay_app;
+-- Decoding on a standby (postgres.slot_url): creating the slot there waits for a
+-- running-transactions record, which the relay asks the primary for at once with
+-- pg_log_standby_snapshot() (superusers only by default). Without this grant the
+-- creation waits for the primary's own record (every 15 s while it writes).
+-- GRANT EXECUTE ON FUNCTION pg_log_standby_snapshot() TO outbox_relay_app;

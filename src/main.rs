@@ -143,7 +143,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             let config = config.load()?;
             init_tracing(&config.log);
             let client = postgres::connect(&config.postgres.url).await?;
-            let status = outbox_relay::ops::status::read(&client, &config).await?;
+            // The slot's numbers where it lives (a standby with postgres.slot_url).
+            let standby = match &config.postgres.slot_url {
+                Some(url) => Some(postgres::connect(url).await?),
+                None => None,
+            };
+            let slot_client = standby.as_ref().unwrap_or(&client);
+            let status = outbox_relay::ops::status::read(&client, slot_client, &config).await?;
             if json {
                 println!("{}", serde_json::to_string(&status)?);
             } else {

@@ -92,6 +92,7 @@ use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{ReplicationConnection, SnapshotAction};
+use crate::postgres::servers::{ServerPair, StandbySnapshots};
 use crate::postgres::slot::{self, SlotInfo};
 
 /// The marker table (migrations/0006_cutover.sql), in the outbox's schema.
@@ -202,7 +203,10 @@ pub enum Outcome {
 
 /// Makes the slot ready to stream: runs (or resumes) a cutover when [`decide`]
 /// says so. The replication connection is left idle (its next command may be
-/// `START_REPLICATION`); `metadata` holds the advisory lock while this runs.
+/// `START_REPLICATION`); the writes' server holds the advisory lock while this
+/// runs. The slot is created on `conn`'s server, whose exported snapshot the
+/// unsent rows are read in (through `conninfo`, the same server); marks are
+/// written on the writes' server (`postgres::servers`).
 /// `history` is the server's (`IDENTIFY_SYSTEM` on `conn`), which an exactly-once
 /// backlog records with its rows.
 ///
@@ -214,15 +218,15 @@ pub(crate) async fn prepare(
     config: &Config,
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
-    metadata: &mut Client,
+    servers: &mut ServerPair<'_>,
     history: ServerHistory,
     trigger: Trigger,
 ) -> Result<Outcome> {
     let marker_table = marker_table(config)?;
-    let has_marker_table = table_exists(metadata, &marker_table).await?;
+    let has_marker_table = table_exists(servers.writes(), &marker_table).await?;
     if !has_marker_table {
         // Without the table nothing can be pending: only a new slot needs it.
-        let exists = slot::slot_info(metadata, &config.postgres.slot_name())
+        let exists = slot::slot_info(servers.slot(), &config.postgres.slot_name())
             .await?
             .is_some();
         return match decide(trigger, exists, Marker::Absent) {
@@ -238,7 +242,8 @@ pub(crate) async fn prepare(
         };
     }
     let lock = lock_key(&config.postgres.slot_name());
-    metadata
+    servers
+        .writes()
         .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
         .await
         .map_err(poller::pg_error)?;
@@ -246,7 +251,7 @@ pub(crate) async fn prepare(
         config,
         conninfo,
         conn,
-        metadata,
+        servers,
         history,
         trigger,
         &marker_table,
@@ -254,7 +259,8 @@ pub(crate) async fn prepare(
     .await;
     // On error the session ends and the server releases the lock with it.
     if result.is_ok() {
-        metadata
+        servers
+            .writes()
             .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
             .await
             .map_err(poller::pg_error)?;
@@ -266,14 +272,14 @@ async fn prepare_locked(
     config: &Config,
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
-    metadata: &mut Client,
+    servers: &mut ServerPair<'_>,
     history: ServerHistory,
     trigger: Trigger,
     marker_table: &str,
 ) -> Result<Outcome> {
     let slot_name = &config.postgres.slot_name();
-    let info = slot::slot_info(metadata, slot_name).await?;
-    let marker = read_marker(metadata, marker_table, slot_name).await?;
+    let info = slot::slot_info(servers.slot(), slot_name).await?;
+    let marker = read_marker(servers.writes(), marker_table, slot_name).await?;
     let decision = decide(trigger, info.is_some(), marker);
     tracing::debug!(slot = %slot_name, ?marker, ?decision, "cutover decision");
     let restarted = match decision {
@@ -299,7 +305,7 @@ async fn prepare_locked(
     if streams_without || config.has_several_outboxes() {
         let mut drained = Vec::with_capacity(views.len());
         for view in &views {
-            if has_poller_columns(metadata, view).await? {
+            if has_poller_columns(servers.writes(), view).await? {
                 drained.push(view.clone());
             } else {
                 // Not an outbox a poller drained (e.g. Debezium's): nothing is "unsent".
@@ -317,7 +323,15 @@ async fn prepare_locked(
             views = drained;
         }
     }
-    let mut summary = cut_over(&views, conninfo, conn, metadata, marker_table, history).await?;
+    let mut summary = cut_over(
+        &views,
+        conninfo,
+        conn,
+        servers.writes(),
+        marker_table,
+        history,
+    )
+    .await?;
     summary.restarted = restarted;
     Ok(Outcome::CutOver(summary))
 }
@@ -522,9 +536,18 @@ async fn begin_marker(client: &Client, table: &str, slot: &str) -> Result<()> {
 ///
 /// As `prepare`; interrupted by `shutdown`, an error saying how to resume.
 pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome> {
-    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
+    let conninfo = crate::postgres::parse_url(config.postgres.slot_server_url())?;
     let mut metadata = crate::postgres::connect_info(&conninfo).await?;
     slot::check_prerequisites(&metadata, config).await?;
+    let primary_info = config
+        .postgres
+        .slot_elsewhere()
+        .then(|| crate::postgres::parse_url(&config.postgres.url))
+        .transpose()?;
+    let mut primary = match &primary_info {
+        Some(info) => Some(crate::postgres::connect_info(info).await?),
+        None => None,
+    };
     let mut conn = ReplicationConnection::connect(&conninfo)
         .await
         .map_err(|e| crate::postgres::process_error(e, ""))?;
@@ -541,7 +564,11 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
         () = shutdown => {
             return Err(Error::CutoverInterrupted);
         }
-        outcome = prepare(config, &conninfo, &mut conn, &mut metadata, history, Trigger::Command) => outcome?,
+        outcome = async {
+            let _snapshots = StandbySnapshots::start(conn.on_standby(), primary_info.as_ref());
+            let mut servers = ServerPair::of(&mut metadata, primary.as_mut());
+            prepare(config, &conninfo, &mut conn, &mut servers, history, Trigger::Command).await
+        } => outcome?,
     };
     if let Err(e) = conn.close().await {
         tracing::debug!(error = %e, "closing the replication connection");
@@ -646,11 +673,11 @@ mod tests {
     fn the_snapshot_is_exported_with_each_servers_syntax() {
         use crate::postgres::replication::create_slot_command;
         assert_eq!(
-            create_slot_command("s", false, SnapshotAction::Export, Some(15)),
+            create_slot_command("s", false, SnapshotAction::Export, Some(15), false),
             "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
         );
         assert_eq!(
-            create_slot_command("s", false, SnapshotAction::Export, Some(14)),
+            create_slot_command("s", false, SnapshotAction::Export, Some(14), false),
             "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput EXPORT_SNAPSHOT"
         );
     }

@@ -28,6 +28,12 @@
 //! reconnects on the next tick. References: PostgreSQL docs, "Logical Decoding
 //! Output Plugins / Generic Message" and `pg_logical_emit_message` in
 //! "Replication Management Functions".
+//!
+//! **On a standby** (`postgres.slot_url`) the message is emitted on the primary
+//! (a standby cannot write WAL; it replays the message and its walsender decodes
+//! it as any other), and the slot is sampled on the standby, with its replay
+//! position standing in for `pg_current_wal_lsn()`, which a server in recovery
+//! refuses.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -41,7 +47,11 @@ pub(crate) const PREFIX: &str = "outbox-relay";
 /// The heartbeat task's settings.
 #[derive(Debug, Clone)]
 pub(crate) struct HeartbeatConfig {
+    /// The slot's server: where the slot is sampled.
     pub(crate) conninfo: ConnInfo,
+    /// Where the message is emitted when not on the slot's server: the primary of
+    /// a standby that holds the slot.
+    pub(crate) emit_on: Option<ConnInfo>,
     pub(crate) slot: String,
     /// Tick period.
     pub(crate) interval: Duration,
@@ -89,15 +99,25 @@ pub(crate) async fn run(config: HeartbeatConfig) {
     let mut tick = tokio::time::interval_at(first, config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut client: Option<Client> = None;
+    let mut primary: Option<Client> = None;
     let mut failing = false;
     loop {
         tick.tick().await;
         if client.as_ref().is_none_or(Client::is_closed) {
             client = crate::postgres::connect_info(&config.conninfo).await.ok();
         }
-        let outcome = match &client {
-            Some(c) => beat(c, &config).await.map_err(BeatError::Postgres),
-            None => Err(BeatError::Unreachable),
+        if let Some(info) = &config.emit_on
+            && primary.as_ref().is_none_or(Client::is_closed)
+        {
+            primary = crate::postgres::connect_info(info).await.ok();
+        }
+        let emitter = match &config.emit_on {
+            Some(_) => primary.as_ref(),
+            None => client.as_ref(),
+        };
+        let outcome = match (&client, emitter) {
+            (Some(c), Some(e)) => beat(c, e, &config).await.map_err(BeatError::Postgres),
+            _ => Err(BeatError::Unreachable),
         };
         match outcome {
             Ok(()) if failing => {
@@ -112,6 +132,7 @@ pub(crate) async fn run(config: HeartbeatConfig) {
                     failing = true;
                 }
                 client = None;
+                primary = None;
             }
         }
     }
@@ -128,11 +149,15 @@ enum BeatError {
     Postgres(tokio_postgres::Error),
 }
 
-/// One tick: emit (when enabled), then sample the slot.
-async fn beat(client: &Client, config: &HeartbeatConfig) -> Result<(), tokio_postgres::Error> {
+/// One tick: emit on `emitter` (when enabled), then sample the slot on `client`.
+async fn beat(
+    client: &Client,
+    emitter: &Client,
+    config: &HeartbeatConfig,
+) -> Result<(), tokio_postgres::Error> {
     if config.emit {
         let content = encode(std::process::id(), SystemTime::now());
-        client
+        emitter
             .execute(
                 "SELECT pg_logical_emit_message(false, $1, $2)",
                 &[&PREFIX, &content],
@@ -141,13 +166,16 @@ async fn beat(client: &Client, config: &HeartbeatConfig) -> Result<(), tokio_pos
     }
     // `safe_wal_size` through `to_jsonb`: NULL, not an error, before PostgreSQL 13
     // (no such column, no limit either).
+    // A standby refuses `pg_current_wal_lsn()`: its replay position is its WAL end.
     let row = client
         .query_opt(
-            "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::float8,
-                    (pg_current_wal_lsn() - restart_lsn)::float8,
+            "WITH w(lsn) AS (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                                         ELSE pg_current_wal_lsn() END)
+             SELECT (w.lsn - confirmed_flush_lsn)::float8,
+                    (w.lsn - restart_lsn)::float8,
                     (to_jsonb(s) ->> 'safe_wal_size')::float8,
                     coalesce(current_setting('max_slot_wal_keep_size', true), '-1') = '-1'
-               FROM pg_replication_slots s WHERE slot_name = $1",
+               FROM pg_replication_slots s, w WHERE slot_name = $1",
             &[&config.slot],
         )
         .await?;

@@ -36,6 +36,7 @@ use crate::poller;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::ReplicationConnection;
+use crate::postgres::servers::ServerPair;
 use crate::postgres::slot;
 
 /// Runs steps 1–4 of the module docs; returns what was published.
@@ -43,7 +44,7 @@ pub(crate) async fn resync(
     config: &Config,
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
-    metadata: &mut Client,
+    servers: &mut ServerPair<'_>,
     history: ServerHistory,
     loss: &SlotLoss,
     delivered_xmin: Option<i64>,
@@ -54,19 +55,21 @@ pub(crate) async fn resync(
     // another relay streams from is not lost (marking it would make that relay's
     // saves fail), and an outbox without the columns a resync needs, a connection or
     // the broker failing must leave the position row as it was.
-    ensure_idle(metadata, slot_name).await?;
+    ensure_idle(servers.slot(), slot_name).await?;
     // One backlog per outbox table, merged in commit order in the same snapshot
     // (`cdc::backlog`).
     let mut views = config.per_outbox();
     if views.is_empty() {
         views.push(config.clone());
     }
-    let mut backlog = Backlogs::open(&views, metadata, None, history)
+    let mut backlog = Backlogs::open(&views, servers.writes(), None, history)
         .await
         .map_err(|e| impossible(e, loss))?;
     let mut reader = poller::session(conninfo).await?;
-    positions.mark_lost(metadata, &loss.to_string()).await?;
-    drop_old_slot(conn, metadata, slot_name).await?;
+    positions
+        .mark_lost(servers.writes(), &loss.to_string())
+        .await?;
+    drop_old_slot(conn, servers.slot(), slot_name).await?;
     let (consistent_point, snapshot) =
         crate::cdc::cutover::create_exported_slot(conn, slot_name).await?;
     tracing::error!(
@@ -79,13 +82,24 @@ pub(crate) async fn resync(
         delivered_xmin: delivered_xmin.unwrap_or(0),
     };
     let published = backlog
-        .publish(metadata, &mut reader, &snapshot, consistent_point, query)
+        .publish(
+            servers.writes(),
+            &mut reader,
+            &snapshot,
+            consistent_point,
+            query,
+        )
         .await?;
     drop(backlog);
     let already_delivered = published.already_delivered;
     let summary = CutoverSummary::of(consistent_point, published);
     positions
-        .resynced(metadata, history, consistent_point, summary.snapshot_xmin)
+        .resynced(
+            servers.writes(),
+            history,
+            consistent_point,
+            summary.snapshot_xmin,
+        )
         .await?;
     ::metrics::counter!(crate::cdc::metrics::RESYNCED_ROWS)
         .increment(summary.published + summary.poisoned);

@@ -83,6 +83,17 @@ pub struct PostgresConfig {
     /// Serialized with the password masked, like `Debug`.
     #[serde(serialize_with = "serialize_redacted")]
     pub url: String,
+    /// Where the replication slot lives and is decoded, when that is not `url`'s
+    /// server: a physical standby of it (PostgreSQL 16+), so that the primary does
+    /// not pay for logical decoding. The relay's writes (its position, poison rows,
+    /// heartbeats, backlog marks) and every table command still go to `url`.
+    /// Unset: the slot is on `url`'s server. Serialized with the password masked.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_redacted_option"
+    )]
+    pub slot_url: Option<String>,
     /// Logical replication slot (created with `pgoutput` when missing).
     #[serde(default = "default_slot")]
     pub slot: String,
@@ -106,6 +117,19 @@ pub struct PostgresConfig {
 }
 
 impl PostgresConfig {
+    /// The URL of the server the slot lives on: `slot_url`, or `url`.
+    #[must_use]
+    pub fn slot_server_url(&self) -> &str {
+        self.slot_url.as_deref().unwrap_or(&self.url)
+    }
+
+    /// Whether the slot lives on another server than the relay's writes go to
+    /// (`slot_url` is set).
+    #[must_use]
+    pub fn slot_elsewhere(&self) -> bool {
+        self.slot_url.is_some()
+    }
+
     /// The slot this relay streams from: `slot`, or its shard's.
     #[must_use]
     pub fn slot_name(&self) -> String {
@@ -950,6 +974,18 @@ impl Config {
         if self.postgres.url.trim().is_empty() {
             return invalid("postgres.url is empty".into());
         }
+        if self
+            .postgres
+            .slot_url
+            .as_deref()
+            .is_some_and(|url| url.trim().is_empty())
+        {
+            return invalid(
+                "postgres.slot_url is empty: remove it (the slot is then on postgres.url's \
+                 server) or name the standby"
+                    .into(),
+            );
+        }
         if !(1..=shard::MAX_SHARDS).contains(&self.postgres.shards) {
             return invalid(format!(
                 "postgres.shards = {}: use 1 (not sharded) to {}",
@@ -1435,10 +1471,21 @@ fn serialize_redacted<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S:
     s.serialize_str(&redact_url(url))
 }
 
+fn serialize_redacted_option<S: serde::Serializer>(
+    url: &Option<String>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match url {
+        Some(url) => s.serialize_some(&redact_url(url)),
+        None => s.serialize_none(),
+    }
+}
+
 impl fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresConfig")
             .field("url", &redact_url(&self.url))
+            .field("slot_url", &self.slot_url.as_deref().map(redact_url))
             .field("slot", &self.slot)
             .field("publication", &self.publication)
             .field("shards", &self.shards)

@@ -158,26 +158,35 @@ impl Status {
     }
 }
 
-/// Reads the status for the configured slot and poison table.
-pub async fn read(client: &Client, config: &Config) -> Result<Status> {
+/// The WAL's end on the slot's server: a standby (`postgres.slot_url`) refuses
+/// `pg_current_wal_lsn()`; its replay position is how far its slot can decode.
+const WAL_HEAD: &str =
+    "(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END)";
+
+/// Reads the status for the configured slot and poison table: the slot on
+/// `slot_client` (the standby of `postgres.slot_url`, or `client`'s server), the
+/// tables on `client`.
+pub async fn read(client: &Client, slot_client: &Client, config: &Config) -> Result<Status> {
     let err = |what: &'static str, source: tokio_postgres::Error| Error::StatusQuery {
         what,
         detail: describe_error(&source),
         source,
     };
     let slot = &config.postgres.slot_name();
-    let current: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+    let current: String = slot_client
+        .query_one(&format!("SELECT {WAL_HEAD}::text"), &[])
         .await
         .map_err(|e| err("cannot read the WAL position", e))?
         .get(0);
-    let row = client
+    let row = slot_client
         .query_opt(
-            "SELECT active_pid, confirmed_flush_lsn::text, restart_lsn::text,
-                    (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                    (pg_current_wal_lsn() - restart_lsn)::bigint,
-                    wal_status
-             FROM pg_replication_slots WHERE slot_name = $1",
+            &format!(
+                "SELECT active_pid, confirmed_flush_lsn::text, restart_lsn::text,
+                        ({WAL_HEAD} - confirmed_flush_lsn)::bigint,
+                        ({WAL_HEAD} - restart_lsn)::bigint,
+                        wal_status
+                 FROM pg_replication_slots WHERE slot_name = $1"
+            ),
             &[slot],
         )
         .await
@@ -227,7 +236,7 @@ pub async fn read(client: &Client, config: &Config) -> Result<Status> {
         },
     };
     if config.postgres.shards > 1 {
-        status.shards = shards(client, config)
+        status.shards = shards(slot_client, config)
             .await
             .map_err(|e| err("cannot read the shards' slots", e))?;
     }
@@ -277,9 +286,11 @@ async fn shards(
     let slots = config.postgres.all_slot_names();
     let rows = client
         .query(
-            "SELECT slot_name::text, active_pid, confirmed_flush_lsn::text,
-                    (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
-               FROM pg_replication_slots WHERE slot_name = ANY($1::text[])",
+            &format!(
+                "SELECT slot_name::text, active_pid, confirmed_flush_lsn::text,
+                        ({WAL_HEAD} - confirmed_flush_lsn)::bigint
+                   FROM pg_replication_slots WHERE slot_name = ANY($1::text[])"
+            ),
             &[&slots],
         )
         .await?;

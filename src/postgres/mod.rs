@@ -13,6 +13,8 @@
 //! - [`replication`]: the replication connection; [`pgoutput`]: decoding what it
 //!   streams;
 //! - [`slot`] and [`prerequisite`]: the start-up checks and their typed exit-3 errors;
+//! - [`servers`]: the slot's server and the writes' server, the same or a standby
+//!   and its primary;
 //! - `error.rs`: [`PgError`], the layer's error with its exit code and class.
 
 mod error;
@@ -22,6 +24,7 @@ pub mod conninfo;
 pub mod pgoutput;
 pub mod prerequisite;
 pub mod replication;
+pub mod servers;
 pub mod shard_publication;
 pub mod slot;
 pub mod tls;

@@ -23,6 +23,22 @@ pub enum Prerequisite {
          (set it in postgresql.conf and restart PostgreSQL)"
     )]
     WalLevel { actual: String },
+    /// `postgres.url` is a standby: the relay's writes (position, poison rows,
+    /// heartbeats) cannot go there.
+    #[error(
+        "postgres.url is a standby (in recovery): the relay writes its position and poison rows \
+         there, which a standby refuses. Set postgres.url to the primary, and postgres.slot_url \
+         to this standby to decode there (PostgreSQL 16+)"
+    )]
+    WritesOnStandby,
+    /// `postgres.slot_url` is a standby older than PostgreSQL 16, which cannot hold
+    /// a logical slot.
+    #[error(
+        "postgres.slot_url is a standby of PostgreSQL {server_version}: logical decoding on a \
+         standby needs PostgreSQL 16 or later. Upgrade it, or remove postgres.slot_url to decode \
+         on the primary"
+    )]
+    StandbyTooOld { server_version: String },
     /// The outbox table does not exist.
     #[error("table {table} does not exist: run `outbox-relay migrate` (or set outbox.table)")]
     OutboxTableMissing { table: String },

@@ -88,6 +88,52 @@ pub async fn check_prerequisites(
     })
 }
 
+/// The slot's server is one the relay can use: a standby only as `postgres.slot_url`
+/// (the writes go to `postgres.url`), and then of PostgreSQL 16 or later. A standby
+/// without `hot_standby_feedback` is allowed but said: the primary may then remove
+/// catalog rows the slot still needs, which invalidates it (`relay.on_slot_loss`
+/// decides what follows); `outbox-relay check` says it too.
+///
+/// # Errors
+///
+/// [`Prerequisite::WritesOnStandby`], [`Prerequisite::StandbyTooOld`], or the query's.
+pub async fn check_slot_server(client: &Client, config: &Config) -> Result<(), PgError> {
+    let row = client
+        .query_one(
+            "SELECT pg_is_in_recovery(), current_setting('server_version'),
+                    current_setting('server_version_num')::int4,
+                    current_setting('hot_standby_feedback')::bool",
+            &[],
+        )
+        .await
+        .map_err(|source| PgError::Query {
+            context: "cannot read server settings: ",
+            source,
+        })?;
+    let (in_recovery, server_version, version_num, feedback): (bool, String, i32, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if !in_recovery {
+        return Ok(());
+    }
+    if !config.postgres.slot_elsewhere() {
+        return Err(Prerequisite::WritesOnStandby.into());
+    }
+    if version_num < LOGICAL_ON_STANDBY_SINCE {
+        return Err(Prerequisite::StandbyTooOld { server_version }.into());
+    }
+    if !feedback {
+        tracing::warn!(
+            "postgres.slot_url is a standby with hot_standby_feedback = off: the primary may remove \
+             rows the slot still needs, and the slot is then invalidated (relay.on_slot_loss \
+             decides what follows); set hot_standby_feedback = on on the standby"
+        );
+    }
+    Ok(())
+}
+
+/// Logical decoding on a standby exists since PostgreSQL 16.
+pub const LOGICAL_ON_STANDBY_SINCE: i32 = 160_000;
+
 /// One outbox's tables: the outbox exists and is in the publication, its poison
 /// table exists and is upgraded. `slot_under`: the relay's slot, when it exists.
 async fn check_outbox_tables(

@@ -224,7 +224,7 @@ pub async fn run(args: &DemoArgs) -> Result<DemoSummary> {
     let end = current_lsn(&client).await?;
     wait_confirmed(&client, (begin, started), end, &relay).await?;
     let elapsed = started.elapsed();
-    let status = crate::ops::status::read(&client, &config).await?;
+    let status = crate::ops::status::read(&client, &client, &config).await?;
     let _ = stop_tx.send(());
     match relay.await {
         Ok(result) => {

@@ -45,4 +45,5 @@ mod secrets;
 mod several_outboxes;
 mod shards;
 mod sizes;
+mod standby_decoding;
 mod tls_proxy;

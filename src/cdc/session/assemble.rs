@@ -63,24 +63,40 @@ pub async fn run_checked(
     health: Health,
     checks: &dyn StartChecks,
 ) -> Result<RunSummary> {
-    let conninfo = crate::postgres::parse_url(&config.postgres.url)?;
+    // The slot's server, and the primary when the slot lives on a standby
+    // (`postgres::servers`).
+    let conninfo = crate::postgres::parse_url(config.postgres.slot_server_url())?;
+    let primary = config
+        .postgres
+        .slot_elsewhere()
+        .then(|| crate::postgres::parse_url(&config.postgres.url))
+        .transpose()?;
     let Some(metadata) = connect_when_reachable(&conninfo, &mut shutdown).await? else {
         return Ok(RunSummary::default());
     };
+    let primary_client = match &primary {
+        Some(info) => match connect_when_reachable(info, &mut shutdown).await? {
+            Some(client) => Some(client),
+            None => return Ok(RunSummary::default()),
+        },
+        None => None,
+    };
+    let writes_client = primary_client.as_ref().unwrap_or(&metadata);
     let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
     let exactly_once = ExactlyOnce::new(&config, &mut producer_config)?;
     let delivery = Delivery::new(producer_config, &config.relay, exactly_once.is_some())?;
     let checks_started = Instant::now();
     checks
-        .check(&metadata, delivery.publisher(), &config)
+        .check(writes_client, delivery.publisher(), &config)
         .await?;
     tracing::info!(
         took_ms = millis(checks_started.elapsed()),
         "start-up checks passed"
     );
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
+    slot::check_slot_server(&metadata, &config).await?;
     let positions = PositionTable::new(&config)?;
-    if !positions.exists(&metadata).await? {
+    if !positions.exists(writes_client).await? {
         return Err(Prerequisite::PositionTableMissing {
             table: positions.name().to_owned(),
         }
@@ -88,7 +104,7 @@ pub async fn run_checked(
     }
     let policy = PoisonPolicy::new(
         config.relay.on_poison,
-        crate::cdc::poison_policy::parked_keys(&metadata, &config).await?,
+        crate::cdc::poison_policy::parked_keys(writes_client, &config).await?,
     );
     tracing::info!(
         server_version = %prerequisites.server_version,
@@ -102,7 +118,7 @@ pub async fn run_checked(
 
     let (poison_tx, poison_rx) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let (outcome_tx, outcomes) = mpsc::channel(config.relay.max_in_flight_events.max(1));
-    let writer = PoisonWriter::new(conninfo.clone(), &config);
+    let writer = PoisonWriter::new(primary.clone().unwrap_or_else(|| conninfo.clone()), &config);
     tokio::spawn(crate::poison::run_writer(writer, poison_rx, outcome_tx));
 
     let core_config = CoreConfig {
@@ -116,10 +132,11 @@ pub async fn run_checked(
         }),
         ..CoreConfig::default()
     };
-    drop(metadata);
+    drop((metadata, primary_client));
     let heartbeat_secs = config.relay.heartbeat_interval_secs;
     let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat::run(HeartbeatConfig {
         conninfo: conninfo.clone(),
+        emit_on: primary.clone(),
         slot: config.postgres.slot_name(),
         interval: if heartbeat_secs == 0 {
             SLOT_SAMPLE_INTERVAL
@@ -146,7 +163,7 @@ pub async fn run_checked(
         core: Core::new(core_config, Lsn::ZERO, Instant::now()),
         records: Records::default(),
         confirmation: Confirmation::new(positions),
-        opening: Opening::new(conninfo, prerequisites.wal_sender_timeout),
+        opening: Opening::new(conninfo, primary, prerequisites.wal_sender_timeout),
         reader,
         delivery,
         transactions,

@@ -433,18 +433,19 @@ impl Relay {
             // so may the relay that streamed while this one waited for the slot.
             self.poison.set_policy(PoisonPolicy::new(
                 self.config.relay.on_poison,
-                crate::cdc::poison_policy::parked_keys(&link.metadata, &self.config).await?,
+                crate::cdc::poison_policy::parked_keys(link.writes(), &self.config).await?,
             ));
         }
         let history = link.server.history;
         self.reset_core(history, start, fresh_core);
-        let recorded = Opening::recorded_poison(&mut link.metadata, &self.config, start).await;
+        let recorded = Opening::recorded_poison(&mut link, &self.config, start).await;
         self.poison.set_recorded(recorded);
         self.opening.opened(history, link.server.started);
+        // Saved where the writes go, checked against that server's start.
         self.confirmation.start_session(
-            self.opening.conninfo(),
+            self.opening.writes_conninfo(),
             history,
-            link.server.started,
+            link.writes_started,
             start,
             Duration::from_millis(self.config.relay.position_save_interval_ms),
         );

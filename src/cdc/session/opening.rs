@@ -10,6 +10,11 @@
 //! a restarted server rewinds its slot to the last checkpoint, and a restored or
 //! promoted one has another history.
 //!
+//! With `postgres.slot_url` the slot lives on a standby and the relay's writes go
+//! to the primary (`postgres::servers`): the link holds a metadata connection to
+//! each, and every step reads the slot where it lives and the position where it is
+//! written.
+//!
 //! It owns that memory and nothing else: the core, the producer and the position
 //! table are passed in by the loop, which applies the outcome to them.
 
@@ -29,16 +34,30 @@ use crate::poison::RecordedPoison;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{ReplicationConnection, TimelineSwitch};
+use crate::postgres::servers::{ServerPair, StandbySnapshots};
 use crate::postgres::slot::{self, SlotState};
 
 /// A session's connections to the server, and the server as they found it.
 pub(super) struct Link {
-    /// The metadata connection (a fresh one per session: the previous one may have
-    /// died with the server).
+    /// The metadata connection to the slot's server (a fresh one per session: the
+    /// previous one may have died with the server).
     pub(super) metadata: Client,
+    /// The metadata connection to the server the writes go to, when the slot lives
+    /// on another one (`postgres.slot_url`).
+    primary: Option<Client>,
+    /// When the server the writes go to started (the position saver refuses one
+    /// that restarted meanwhile).
+    pub(super) writes_started: Option<i64>,
     /// The replication connection, until it streams.
     pub(super) conn: ReplicationConnection,
     pub(super) server: ServerView,
+}
+
+impl Link {
+    /// The server the relay's writes go to, and the reads of what it wrote.
+    pub(super) fn writes(&mut self) -> &mut Client {
+        self.primary.as_mut().unwrap_or(&mut self.metadata)
+    }
 }
 
 /// Where a session starts, decided and carried out.
@@ -52,7 +71,11 @@ pub(super) struct Start {
 
 /// See the module documentation.
 pub(super) struct Opening {
+    /// The slot's server.
     conninfo: ConnInfo,
+    /// The server the writes go to, when it is not the slot's
+    /// (`postgres.slot_url`).
+    primary: Option<ConnInfo>,
     /// The server history of the last session (`None` before the first).
     history: Option<ServerHistory>,
     /// When the server of the last session started (a restart forgets the
@@ -64,17 +87,28 @@ pub(super) struct Opening {
 }
 
 impl Opening {
-    pub(super) fn new(conninfo: ConnInfo, wal_sender_timeout: Duration) -> Opening {
+    pub(super) fn new(
+        conninfo: ConnInfo,
+        primary: Option<ConnInfo>,
+        wal_sender_timeout: Duration,
+    ) -> Opening {
         Opening {
             conninfo,
+            primary,
             history: None,
             server_started: None,
             wal_sender_timeout,
         }
     }
 
+    /// The slot's server.
     pub(super) fn conninfo(&self) -> &ConnInfo {
         &self.conninfo
+    }
+
+    /// The server the writes go to.
+    pub(super) fn writes_conninfo(&self) -> &ConnInfo {
+        self.primary.as_ref().unwrap_or(&self.conninfo)
     }
 
     /// The server history of the current session (`None` before the first).
@@ -82,8 +116,9 @@ impl Opening {
         self.history
     }
 
-    /// Connects both connections and reads the server's identity, timeline forks
-    /// and start time.
+    /// Connects the metadata and replication connections to the slot's server (and
+    /// a metadata connection to the primary when the slot is elsewhere), and reads
+    /// the slot server's identity, timeline forks and start time.
     ///
     /// # Errors
     ///
@@ -104,8 +139,18 @@ impl Opening {
             forks: timeline_forks(&mut conn, identity.timeline).await,
             started: crate::postgres::postmaster_started(&metadata).await?,
         };
+        let (primary, writes_started) = match &self.primary {
+            Some(info) => {
+                let primary = crate::postgres::connect_info(info).await?;
+                let started = crate::postgres::postmaster_started(&primary).await?;
+                (Some(primary), started)
+            }
+            None => (None, server.started),
+        };
         Ok(Link {
             metadata,
+            primary,
+            writes_started,
             conn,
             server,
         })
@@ -150,7 +195,7 @@ impl Opening {
         let slot_name = config.postgres.slot_name();
         let mut waited = false;
         loop {
-            match plan(&link.metadata, config, positions, &link.server, remembered).await? {
+            match plan(link, config, positions, remembered).await? {
                 StartPlan::Busy { .. } => {}
                 StartPlan::Resume { .. } if !waited => {}
                 plan => return Ok(plan),
@@ -211,10 +256,10 @@ impl Opening {
                         previous = ?self.history, remembered = ?remembered.map(|r| r.confirmed),
                         "recording the position on this server history (failover, or WAL restored in place)");
                     positions
-                        .adopt(&link.metadata, history, from, keep_checkpoint)
+                        .adopt(link.writes(), history, from, keep_checkpoint)
                         .await?;
                     fresh_core = true;
-                } else if !positions.save(&link.metadata, history, from).await? {
+                } else if !positions.save(link.writes(), history, from).await? {
                     // The start may come from this process's memory: saved before
                     // any status can confirm it. A row that refuses it (marked lost
                     // by a relay resyncing, or of another history meanwhile): decide
@@ -245,16 +290,17 @@ impl Opening {
     /// WAL end now, after any wait for the slot): a failed read costs duplicates,
     /// never a loss, so it does not stop the start.
     pub(super) async fn recorded_poison(
-        metadata: &mut Client,
+        link: &mut Link,
         config: &Config,
         start: Lsn,
     ) -> RecordedPoison {
         let copy_limit = config.relay.poison_copy_limit_bytes;
         let read = async {
-            let wal_end = crate::postgres::wal_end(&*metadata).await?;
+            // The WAL end of the slot's server; the rows where they are written.
+            let wal_end = crate::postgres::wal_end(&link.metadata).await?;
             let outboxes: Vec<_> = config.outboxes().collect();
             let slot = config.postgres.slot_name();
-            RecordedPoison::read(metadata, &outboxes, &slot, copy_limit, start, wal_end).await
+            RecordedPoison::read(link.writes(), &outboxes, &slot, copy_limit, start, wal_end).await
         };
         read.await
             .unwrap_or_else(|e| {
@@ -274,6 +320,9 @@ impl Opening {
     ) -> Result<Lsn> {
         let slot_name = config.postgres.slot_name();
         let history = link.server.history;
+        // On a standby, the primary is asked for the snapshot records the
+        // creation waits for.
+        let _snapshots = StandbySnapshots::start(link.conn.on_standby(), self.primary.as_ref());
         // A missing slot (or an interrupted cutover) first gets the backlog the
         // poller had not sent; then the slot exists and streaming starts at its
         // consistent point.
@@ -281,7 +330,7 @@ impl Opening {
             config,
             &self.conninfo,
             &mut link.conn,
-            &mut link.metadata,
+            &mut ServerPair::of(&mut link.metadata, link.primary.as_mut()),
             history,
             crate::cdc::cutover::Trigger::Run(config.relay.cutover),
         )
@@ -296,7 +345,7 @@ impl Opening {
             SlotState::Existing { confirmed_flush } => confirmed_flush,
         };
         positions
-            .adopt(&link.metadata, history, start, false)
+            .adopt(link.writes(), history, start, false)
             .await?;
         Ok(start)
     }
@@ -324,10 +373,10 @@ impl Opening {
         }
         health.set_alert("slot", Some(format!("{loss}; resyncing before streaming")));
         let lock = crate::cdc::cutover::lock_key(&slot_name);
-        link.metadata
+        link.writes()
             .execute("SELECT pg_advisory_lock(hashtext($1))", &[&lock])
             .await?;
-        let replanned = plan(&link.metadata, config, positions, &link.server, remembered).await?;
+        let replanned = plan(link, config, positions, remembered).await?;
         let StartPlan::Lost {
             loss,
             delivered_xmin,
@@ -337,17 +386,19 @@ impl Opening {
             // ends with the connection, which releases the lock.
             return Err(Error::RelaySlotHealedElsewhere { slot: slot_name });
         };
+        let snapshots = StandbySnapshots::start(link.conn.on_standby(), self.primary.as_ref());
         let summary = crate::cdc::resync::resync(
             config,
             &self.conninfo,
             &mut link.conn,
-            &mut link.metadata,
+            &mut ServerPair::of(&mut link.metadata, link.primary.as_mut()),
             history,
             &loss,
             delivered_xmin,
         )
         .await?;
-        link.metadata
+        drop(snapshots);
+        link.writes()
             .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
             .await?;
         health.set_alert("slot", None);
@@ -360,13 +411,13 @@ impl Opening {
 /// in this order the slot can only look behind the record, never ahead
 /// (`cdc::start`).
 async fn plan(
-    metadata: &Client,
+    link: &Link,
     config: &Config,
     positions: &PositionTable,
-    server: &ServerView,
     remembered: Option<Remembered>,
 ) -> Result<StartPlan> {
     let slot_name = &config.postgres.slot_name();
+    let (metadata, server) = (&link.metadata, &link.server);
     let slot = slot::slot_info(metadata, slot_name)
         .await?
         .map(|info| SlotView {
@@ -374,7 +425,10 @@ async fn plan(
             invalidated: info.wal_status.as_deref() == Some("lost"),
             active_pid: info.active_pid,
         });
-    let recorded = positions.load(metadata).await?;
+    // Where it is written: a standby's replay lag must not show an older one.
+    let recorded = positions
+        .load(link.primary.as_ref().unwrap_or(metadata))
+        .await?;
     // The WAL end last, and now: a session that waited for its slot must not judge
     // a position saved meanwhile by the WAL end it saw before the wait.
     let server = ServerView {

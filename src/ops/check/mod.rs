@@ -16,7 +16,9 @@
 //!
 //! One file per area: `server.rs` (connection, TLS, `wal_level`, free slots and
 //! senders, slot state, `max_slot_wal_keep_size`), `privileges.rs` (the role),
-//! `publication.rs`, `migrations.rs`, `kafka.rs` (broker, topics). This file holds
+//! `publication.rs`, `migrations.rs`, `kafka.rs` (broker, topics), `standby.rs`
+//! (a slot on a standby, `postgres.slot_url`: the slot-side checks of `server.rs`
+//! are then made on the standby, the rest on the primary). This file holds
 //! the result types, the order of the checks, the text and JSON renderings, and
 //! [`RunChecks`], the [`StartChecks`] that `run` is given by the binary.
 //!
@@ -39,6 +41,7 @@ mod privileges;
 mod publication;
 mod resync;
 mod server;
+mod standby;
 
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -143,6 +146,8 @@ impl Check {
                 self.name,
                 "postgres.tls"
                     | "postgres.slot"
+                    | "postgres.standby.hot_standby_feedback"
+                    | "postgres.standby.physical_slot"
                     | "postgres.max_slot_wal_keep_size"
                     | "postgres.migrations"
                     | "kafka.topics"
@@ -240,7 +245,15 @@ pub async fn run(config: Result<Config, ConfigError>) -> Report {
         match connect(&config).await {
             Ok((client, info)) => {
                 let mut out = vec![server::connection(&client, &info).await];
-                out.extend(postgres_checks(&client, &info, &config).await);
+                match slot_server(&config).await {
+                    Ok(standby) => {
+                        let slot_client = standby.as_ref().unwrap_or(&client);
+                        out.extend(
+                            Box::pin(postgres_checks(&client, slot_client, &info, &config)).await,
+                        );
+                    }
+                    Err(problem) => out.push(problem),
+                }
                 (out, Some(client))
             }
             Err(problem) => (vec![problem], None),
@@ -337,14 +350,46 @@ async fn connect(config: &Config) -> Result<(Client, ConnInfo), Check> {
     }
 }
 
-/// Every PostgreSQL check but the connection's own, concurrently on one client
-/// (tokio-postgres pipelines them).
-async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> Vec<Check> {
+/// The standby the slot lives on (`postgres.slot_url`), connected; `None` when
+/// the slot is on `postgres.url`'s server; the `postgres.standby.connection`
+/// problem when it cannot be reached.
+async fn slot_server(config: &Config) -> Result<Option<Client>, Check> {
+    const NAME: &str = "postgres.standby.connection";
+    let Some(url) = &config.postgres.slot_url else {
+        return Ok(None);
+    };
+    let info = crate::postgres::parse_url(url).map_err(|e| {
+        Check::problem(
+            NAME,
+            e.to_string(),
+            "fix postgres.slot_url (docs/configuration.md)",
+        )
+    })?;
+    match crate::postgres::connect_info(&info).await {
+        Ok(client) => Ok(Some(client)),
+        Err(e) => Err(Check::problem(
+            NAME,
+            format!("{e} (the standby's checks need a connection and were not run)"),
+            "check postgres.slot_url (host, port, user, password, sslmode), that the standby \
+             accepts this host in pg_hba.conf, and that it is running",
+        )),
+    }
+}
+
+/// Every PostgreSQL check but the connection's own, concurrently (tokio-postgres
+/// pipelines them): on `client`, and those of the slot on `slot_client`, the same
+/// server or the standby of `postgres.slot_url` (with the standby's own checks).
+async fn postgres_checks(
+    client: &Client,
+    slot_client: &Client,
+    info: &ConnInfo,
+    config: &Config,
+) -> Vec<Check> {
     let (tls, wal, slots, senders, role, grants, publication, slot, keep, migrations, resync) = tokio::join!(
         server::tls(client, info),
         server::wal_level(client),
-        server::free_slots(client, config),
-        server::free_senders(client, config),
+        server::free_slots(slot_client, config),
+        server::free_senders(slot_client, config),
         privileges::role(client),
         per_outbox(config, |view| async move {
             privileges::tables(client, &view).await
@@ -356,8 +401,8 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
             .await;
             publication::unserved(client, config, each).await
         },
-        server::slot(client, config),
-        server::max_slot_wal_keep_size(client, config),
+        server::slot(slot_client, config),
+        server::max_slot_wal_keep_size(slot_client, config),
         per_outbox(config, |view| async move {
             migrations::check(client, &view).await
         }),
@@ -381,6 +426,9 @@ async fn postgres_checks(client: &Client, info: &ConnInfo, config: &Config) -> V
     ];
     if config.kafka.delivery == crate::config::DeliveryMode::ExactlyOnce {
         checks.push(resync::restore_detection(client).await);
+    }
+    if config.postgres.slot_elsewhere() {
+        checks.extend(standby::checks(client, slot_client).await);
     }
     checks
 }
@@ -441,9 +489,13 @@ impl RunChecks {
     async fn report(client: &Client, publisher: &Publisher, config: &Config) -> Report {
         let info = crate::postgres::parse_url(&config.postgres.url);
         let postgres = async {
-            match &info {
-                Ok(info) => postgres_checks(client, info, config).await,
-                Err(e) => vec![Check::problem(
+            match (&info, slot_server(config).await) {
+                (Ok(info), Ok(standby)) => {
+                    let slot_client = standby.as_ref().unwrap_or(client);
+                    Box::pin(postgres_checks(client, slot_client, info, config)).await
+                }
+                (Ok(_), Err(problem)) => vec![problem],
+                (Err(e), _) => vec![Check::problem(
                     "postgres.connection",
                     e.to_string(),
                     "fix postgres.url",

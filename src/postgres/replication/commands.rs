@@ -139,19 +139,27 @@ const FAILOVER_SLOTS_SINCE: u32 = 17;
 /// permanent slot on PostgreSQL 17 or later. An unknown version gets no
 /// `FAILOVER` (a 15 or 16 server would refuse the option).
 #[must_use]
-pub(crate) fn creates_failover_slot(temporary: bool, server_major: Option<u32>) -> bool {
-    !temporary && server_major.is_some_and(|v| v >= FAILOVER_SLOTS_SINCE)
+pub(crate) fn creates_failover_slot(
+    temporary: bool,
+    server_major: Option<u32>,
+    on_standby: bool,
+) -> bool {
+    !temporary && !on_standby && server_major.is_some_and(|v| v >= FAILOVER_SLOTS_SINCE)
 }
 
 /// The `CREATE_REPLICATION_SLOT` command for a server major version (`None`:
 /// assume a current server, without failover). A permanent slot on PostgreSQL 17
-/// or later is a failover slot (`FAILOVER true`).
+/// or later is a failover slot (`FAILOVER true`), except on a standby
+/// (`on_standby`), where PostgreSQL refuses one: "cannot enable failover for a
+/// replication slot created on the standby" (`slot.c`); such a slot cannot be
+/// synced anyway, and a promotion of that standby keeps it.
 #[must_use]
 pub fn create_slot_command(
     name: &str,
     temporary: bool,
     snapshot: SnapshotAction,
     server_major: Option<u32>,
+    on_standby: bool,
 ) -> String {
     let mut command = format!("CREATE_REPLICATION_SLOT {}", quote_ident(name));
     if temporary {
@@ -165,7 +173,7 @@ pub fn create_slot_command(
             SnapshotAction::NoExport => " (SNAPSHOT 'nothing'",
             SnapshotAction::Use => " (SNAPSHOT 'use'",
         });
-        if creates_failover_slot(temporary, server_major) {
+        if creates_failover_slot(temporary, server_major, on_standby) {
             command.push_str(", FAILOVER true");
         }
         command.push(')');

@@ -125,6 +125,15 @@ impl ReplicationConnection {
             .and_then(parse_major_version)
     }
 
+    /// Whether the server is a hot standby (in recovery) as it reported at
+    /// connection: `in_hot_standby`, a parameter PostgreSQL 14+ reports to every
+    /// client. A standby that is promoted later reports it again, but this is read
+    /// per command, and a session's connection is new.
+    #[must_use]
+    pub fn on_standby(&self) -> bool {
+        self.server_parameter("in_hot_standby") == Some("on")
+    }
+
     /// The walsender's process id (`pg_stat_replication.pid`).
     #[must_use]
     pub fn backend_pid(&self) -> Option<i32> {
@@ -212,7 +221,13 @@ impl ReplicationConnection {
         snapshot: SnapshotAction,
     ) -> Result<CreatedSlot, ReplicationError> {
         check_no_nul("slot name", name)?;
-        let command = create_slot_command(name, temporary, snapshot, self.server_major_version());
+        let command = create_slot_command(
+            name,
+            temporary,
+            snapshot,
+            self.server_major_version(),
+            self.on_standby(),
+        );
         let rows = self.simple_query(&command).await?;
         let row = single_row(&rows, "CREATE_REPLICATION_SLOT", 4)?;
         Ok(CreatedSlot {

@@ -104,23 +104,23 @@ fn builds_start_replication() {
 #[test]
 fn builds_create_slot_for_each_server_generation() {
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::NoExport, Some(15)),
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(15), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
     );
     assert_eq!(
-        create_slot_command("s", true, SnapshotAction::Export, Some(17)),
+        create_slot_command("s", true, SnapshotAction::Export, Some(17), false),
         "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
     );
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::Use, None),
+        create_slot_command("s", false, SnapshotAction::Use, None, false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'use')"
     );
     assert_eq!(
-        create_slot_command("s", true, SnapshotAction::NoExport, Some(14)),
+        create_slot_command("s", true, SnapshotAction::NoExport, Some(14), false),
         "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput NOEXPORT_SNAPSHOT"
     );
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::Use, Some(13)),
+        create_slot_command("s", false, SnapshotAction::Use, Some(13), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput USE_SNAPSHOT"
     );
 }
@@ -128,40 +128,54 @@ fn builds_create_slot_for_each_server_generation() {
 #[test]
 fn a_permanent_slot_on_postgres_17_is_a_failover_slot() {
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::NoExport, Some(17)),
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(17), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing', FAILOVER true)"
     );
     assert_eq!(
-        create_slot_command("o'brien", false, SnapshotAction::Export, Some(18)),
+        create_slot_command("o'brien", false, SnapshotAction::Export, Some(18), false),
         "CREATE_REPLICATION_SLOT \"o'brien\" LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)"
     );
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::Use, Some(17)),
+        create_slot_command("s", false, SnapshotAction::Use, Some(17), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'use', FAILOVER true)"
     );
     // The server refuses FAILOVER for a temporary slot.
     assert_eq!(
-        create_slot_command("s", true, SnapshotAction::NoExport, Some(17)),
+        create_slot_command("s", true, SnapshotAction::NoExport, Some(17), false),
         "CREATE_REPLICATION_SLOT \"s\" TEMPORARY LOGICAL pgoutput (SNAPSHOT 'nothing')"
     );
     // 15 and 16 do not know the option; an unknown version gets none either.
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::Export, Some(16)),
+        create_slot_command("s", false, SnapshotAction::Export, Some(16), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
     );
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::NoExport, None),
+        create_slot_command("s", false, SnapshotAction::NoExport, None, false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
     );
     // Before 15 the keyword syntax is unchanged.
     assert_eq!(
-        create_slot_command("s", false, SnapshotAction::NoExport, Some(14)),
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(14), false),
         "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput NOEXPORT_SNAPSHOT"
     );
-    assert!(creates_failover_slot(false, Some(17)));
-    assert!(!creates_failover_slot(true, Some(17)));
-    assert!(!creates_failover_slot(false, Some(16)));
-    assert!(!creates_failover_slot(false, None));
+    assert!(creates_failover_slot(false, Some(17), false));
+    assert!(!creates_failover_slot(true, Some(17), false));
+    assert!(!creates_failover_slot(false, Some(16), false));
+    assert!(!creates_failover_slot(false, None, false));
+}
+
+#[test]
+fn a_slot_on_a_standby_is_never_a_failover_slot() {
+    // PostgreSQL refuses FAILOVER for a slot created on a standby.
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::NoExport, Some(17), true),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'nothing')"
+    );
+    assert_eq!(
+        create_slot_command("s", false, SnapshotAction::Export, Some(18), true),
+        "CREATE_REPLICATION_SLOT \"s\" LOGICAL pgoutput (SNAPSHOT 'export')"
+    );
+    assert!(!creates_failover_slot(false, Some(17), true));
 }
 
 #[test]

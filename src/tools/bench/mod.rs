@@ -114,7 +114,14 @@ pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
         &samples,
     );
     if steady {
-        report.steady = steady::run(config, &workload, &steady_modes, args, &progress).await?;
+        report.steady = Box::pin(steady::run(
+            config,
+            &workload,
+            &steady_modes,
+            args,
+            &progress,
+        ))
+        .await?;
         report.attach_latencies();
     }
     progress.finish();

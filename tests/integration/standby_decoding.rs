@@ -1,0 +1,282 @@
+//! Decoding on a standby (`postgres.slot_url`, PostgreSQL 16+): the relay's slot and
+//! walsender live on a physical standby, its writes (position, poison rows,
+//! heartbeats, cutover marks) go to the primary, and every promise holds across a
+//! kill -9 of the relay, an immediate restart of the standby and a promotion of
+//! that standby (the slot survives it: the relay streams on from it).
+//!
+//! It needs a primary and a standby, which the main suite does not have: it is
+//! `#[ignore]`d there and run by `scripts/pg17-failover-drill` on PostgreSQL 17
+//! clusters of its own (`OUTBOX_RELAY_PG17_PRIMARY_URL`,
+//! `OUTBOX_RELAY_PG17_STANDBY_URL`; `OUTBOX_RELAY_PG17_DRILL` is the drill script,
+//! whose `ctl` restarts a server). Run without them, it fails and says so.
+
+use std::time::{Duration, Instant};
+
+use tokio_postgres::Client;
+
+use crate::harness::{
+    self, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique, deliveries, tally,
+};
+
+/// The relay's in-flight window: what a kill can have delivered past its position.
+const WINDOW: usize = 200;
+
+/// A variable the drill sets; its absence is a failure, not a skip.
+fn required(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!(
+            "{name} is not set: this test needs a PostgreSQL 16+ primary and a hot standby; \
+             run it with scripts/pg17-failover-drill"
+        )
+    })
+}
+
+/// Commits rows `seqs` as single-row transactions, 13 entities round robin.
+async fn write(client: &Client, seqs: std::ops::Range<i64>) {
+    client
+        .batch_execute(&format!(
+            "DO $$ BEGIN
+               FOR g IN {}..{} LOOP
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g));
+                 COMMIT;
+               END LOOP;
+             END $$",
+            seqs.start,
+            seqs.end - 1
+        ))
+        .await
+        .expect("write events");
+}
+
+/// `(active, walsender state)` of `slot` on a server: whether a walsender streams
+/// from it there.
+async fn streaming_there(client: &Client, slot: &str) -> bool {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots s
+             JOIN pg_stat_replication r ON r.pid = s.active_pid
+             WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming')",
+            &[&slot],
+        )
+        .await
+        .expect("read pg_replication_slots")
+        .get::<_, i64>(0)
+        == 1
+}
+
+/// Logical slots and logical walsenders of `db` on a server.
+async fn logical_on(client: &Client, db: &str) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM pg_replication_slots
+                     WHERE slot_type = 'logical' AND database = $1),
+                    (SELECT count(*) FROM pg_stat_activity
+                     WHERE backend_type = 'walsender' AND datname = $1)",
+            &[&db],
+        )
+        .await
+        .expect("read the server's slots and walsenders");
+    (row.get(0), row.get(1))
+}
+
+/// Waits until the relay streams from `slot` on the server of `client`.
+async fn wait_streaming(client: &Client, slot: &str, relay: &RelayProcess, after_lines: usize) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let log = relay.log();
+        let streaming_logged = log
+            .lines()
+            .skip(after_lines)
+            .any(|l| l.contains(&format!("streaming slot={slot}")));
+        if streaming_logged && streaming_there(client, slot).await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay did not stream from {slot} within 90 s; log:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The relay's confirmed position as saved on the primary.
+async fn saved_position(client: &Client, slot: &str) -> Option<String> {
+    client
+        .query_opt(
+            "SELECT confirmed_lsn::text FROM outbox_relay_position WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("read outbox_relay_position")
+        .map(|r| r.get(0))
+}
+
+/// Runs `scripts/pg17-failover-drill ctl SERVER ARGS…` (pg_ctl on that cluster).
+fn ctl(server: &str, args: &[&str]) {
+    let drill = required("OUTBOX_RELAY_PG17_DRILL");
+    let status = std::process::Command::new(&drill)
+        .arg("ctl")
+        .arg(server)
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("run {drill} ctl: {e}"));
+    assert!(status.success(), "{drill} ctl {server} {args:?} failed");
+}
+
+/// The number of lines of a log so far (to look only at what comes after).
+fn lines(relay: &RelayProcess) -> usize {
+    relay.log().lines().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a PostgreSQL 16+ primary and standby: scripts/pg17-failover-drill"]
+async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts_and_promotion() {
+    let primary_url = required("OUTBOX_RELAY_PG17_PRIMARY_URL");
+    let standby_url = required("OUTBOX_RELAY_PG17_STANDBY_URL");
+    let standby_admin = harness::connect(&standby_url).await;
+    let (in_recovery, feedback): (bool, String) = {
+        let row = standby_admin
+            .query_one(
+                "SELECT pg_is_in_recovery(), current_setting('hot_standby_feedback')",
+                &[],
+            )
+            .await
+            .expect("read the standby's settings");
+        (row.get(0), row.get(1))
+    };
+    assert!(
+        in_recovery && feedback == "on",
+        "{standby_url} must be a hot standby with hot_standby_feedback = on"
+    );
+
+    let db = TestDb::create_in(&primary_url, "standby_decoding", 3, "").await;
+    let replica_url = harness::database_url(&standby_url, &db.name);
+    let total_started = Instant::now();
+
+    // A backlog a polling relay had not sent: the first start cuts over from it,
+    // reading the rows in the snapshot the slot's creation exported on the standby.
+    const BACKLOG: i64 = 300;
+    write(&db.client, 0..BACKLOG).await;
+    let window = WINDOW.to_string();
+    let env = [
+        ("OUTBOX_RELAY__POSTGRES__SLOT_URL", replica_url.as_str()),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str()),
+    ];
+    let relay = RelayProcess::start(&db.config_path, &env);
+    // The standby has the test database once it replayed its creation.
+    let replica = {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match tokio_postgres::connect(&replica_url, tokio_postgres::NoTls).await {
+                Ok((client, connection)) => {
+                    tokio::spawn(connection);
+                    break client;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "{replica_url}: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    };
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    let created = total_started.elapsed();
+
+    // The primary decodes nothing: no logical slot, no walsender of this database.
+    assert_eq!(
+        logical_on(&db.client, &db.name).await,
+        (0, 0),
+        "the primary has a logical slot or walsender of the test database; log:\n{}",
+        relay.log()
+    );
+    let (standby_slots, standby_senders) = logical_on(&replica, &db.name).await;
+    assert_eq!(
+        (standby_slots, standby_senders),
+        (1, 1),
+        "the standby's logical slots and walsenders"
+    );
+
+    // Live events, and a kill -9 while they are delivered.
+    let mut written = BACKLOG;
+    write(&db.client, written..written + 1_500).await;
+    written += 1_500;
+    relay.kill9().await;
+    let delivered_before_kill =
+        tally(&consume(&db.topic, usize::MAX, Duration::from_secs(2)).await).0;
+    let relay = RelayProcess::start(&db.config_path, &env);
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    write(&db.client, written..written + 1_000).await;
+    written += 1_000;
+
+    // An immediate restart of the standby under the streaming relay: its session
+    // ends, and it resumes once the standby accepts connections again.
+    let before_restart = lines(&relay);
+    ctl("standby", &["restart", "-m", "immediate"]);
+    write(&db.client, written..written + 1_000).await;
+    written += 1_000;
+    let replica = harness::connect(&replica_url).await;
+    wait_streaming(&replica, &db.slot, &relay, before_restart).await;
+    let total = usize::try_from(written).expect("count");
+    let before_promotion = consume_unique(&db.topic, total, Duration::from_secs(120), &relay).await;
+    let saved = saved_position(&db.client, &db.slot).await;
+    assert!(
+        saved.as_deref().is_some_and(|s| s != "0/0"),
+        "the relay saved no position on the primary: {saved:?}"
+    );
+
+    // The standby is promoted (the primary stops first, as in a failover). The slot
+    // lives on it: the relay, pointed at the new primary alone, streams on from it.
+    relay.terminate(Duration::from_secs(30)).await;
+    ctl("primary", &["stop", "-m", "fast"]);
+    let promoted: bool = replica
+        .query_one("SELECT pg_promote(true, 60)", &[])
+        .await
+        .expect("pg_promote")
+        .get(0);
+    assert!(promoted, "the standby was not promoted within 60 s");
+    write(&replica, written..written + 1_000).await;
+    written += 1_000;
+    let config = std::fs::read_to_string(&db.config_path)
+        .expect("the test config")
+        .replace(&db.url, &replica_url);
+    let promoted_config = db.config_path.with_extension("promoted.toml");
+    std::fs::write(&promoted_config, config).expect("write the promoted config");
+    let relay = RelayProcess::start(
+        &promoted_config,
+        &[("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str())],
+    );
+    let total = usize::try_from(written).expect("count");
+    let first = consume_unique(&db.topic, total, Duration::from_secs(120), &relay).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
+    let (unique, duplicates) = tally(&records);
+    let log = relay.log();
+    eprintln!(
+        "standby decoding: {total} events ({BACKLOG} cut over from the standby's snapshot); slot \
+         created and streaming on the standby {} ms after start; {delivered_before_kill} \
+         delivered before the kill -9; {} records before the promotion; lost {}, duplicates \
+         {duplicates}; {} s in all",
+        created.as_millis(),
+        before_promotion.len(),
+        total.saturating_sub(unique),
+        total_started.elapsed().as_secs()
+    );
+    assert_eq!(unique, total, "events lost; log:\n{log}");
+    assert_per_key_order(&records);
+    // Only the kill -9 and the standby's restart can repeat events: each at most
+    // the in-flight window and what was resolved past the last save.
+    assert!(
+        duplicates <= 4 * WINDOW,
+        "{duplicates} duplicates, more than four in-flight windows of {WINDOW}; log:\n{log}"
+    );
+    assert!(
+        deliveries(&records).values().all(|&n| n <= 3),
+        "an event was delivered more than three times"
+    );
+    // The slot survived the promotion: no resync.
+    assert!(
+        !log.contains("replication slot lost"),
+        "the slot was not trusted after the promotion; log:\n{log}"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+}
