@@ -197,9 +197,10 @@ fn check_override(
     match key {
         "bootstrap.servers" | "metadata.broker.list" => reject("set kafka.brokers instead"),
         "partitioner" => reject("set kafka.partitioner instead"),
-        "transactional.id" => {
-            reject("the relay is not transactional; idempotence already prevents duplicates")
-        }
+        "transactional.id" => reject(
+            "at-least-once delivery is not transactional, and kafka.delivery = \"exactly-once\" \
+             sets its own (outbox-relay.<slot>)",
+        ),
         "enable.idempotence" if !v.eq_ignore_ascii_case("true") => reject(
             "the idempotent producer is required: without it a retry can duplicate or reorder",
         ),
