@@ -120,3 +120,140 @@ pub enum Command {
         json: bool,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    //! The commands tables of the README and the docs against the CLI itself: a
+    //! command added (or renamed) in [`Command`] and missing from a table, or a row
+    //! left for a command that is gone, fails here rather than in a reader's shell.
+
+    use std::collections::BTreeSet;
+
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// The tables that list every command: file, text, and the heading they are under.
+    const TABLES: [(&str, &str, &str); 3] = [
+        ("README.md", include_str!("../README.md"), "## Commands"),
+        (
+            "docs/operations.md",
+            include_str!("../docs/operations.md"),
+            "## Commands",
+        ),
+        (
+            "docs/architecture.md",
+            include_str!("../docs/architecture.md"),
+            "### Command line",
+        ),
+    ];
+
+    /// The rows of the tables under `heading` (up to the next heading) whose first cell
+    /// is code: the command (the cell's first word) and the whole cell,
+    /// `` | `poll [--after-cdc]` | `` giving `poll` and `poll [--after-cdc]`.
+    fn rows(text: &str, heading: &str) -> Vec<(String, String)> {
+        let mut lines = text.lines().skip_while(|line| *line != heading);
+        assert!(lines.next().is_some(), "no heading {heading:?}");
+        let mut fenced = false;
+        let mut out = Vec::new();
+        for line in lines {
+            if line.starts_with("```") {
+                fenced = !fenced;
+            }
+            if fenced {
+                continue;
+            }
+            if line.starts_with('#') {
+                break;
+            }
+            let Some(rest) = line.strip_prefix("| `") else {
+                continue;
+            };
+            let cell = rest.split("` |").next().unwrap_or_default();
+            let name = cell.split(['`', ' ']).next().unwrap_or_default();
+            out.push((name.to_owned(), cell.to_owned()));
+        }
+        out
+    }
+
+    /// The commands the tables under `heading` list, in order.
+    fn listed(text: &str, heading: &str) -> Vec<String> {
+        rows(text, heading)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    fn commands() -> BTreeSet<String> {
+        Cli::command()
+            .get_subcommands()
+            .map(|c| c.get_name().to_owned())
+            .filter(|name| name != "help")
+            .collect()
+    }
+
+    #[test]
+    fn every_command_has_a_row_in_each_commands_table() {
+        let ours = commands();
+        assert!(ours.contains("run") && ours.contains("migrate"), "{ours:?}");
+        for (file, text, heading) in TABLES {
+            let rows = listed(text, heading);
+            let listed: BTreeSet<String> = rows.iter().cloned().collect();
+            assert_eq!(
+                listed.len(),
+                rows.len(),
+                "{file}: a command twice: {rows:?}"
+            );
+            let missing: Vec<&String> = ours.difference(&listed).collect();
+            assert!(
+                missing.is_empty(),
+                "{file}, {heading:?}: no row for {missing:?}"
+            );
+            // Without the `tools` feature the CLI lacks `demo`, `bench` and
+            // `dev-broker`, which the tables still describe.
+            if cfg!(feature = "tools") {
+                let unknown: Vec<&String> = listed.difference(&ours).collect();
+                assert!(
+                    unknown.is_empty(),
+                    "{file}, {heading:?}: rows for commands the CLI does not have: {unknown:?}"
+                );
+            }
+        }
+    }
+
+    /// The command-line table of docs/architecture.md gives each command's usage:
+    /// every flag of the command is in its row (those every command takes, `--config`
+    /// and `--set`, are in the line above the table).
+    #[test]
+    fn every_flag_is_in_the_usage_table() {
+        let (file, text, heading) = TABLES[2];
+        let usage = rows(text, heading);
+        let mut missing = Vec::new();
+        for command in Cli::command().get_subcommands() {
+            let name = command.get_name();
+            let Some((_, cell)) = usage.iter().find(|(listed, _)| listed == name) else {
+                continue; // every_command_has_a_row_in_each_commands_table says so
+            };
+            for arg in command.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if arg.is_hide_set() || matches!(long, "config" | "set" | "help") {
+                    continue;
+                }
+                if !cell.contains(&format!("--{long}")) {
+                    missing.push(format!("{name} --{long}"));
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "{file}, {heading:?}: flags missing from their command's row: {missing:?}"
+        );
+    }
+
+    #[test]
+    fn a_table_is_read_as_the_commands_it_lists() {
+        let text = "## Commands\n\n```sh\n| `not-a-row` |\n```\n\n| command | what |\n|---|---|\n\
+                    | `poll [--after-cdc]` | p |\n| `replay --id ID` | r |\n\n## Next\n| `later` | x |\n";
+        assert_eq!(listed(text, "## Commands"), ["poll", "replay"]);
+    }
+}

@@ -15,16 +15,19 @@
 //! | stage | module |
 //! |---|---|
 //! | stream and decode the WAL | [`postgres`] (connections, replication protocol, `pgoutput`) |
-//! | map a row to a record | [`outbox`] (mapper, topic, envelope, headers; writer helpers, checkpoints) |
-//! | produce and collect acks | [`kafka`] |
+//! | map a row to a record | [`outbox`] (mapper, topic, envelope, CloudEvents, headers, the message outbox; writer helpers, checkpoints, the saved position) |
+//! | the consumer's half | [`inbox`] (each event applied once) |
+//! | produce and collect acks | [`kafka`] (and Kafka transactions for exactly-once) |
 //! | record what cannot be delivered | [`poison`] |
 //! | the polling relay (fallback, baseline) | [`poller`] |
 //! | confirm: the `run` command | [`cdc`] (session loop, the sans-IO progress core, heartbeat, metrics, cutover) |
-//! | operator commands | [`ops`] (migrate, status, replay, retention, audit) |
-//! | developer tools | [`tools`] (demo, bench) |
+//! | operator commands | [`ops`] (check, migrate, status, replay, retention, audit, health) |
+//! | developer tools | [`tools`] (demo, bench, dev-broker; cargo feature `tools`) |
 //!
-//! Beneath them all: [`lsn`], [`lifecycle`] (shutdown and backoff), [`error`] and
-//! [`config`]; above them all: [`cli`].
+//! Beneath them all: [`lsn`], [`lifecycle`] (shutdown and backoff), [`delivery`] (event
+//! ids and failure classes) and [`config`]; [`error`], the commands' error, wraps the
+//! errors of the layers below it and sits above [`kafka`] and [`poison`]; above them
+//! all: [`cli`] (`scripts/check-layers` checks the order).
 
 pub mod cdc;
 pub mod cli;

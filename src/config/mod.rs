@@ -22,6 +22,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(test)]
+pub(crate) mod documented;
 pub mod duration;
 mod error;
 mod redact;

@@ -13,7 +13,8 @@
 //!
 //! | class | codes | why |
 //! |---|---|---|
-//! | poison ([`Failure::Permanent`]) | `MessageSizeTooLarge`, `InvalidMessageSize`, `MessageBatchTooLarge` (Java's `RECORD_LIST_TOO_LARGE`), `InvalidRecord`, `InvalidMessage` (`CORRUPT_MESSAGE`), `InvalidTimestamp`, `PolicyViolation`, `UnsupportedForMessageFormat`, `TopicAuthorizationFailed`, `UnknownTopicOrPartition`, `UnknownTopic`, `UnknownPartition`, `UnknownTopicId`, `InvalidTopic` (Java's `TopicException`) | the record or its topic is at fault: the same bytes to the same topic fail again. The core still retries up to `max_attempts`, which also covers a one-off corrupt batch on the wire and a topic created a moment later. |
+//! | poison ([`Failure::Permanent`]) | `MessageSizeTooLarge`, `InvalidMessageSize`, `MessageBatchTooLarge` (Java's `RECORD_LIST_TOO_LARGE`), `InvalidRecord`, `InvalidMessage` (`CORRUPT_MESSAGE`), `PolicyViolation`, `UnsupportedForMessageFormat`, `InvalidTopic` (Java's `TopicException`) | the record itself is at fault: the same bytes to the same topic fail again. The core still retries up to `max_attempts`, which also covers a one-off corrupt batch on the wire. |
+//! | configuration ([`Failure::Configuration`], see [`is_configuration`]) | `UnknownTopicOrPartition`, `UnknownTopic`, `UnknownPartition`, `UnknownTopicId`, `TopicAuthorizationFailed`, `InvalidTimestamp` | the topic's or the cluster's setup is at fault (the topic does not exist yet, no ACL, a timestamp outside the topic's window): fixing the setup makes the very same record deliverable. Under `relay.on_config_error = "block"` (the default, [`Failure::under`]) they are retried forever like transient errors, and the shell blocks the topic and alerts; under `"poison"` they count as poison. [`error_class`] still says [`ErrorClass::Poison`] for them: their class under `"poison"`. |
 //! | fatal ([`ErrorClass::Fatal`], reported as [`Failure::Transient`]) | `Fatal`, `ClusterAuthorizationFailed`, `Authentication`, `SaslAuthenticationFailed`, `UnsupportedSASLMechanism`, `IllegalSASLState`, `SSL`, `InvalidRequiredAcks`, `TransactionalIdAuthorizationFailed` | the *client* is broken, not the record. Poisoning would drain the whole outbox into the poison table, so the event is never poisoned; the shell should stop with a clear message (check [`Publisher::fatal_error`](super::Publisher::fatal_error)) and a restart resumes from the slot. |
 //! | transient | everything else: transport, `AllBrokersDown`, `NotLeaderForPartition`, `LeaderNotAvailable`, `RequestTimedOut`, `MessageTimedOut`, `QueueFull`, `NotEnoughReplicas(AfterAppend)`, `InvalidDifferentRecord` (*another* record in the batch was bad), `PurgeQueue`/`PurgeInflight` (shutdown), … | the broker or the network is at fault: retry forever, never poison. |
 
@@ -28,8 +29,11 @@ pub(crate) fn error_class(code: RDKafkaErrorCode) -> ErrorClass {
     table(code).0
 }
 
-/// The outcome the core needs: [`Failure::Permanent`] for poison codes, else
-/// [`Failure::Transient`] (fatal codes included: a broken client is not the event's fault).
+/// The outcome the core needs: [`Failure::Configuration`] for the codes of
+/// [`is_configuration`] (which `relay.on_config_error` turns into a transient or a
+/// permanent failure, [`Failure::under`]), [`Failure::Permanent`] for the other poison
+/// codes, else [`Failure::Transient`] (fatal codes included: a broken client is not the
+/// event's fault).
 #[must_use]
 pub(crate) fn classify(code: RDKafkaErrorCode) -> Failure {
     if is_configuration(code) {
@@ -102,7 +106,9 @@ fn table(code: RDKafkaErrorCode) -> (ErrorClass, &'static str) {
     use ErrorClass::{Fatal, Poison, Transient};
     use RDKafkaErrorCode as C;
     match code {
-        // --- poison: this record, or its topic, is at fault --------------------------
+        // --- poison: this record, or its topic, is at fault (the topic's codes are
+        // configuration errors first, `is_configuration`: poison only under
+        // `relay.on_config_error = "poison"`) ---------------------------------------
         C::MessageSizeTooLarge => (Poison, "message_size_too_large"),
         C::InvalidMessageSize => (Poison, "invalid_message_size"),
         C::MessageBatchTooLarge => (Poison, "record_list_too_large"),

@@ -197,9 +197,10 @@ fn check_override(
     match key {
         "bootstrap.servers" | "metadata.broker.list" => reject("set kafka.brokers instead"),
         "partitioner" => reject("set kafka.partitioner instead"),
-        "transactional.id" => {
-            reject("the relay is not transactional; idempotence already prevents duplicates")
-        }
+        "transactional.id" => reject(
+            "at-least-once delivery is not transactional, and kafka.delivery = \"exactly-once\" \
+             sets its own (outbox-relay.<slot>)",
+        ),
         "enable.idempotence" if !v.eq_ignore_ascii_case("true") => reject(
             "the idempotent producer is required: without it a retry can duplicate or reorder",
         ),
@@ -518,5 +519,25 @@ pub(crate) mod tests {
         );
         assert_eq!(err.exit_code(), 2);
         assert!(err.to_string().contains("murmur2_random"), "{err}");
+    }
+
+    /// The `[kafka.producer]` settings `config/relay.example.toml` shows (commented
+    /// out: its samples turned on) are librdkafka's: the config loader passes any name
+    /// through, so librdkafka is what knows them (see `config::documented`).
+    #[test]
+    fn the_example_configs_producer_settings_are_librdkafkas() {
+        let mut shown = 0;
+        for (label, text) in crate::config::documented::example_variants() {
+            let config = crate::config::Config::from_sources(&label, &text, Vec::new())
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            shown += config.kafka.producer.len();
+            if let Err(e) = producer_config(&config.kafka, &config.relay) {
+                panic!("{label}: {e}");
+            }
+        }
+        assert!(shown >= 5, "the example shows {shown} producer settings");
+        // Not vacuous: a name librdkafka does not know is refused.
+        let err = rejected(&[("ssl.ca.locaton", "/etc/ca.crt")]);
+        assert!(matches!(err, BrokerError::InvalidSetting(_)), "{err:?}");
     }
 }

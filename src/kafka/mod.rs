@@ -4,14 +4,19 @@
 //! This module only *publishes and reports*. Whether a failed event is retried,
 //! backed off or poisoned is decided by the sans-IO core in [`crate::cdc::progress`]; the
 //! publisher tells it, per event, "acked at partition/offset" or "failed with this
-//! broker error, which is [`Failure::Permanent`](crate::delivery::Failure::Permanent)
-//! or [`Failure::Transient`](crate::delivery::Failure::Transient)".
+//! broker error, which is [`Failure::Permanent`](crate::delivery::Failure::Permanent),
+//! [`Failure::Transient`](crate::delivery::Failure::Transient), or a setup error that
+//! `relay.on_config_error` makes one of the two
+//! ([`Failure::Configuration`](crate::delivery::Failure::Configuration))".
 //!
 //! | file | what | why it is apart |
 //! |---|---|---|
 //! | `config.rs` | [`producer_config`]: the guarantees every producer carries, refused pass-through settings | one producer contract for `run`, `poll`, `cutover`, `replay` and the bench |
-//! | `classify.rs` | broker error code → transient / poison / fatal, and its stable name | read by the publisher, the core's caller, the poison table and metrics |
+//! | `classify.rs` | broker error code → transient / configuration / poison / fatal, and its stable name | read by the publisher, the core's caller, the poison table and metrics |
 //! | `publisher.rs` | [`Publisher`], [`DeliveryReport`], [`SendRejected`] | the librdkafka callback plumbing |
+//! | `transactions.rs` | [`transactional_config`], [`transactional_id`], the transaction calls and their errors | `kafka.delivery = "exactly-once"` only |
+//! | `consumer.rs` | [`reader_config`], [`Isolation`]: the readers of `audit` and of the progress record | what a reader copies from `kafka.producer` |
+//! | `topic_limits.rs` | the topics' `max.message.bytes`, read from the broker | without compression, a record above it is poisoned before it is produced |
 //! | `idle_flush.rs` | ends `linger.ms` early when the relay's stream goes idle | a blocking librdkafka call on a thread of its own |
 //! | `admin.rs` | `create_topic`, `create_progress_topic` | for the tools, and `migrate`'s progress topic: the relay never creates event topics |
 //! | `progress_topic.rs` | [`ProgressTopicLayout`], [`judge_progress_topic`] | what exactly-once needs of the progress topic and the coordinator, for `check` and `run` |
