@@ -118,21 +118,30 @@ impl PositionSaver {
         });
     }
 
-    /// Waits for the next save or failure (pends forever if the task ended, which
-    /// only happens when this handle is dropped).
+    /// Waits for the next save or failure. The task ends after a refusal (its last
+    /// event, queued before it returns) or when this handle is dropped: once it has
+    /// ended, what it left in the queue is still handed out, then this pends
+    /// forever. (Waiting on the ended save channel alone would hide the refusal, and
+    /// a session whose stream stays up, a standby's while the primary restarts,
+    /// would wait forever for saves that never come.)
     pub(crate) async fn next_event(&mut self) -> SaverEvent {
         tokio::select! {
             biased;
             changed = self.saved.changed() => {
-                if changed.is_err() {
-                    std::future::pending::<()>().await;
+                if changed.is_ok() {
+                    return SaverEvent::Saved(*self.saved.borrow_and_update());
                 }
-                SaverEvent::Saved(*self.saved.borrow_and_update())
             }
-            failure = self.failures.recv() => match failure {
-                Some(event) => event,
-                None => std::future::pending().await,
-            },
+            failure = self.failures.recv() => {
+                if let Some(event) = failure {
+                    return event;
+                }
+            }
+        }
+        // The task ended: its queued events, then nothing.
+        match self.failures.recv().await {
+            Some(event) => event,
+            None => std::future::pending().await,
         }
     }
 
@@ -348,5 +357,57 @@ impl Task {
                 refused: true,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handle on channels the test drives instead of a task.
+    fn handle() -> (PositionSaver, watch::Sender<Lsn>, mpsc::Sender<SaverEvent>) {
+        let (requests, _requested) = watch::channel(Request {
+            lsn: Lsn::ZERO,
+            urgent: 0,
+        });
+        let (saved_tx, saved) = watch::channel(Lsn::ZERO);
+        let (failures_tx, failures) = mpsc::channel(FAILURES_QUEUED);
+        let saver = PositionSaver {
+            requests,
+            saved,
+            failures,
+            task: tokio::spawn(async {}),
+        };
+        (saver, saved_tx, failures_tx)
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_handed_out_after_the_task_ended() {
+        // The task queues its refusal, then returns: both of its channels close.
+        let (mut saver, saved_tx, failures_tx) = handle();
+        let refusal = SaverEvent::Refused {
+            reason: "restarted".to_owned(),
+        };
+        failures_tx.send(refusal.clone()).await.expect("queued");
+        drop((saved_tx, failures_tx));
+        let event = tokio::time::timeout(Duration::from_secs(5), saver.next_event()).await;
+        assert_eq!(event.ok(), Some(refusal));
+        // Then nothing, for ever.
+        let after = tokio::time::timeout(Duration::from_millis(50), saver.next_event()).await;
+        assert!(after.is_err(), "an event after the last: {after:?}");
+    }
+
+    #[tokio::test]
+    async fn saves_and_failures_are_handed_out_while_the_task_runs() {
+        let (mut saver, saved_tx, failures_tx) = handle();
+        saved_tx.send_replace(Lsn(42));
+        assert_eq!(saver.next_event().await, SaverEvent::Saved(Lsn(42)));
+        let failure = SaverEvent::Failed {
+            phase: SavePhase::Statement,
+            sqlstate: None,
+            message: "connection closed".to_owned(),
+        };
+        failures_tx.send(failure.clone()).await.expect("queued");
+        assert_eq!(saver.next_event().await, failure);
     }
 }
