@@ -198,6 +198,58 @@ async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts
         "the standby's logical slots and walsenders"
     );
 
+    // `check` checks the standby, and makes the slot's checks there.
+    let out = harness::run_cli_with(
+        &[
+            "check",
+            "--json",
+            "--config",
+            db.config_path.to_str().expect("utf-8 path"),
+        ],
+        &env,
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
+    let status_of = |name: &str| {
+        report["checks"]
+            .as_array()
+            .and_then(|checks| checks.iter().find(|c| c["name"] == name))
+            .map(|c| {
+                (
+                    c["status"].as_str().unwrap_or("").to_owned(),
+                    c["detail"].to_string(),
+                )
+            })
+            .unwrap_or_else(|| panic!("no check {name}: {report}"))
+    };
+    for name in [
+        "postgres.standby",
+        "postgres.standby.hot_standby_feedback",
+        "postgres.standby.physical_slot",
+        "postgres.standby.replay_lag",
+        "postgres.standby.primary_writes",
+    ] {
+        let (status, detail) = status_of(name);
+        assert_eq!(status, "ok", "{name}: {detail}");
+    }
+    let (_, slot_detail) = status_of("postgres.slot");
+    assert!(
+        slot_detail.contains("streamed by pid"),
+        "postgres.slot was not checked on the standby, where the relay streams: {slot_detail}"
+    );
+    // A postgres.url that is a standby is refused: the relay's writes cannot go there.
+    let refused = harness::run_cli_with(
+        &[
+            "run",
+            "--config",
+            db.config_path.to_str().expect("utf-8 path"),
+        ],
+        &[("OUTBOX_RELAY__POSTGRES__URL", replica_url.as_str())],
+    );
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("is a standby"), "{stderr}");
+
     // Live events, and a kill -9 while they are delivered.
     let mut written = BACKLOG;
     write(&db.client, written..written + 1_500).await;
