@@ -12,11 +12,11 @@ use crate::harness::{
 };
 
 /// Events each writer commits (four writers).
-const PER_WRITER: i64 = 600;
+pub(crate) const PER_WRITER: i64 = 600;
 
 /// Writer `w`: `PER_WRITER` events over 13 entities of its own, in transactions of
 /// one to four rows, a few milliseconds apart (so kills land mid-stream).
-async fn write(client: Client, w: i64) {
+pub(crate) async fn write(client: Client, w: i64) {
     client
         .batch_execute(&format!(
             "DO $$ BEGIN

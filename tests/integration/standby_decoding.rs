@@ -5,6 +5,10 @@
 //! primary, the slot lost on the standby (a resync reading the table there) and a
 //! promotion of that standby (the slot survives it: the relay streams on from it).
 //!
+//! With `kafka.delivery = "exactly-once"` (against the project's dev broker, which
+//! has transactions), a `read_committed` reader sees every event once across kills
+//! and a restart of the standby: the progress record is judged by the standby's WAL.
+//!
 //! It needs a primary and a standby, which the main suite does not have: it is
 //! `#[ignore]`d there and run by `scripts/pg17-failover-drill` on PostgreSQL 17
 //! clusters of its own (`OUTBOX_RELAY_PG17_PRIMARY_URL`,
@@ -15,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 
+use crate::exactly_once::{PER_WRITER, exactly_once_on, read_committed_until_complete};
 use crate::harness::{
-    self, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique, deliveries, tally,
+    self, DevBroker, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique,
+    deliveries, tally,
 };
 
 /// The relay's in-flight window: what a kill can have delivered past its position.
@@ -130,6 +136,88 @@ fn lines(relay: &RelayProcess) -> usize {
     relay.log().lines().count()
 }
 
+/// Connects to `url`, waiting (bounded) for a standby to have replayed the
+/// database's creation.
+async fn connect_when_replayed(url: &str) -> Client {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                return client;
+            }
+            Err(e) => {
+                assert!(Instant::now() < deadline, "{url}: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Exactly-once with the slot on the standby: four writers on the primary, the
+/// relay killed twice and the standby restarted at once under it, and a
+/// `read_committed` reader sees every event once, in per-key order. It leaves the
+/// standby a standby (the drill runs it before the test that promotes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a PostgreSQL 16+ primary and standby: scripts/pg17-failover-drill"]
+async fn exactly_once_on_a_standby_reads_each_event_once_across_kills_and_a_standby_restart() {
+    let primary_url = required("OUTBOX_RELAY_PG17_PRIMARY_URL");
+    let standby_url = required("OUTBOX_RELAY_PG17_STANDBY_URL");
+    let broker = DevBroker::start();
+    let brokers = broker.address.clone();
+    let db = TestDb::create_in(&primary_url, "standby_eos", 3, "").await;
+    let replica_url = harness::database_url(&standby_url, &db.name);
+    let mut env = exactly_once_on(&brokers, &db, Some("500")).await;
+    env.push(("OUTBOX_RELAY__POSTGRES__SLOT_URL", replica_url.as_str()));
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let client = harness::connect(&db.url).await;
+        writers.push(tokio::spawn(crate::exactly_once::write(client, w)));
+    }
+    let replica = connect_when_replayed(&replica_url).await;
+    for pause_ms in [1_200, 1_700] {
+        let relay = RelayProcess::start(&db.config_path, &env);
+        wait_streaming(&replica, &db.slot, &relay, 0).await;
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        relay.kill9().await;
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    let before_restart = lines(&relay);
+    ctl("standby", &["restart", "-m", "immediate"]);
+    let replica = harness::connect(&replica_url).await;
+    wait_streaming(&replica, &db.slot, &relay, before_restart).await;
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let expected = usize::try_from(4 * PER_WRITER).expect("count");
+    let records =
+        read_committed_until_complete(&brokers, &db.topic, expected, Duration::from_secs(120))
+            .await;
+    let (unique, duplicates) = tally(&records);
+    let log = relay.log();
+    eprintln!(
+        "exactly-once on a standby: 2 kill -9 and an immediate standby restart, {expected} \
+         events: read_committed saw {unique}, {duplicates} duplicates"
+    );
+    assert_eq!(
+        unique, expected,
+        "read_committed saw {unique} of {expected}; log:\n{log}"
+    );
+    assert_eq!(duplicates, 0, "read_committed saw duplicates; log:\n{log}");
+    assert_per_key_order(&records);
+    assert_eq!(
+        logical_on(&db.client, &db.name).await,
+        (0, 0),
+        "the primary has a logical slot or walsender of the test database"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+    replica
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
+        .await
+        .expect("drop the slot on the standby");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a PostgreSQL 16+ primary and standby: scripts/pg17-failover-drill"]
 async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts_and_promotion() {
@@ -166,21 +254,7 @@ async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts
     ];
     let relay = RelayProcess::start(&db.config_path, &env);
     // The standby has the test database once it replayed its creation.
-    let replica = {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match tokio_postgres::connect(&replica_url, tokio_postgres::NoTls).await {
-                Ok((client, connection)) => {
-                    tokio::spawn(connection);
-                    break client;
-                }
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "{replica_url}: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
-    };
+    let replica = connect_when_replayed(&replica_url).await;
     wait_streaming(&replica, &db.slot, &relay, 0).await;
     let created = total_started.elapsed();
 
