@@ -323,15 +323,7 @@ async fn prepare_locked(
             views = drained;
         }
     }
-    let mut summary = cut_over(
-        &views,
-        conninfo,
-        conn,
-        servers.writes(),
-        marker_table,
-        history,
-    )
-    .await?;
+    let mut summary = cut_over(&views, conninfo, conn, servers, marker_table, history).await?;
     summary.restarted = restarted;
     Ok(Outcome::CutOver(summary))
 }
@@ -362,7 +354,7 @@ async fn cut_over(
     views: &[Config],
     conninfo: &ConnInfo,
     conn: &mut ReplicationConnection,
-    metadata: &mut Client,
+    servers: &mut ServerPair<'_>,
     marker_table: &str,
     history: ServerHistory,
 ) -> Result<CutoverSummary> {
@@ -374,10 +366,14 @@ async fn cut_over(
     // set up before the slot exists, so such a failure leaves nothing behind. The
     // reader session formats values as the replication session does, so records
     // are byte-identical to the stream's.
-    let mut backlog = Backlogs::open(views, metadata, Some(marker_table), history).await?;
+    let mut backlog = Backlogs::open(views, servers.writes(), Some(marker_table), history).await?;
     let mut reader = poller::session(conninfo).await?;
-    begin_marker(metadata, marker_table, slot_name).await?;
+    begin_marker(servers.writes(), marker_table, slot_name).await?;
+    // On a standby, the snapshot must see the marks just written on the primary
+    // (an interrupted backlog's, the poller's last): their rows are not unsent.
+    servers.wait_replayed().await?;
     let (consistent_point, snapshot) = create_exported_slot(conn, slot_name).await?;
+    let metadata = servers.writes();
     metadata
         .execute(
             &format!(
@@ -539,6 +535,7 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
     let conninfo = crate::postgres::parse_url(config.postgres.slot_server_url())?;
     let mut metadata = crate::postgres::connect_info(&conninfo).await?;
     slot::check_prerequisites(&metadata, config).await?;
+    slot::check_slot_server(&metadata, config).await?;
     let primary_info = config
         .postgres
         .slot_elsewhere()
@@ -548,6 +545,9 @@ pub async fn run_command(config: &Config, shutdown: Shutdown) -> Result<Outcome>
         Some(info) => Some(crate::postgres::connect_info(info).await?),
         None => None,
     };
+    if let Some(primary) = &primary {
+        slot::check_writes_server(primary).await?;
+    }
     let mut conn = ReplicationConnection::connect(&conninfo)
         .await
         .map_err(|e| crate::postgres::process_error(e, ""))?;

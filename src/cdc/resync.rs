@@ -70,6 +70,8 @@ pub(crate) async fn resync(
         .mark_lost(servers.writes(), &loss.to_string())
         .await?;
     drop_old_slot(conn, servers.slot(), slot_name).await?;
+    // On a standby, its snapshot must see what was just written on the primary.
+    servers.wait_replayed().await?;
     let (consistent_point, snapshot) =
         crate::cdc::cutover::create_exported_slot(conn, slot_name).await?;
     tracing::error!(

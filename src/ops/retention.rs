@@ -333,7 +333,16 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
     // With shards, a row is delivered once its own shard's slot passed it; the
     // checkpoints compare with the lowest of them (`checkpoint::progress`).
     let slots = config.postgres.all_slot_names();
-    let has_slot = client
+    // The slot lives where it is decoded: a standby with `postgres.slot_url`. The
+    // checkpoints are still taken on the primary, and judged against the relay's
+    // saved position there (`checkpoint::progress`).
+    let standby = match &config.postgres.slot_url {
+        Some(url) => Some(crate::postgres::connect(url).await?),
+        None => None,
+    };
+    let has_slot = standby
+        .as_ref()
+        .unwrap_or(&*client)
         .query_opt(
             "SELECT 1 FROM pg_replication_slots
               WHERE slot_name = ANY($1::text[]) AND database = current_database() LIMIT 1",
@@ -347,7 +356,7 @@ pub async fn cycle(client: &mut Client, config: &Config, dry_run: bool) -> Resul
             .map(|c| c.wal_lsn.to_string());
     }
     let progress = checkpoint::progress(&*client, config).await?;
-    if progress.slot_missing {
+    if progress.slot_missing && !(config.postgres.slot_elsewhere() && has_slot) {
         warn!(
             slots = %slots.join(","),
             recorded_confirmed = ?progress.confirmed_flush.map(|l| l.to_string()),

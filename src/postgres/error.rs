@@ -73,6 +73,19 @@ pub enum PgError {
     /// `outbox.table` is not a table name the checks can look up.
     #[error(transparent)]
     TableName(#[from] crate::config::TableNameError),
+    /// The standby the slot lives on (`postgres.slot_url`) has not replayed the
+    /// primary's WAL up to a position the relay needs before it judges or creates
+    /// the slot: transient (the session starts again, and waits again).
+    #[error(
+        "the standby (postgres.slot_url) has replayed the primary's WAL up to {replayed} only, \
+         not yet to {needed}, after {waited_secs} s: the relay judges its slot only once the \
+         standby has what the primary holds of the relay's own writes"
+    )]
+    StandbyBehind {
+        needed: crate::lsn::Lsn,
+        replayed: crate::lsn::Lsn,
+        waited_secs: u64,
+    },
 }
 
 impl PgError {
@@ -99,6 +112,7 @@ impl PgError {
             | PgError::Failed { .. }
             | PgError::Query { .. }
             | PgError::SlotQuery { .. }
+            | PgError::StandbyBehind { .. }
             | PgError::TableName(_) => 1,
         }
     }
@@ -108,7 +122,9 @@ impl PgError {
     #[must_use]
     pub fn class(&self) -> ErrorClass {
         match self {
-            PgError::Unavailable { .. } | PgError::SlotQuery { .. } => ErrorClass::Transient,
+            PgError::Unavailable { .. }
+            | PgError::SlotQuery { .. }
+            | PgError::StandbyBehind { .. } => ErrorClass::Transient,
             PgError::Prerequisite(_)
             | PgError::InvalidUrl { .. }
             | PgError::Failed { .. }

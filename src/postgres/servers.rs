@@ -20,7 +20,16 @@
 //! References: PostgreSQL documentation, "Logical Decoding" (Replication Slot
 //! Synchronization and decoding on a standby, 16+), and `pg_log_standby_snapshot`.
 
+use std::time::{Duration, Instant};
+
 use tokio_postgres::Client;
+
+use super::PgError;
+use crate::lsn::Lsn;
+
+/// How long the standby may take to replay the primary's WAL up to a position the
+/// relay needs ([`wait_replayed`]) before the step fails, transiently.
+pub const REPLAY_WAIT: Duration = Duration::from_secs(60);
 
 /// A session's metadata connections: the slot's server and, when it is another
 /// one, the server the writes go to.
@@ -76,6 +85,70 @@ impl<'a> ServerPair<'a> {
     pub fn split(&self) -> bool {
         self.slot.is_some()
     }
+
+    /// With the slot on a standby: waits until the standby has replayed everything
+    /// the primary has flushed now, the relay's writes so far included. Before a
+    /// slot is created there with an exported snapshot: the snapshot must see the
+    /// marks and poison rows just written on the primary, or their rows are
+    /// published again. Nothing to wait for on one server.
+    ///
+    /// # Errors
+    ///
+    /// [`PgError::StandbyBehind`] after [`REPLAY_WAIT`], or a query's error.
+    pub async fn wait_replayed(&self) -> Result<(), PgError> {
+        let Some(standby) = self.slot else {
+            return Ok(());
+        };
+        let flushed = crate::postgres::wal_end(&*self.writes)
+            .await
+            .map_err(|source| PgError::SlotQuery {
+                context: "cannot read the primary's WAL position: ",
+                source,
+            })?;
+        wait_replayed(standby, flushed).await
+    }
+}
+
+/// Waits until the server of `standby` has replayed WAL up to `needed` (a server
+/// not in recovery: written it), polling, for at most [`REPLAY_WAIT`].
+///
+/// **Why.** A standby that restarts accepts connections once its replay is
+/// consistent, still behind what it had replayed before; for a moment its WAL ends
+/// below the position the relay saved on the primary. Judged then, the saved
+/// position would look like one of a server restored in place (`cdc::start`), and
+/// an exactly-once progress record like a restored one: the relay would stream
+/// from older positions and publish again what it had delivered.
+///
+/// # Errors
+///
+/// [`PgError::StandbyBehind`] after [`REPLAY_WAIT`], or a query's error.
+pub async fn wait_replayed(standby: &Client, needed: Lsn) -> Result<(), PgError> {
+    let started = Instant::now();
+    let mut logged = false;
+    loop {
+        let replayed =
+            crate::postgres::wal_end(standby)
+                .await
+                .map_err(|source| PgError::SlotQuery {
+                    context: "cannot read the standby's replay position: ",
+                    source,
+                })?;
+        if replayed >= needed {
+            return Ok(());
+        }
+        if started.elapsed() >= REPLAY_WAIT {
+            return Err(PgError::StandbyBehind {
+                needed,
+                replayed,
+                waited_secs: REPLAY_WAIT.as_secs(),
+            });
+        }
+        if !logged {
+            tracing::info!(%needed, %replayed, "waiting for the standby to replay the primary's WAL");
+            logged = true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// While a slot is created on a standby: asks the primary for a running-transactions
@@ -114,12 +187,18 @@ impl StandbySnapshots {
                 if let Some(c) = &client
                     && let Err(e) = c.execute("SELECT pg_log_standby_snapshot()", &[]).await
                 {
+                    let refused =
+                        e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE);
                     if !warned {
                         tracing::warn!(error = %crate::postgres::describe_error(&e),
                             "cannot ask the primary for a standby snapshot (pg_log_standby_snapshot); \
                              the slot on the standby is created when the primary logs one on its own \
                              (every 15 s while it writes)");
                         warned = true;
+                    }
+                    if refused {
+                        // Asking again will not help.
+                        return;
                     }
                     client = None;
                 }

@@ -131,6 +131,28 @@ pub async fn check_slot_server(client: &Client, config: &Config) -> Result<(), P
     Ok(())
 }
 
+/// The server the writes go to, when the slot lives elsewhere (`postgres.slot_url`),
+/// is not in recovery: the relay's position, poison rows and heartbeats are written
+/// there.
+///
+/// # Errors
+///
+/// [`Prerequisite::WritesOnStandby`], or the query's.
+pub async fn check_writes_server(client: &Client) -> Result<(), PgError> {
+    let in_recovery: bool = client
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await
+        .map_err(|source| PgError::Query {
+            context: "cannot read the primary's state: ",
+            source,
+        })?
+        .get(0);
+    if in_recovery {
+        return Err(Prerequisite::WritesOnStandby.into());
+    }
+    Ok(())
+}
+
 /// Logical decoding on a standby exists since PostgreSQL 16.
 pub const LOGICAL_ON_STANDBY_SINCE: i32 = 160_000;
 

@@ -324,6 +324,33 @@ async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts
     assert_eq!(refused.status.code(), Some(3), "{stderr}");
     assert!(stderr.contains("is a standby"), "{stderr}");
 
+    // Retention finds the slot on the standby and takes its checkpoints on the
+    // primary, where the relay's saved position judges them.
+    {
+        let out = harness::run_cli_with(
+            &[
+                "retention",
+                "--once",
+                "--json",
+                "--config",
+                db.config_path.to_str().expect("utf-8 path"),
+            ],
+            &env,
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "retention: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cycle: serde_json::Value =
+            serde_json::from_str(stdout.trim()).expect("retention --json prints JSON");
+        assert!(
+            cycle["checkpoint_taken"].is_string(),
+            "retention took no checkpoint with the slot on the standby: {cycle}"
+        );
+    }
+
     // Live events, and a kill -9 while they are delivered.
     let mut written = BACKLOG;
     write(&db.client, written..written + 1_500).await;

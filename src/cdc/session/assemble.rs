@@ -95,6 +95,9 @@ pub async fn run_checked(
     );
     let prerequisites = slot::check_prerequisites(&metadata, &config).await?;
     slot::check_slot_server(&metadata, &config).await?;
+    if let Some(primary) = &primary_client {
+        slot::check_writes_server(primary).await?;
+    }
     let positions = PositionTable::new(&config)?;
     if !positions.exists(writes_client).await? {
         return Err(Prerequisite::PositionTableMissing {

@@ -429,6 +429,11 @@ async fn plan(
     let recorded = positions
         .load(link.primary.as_ref().unwrap_or(metadata))
         .await?;
+    // A standby that just restarted may not have replayed up to it yet: judged
+    // now, it would look restored in place (`postgres::servers::wait_replayed`).
+    if let (Some(_), Some(recorded)) = (&link.primary, &recorded) {
+        crate::postgres::servers::wait_replayed(metadata, recorded.confirmed).await?;
+    }
     // The WAL end last, and now: a session that waited for its slot must not judge
     // a position saved meanwhile by the WAL end it saw before the wait.
     let server = ServerView {
