@@ -447,7 +447,9 @@ impl Relay {
             history,
             link.writes_started,
             start,
-            Duration::from_millis(self.config.relay.position_save_interval_ms),
+            self.config
+                .relay
+                .position_save_interval(self.config.postgres.slot_elsewhere()),
         );
         let slot_name = self.config.postgres.slot_name();
         let stream = self

@@ -139,6 +139,13 @@ pub struct BenchArgs {
     /// the walsender runs beside the database. `taskset` lists: `0:1`, `0-1:2-3`.
     #[arg(long, value_name = "DB_CPUS:REST_CPUS")]
     pub pin: Option<super::processes::Pin>,
+    /// Steady workload: a hot standby (PostgreSQL 16+) of `postgres.url`'s server,
+    /// as a URL of the same database. Adds the point `cdc-standby` (the relay
+    /// decoding there with `postgres.slot_url`, writing to the primary) after `cdc`,
+    /// charges every point the standby's CPU per event and reports its replay lag;
+    /// with `--pin` the standby runs on the second CPU list, beside the relay.
+    #[arg(long, value_name = "URL")]
+    pub standby_url: Option<String>,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -24,6 +24,9 @@ pub enum BenchError {
     /// `--pin` could not set a process's CPU affinity.
     #[error("--pin: {0}")]
     Pin(String),
+    /// `--standby-url` is not usable (not a standby, or a point needs it).
+    #[error("--standby-url: {0}")]
+    Standby(String),
     #[error("benchmark setup: no steady schedule for {events_per_s} events/s")]
     NoSchedule { events_per_s: f64 },
     #[error("benchmark setup: no latency samples")]

@@ -40,6 +40,9 @@ pub(crate) struct Fixture {
     pub(crate) topic: String,
     client: Client,
     table: String,
+    /// The standby the run's slot lives on (`postgres.slot_url`), when it decodes
+    /// there ([`Fixture::decode_on`]).
+    standby: Option<(String, Client)>,
 }
 
 /// Bytes logical decoding spilled to disk (a transaction larger than
@@ -100,6 +103,7 @@ impl Fixture {
             config,
             config_path,
             client,
+            standby: None,
         };
         if let Err(e) = fixture.create_objects().await {
             fixture.cleanup().await;
@@ -155,7 +159,7 @@ impl Fixture {
     /// The processes of the walsenders streaming the run's slots now.
     pub(crate) async fn walsender_pids(&self) -> Vec<String> {
         match self
-            .client
+            .slot_client()
             .query(
                 "SELECT active_pid FROM pg_replication_slots
                   WHERE slot_name = ANY($1::text[]) AND active_pid IS NOT NULL",
@@ -175,6 +179,27 @@ impl Fixture {
     #[must_use]
     pub(crate) fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The run's slot lives on the standby at `url` (the same database): the
+    /// relay decodes there, and the slot's walsenders, readiness and cleanup are
+    /// looked for there.
+    pub(crate) async fn decode_on(&mut self, url: &str) -> Result<()> {
+        let client = crate::postgres::connect(url).await?;
+        self.standby = Some((url.to_owned(), client));
+        Ok(())
+    }
+
+    /// The standby's URL when the run decodes on one.
+    #[must_use]
+    pub(crate) fn slot_url(&self) -> Option<&str> {
+        self.standby.as_ref().map(|(url, _)| url.as_str())
+    }
+
+    /// The client of the server the run's slot lives on.
+    #[must_use]
+    pub(crate) fn slot_client(&self) -> &Client {
+        self.standby.as_ref().map_or(&self.client, |(_, c)| c)
     }
 
     /// Creates `kafka.progress_topic`, which the exactly-once relay writes its
@@ -433,8 +458,8 @@ impl Fixture {
         let deadline = Instant::now() + SLOT_RELEASE_TIMEOUT;
         let mut pause = Duration::from_millis(10);
         loop {
-            let row = self
-                .client
+            let client = self.slot_client();
+            let row = client
                 .query_opt(
                     "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
                     &[&slot],
@@ -444,14 +469,14 @@ impl Fixture {
             let active: Option<i32> = row.get(0);
             match active {
                 None => {
-                    self.client
+                    client
                         .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
                         .await?;
                     return Ok(());
                 }
                 Some(pid) if Instant::now() > deadline => {
                     // Our reader is gone; its walsender has not noticed yet.
-                    self.client
+                    client
                         .execute("SELECT pg_terminate_backend($1)", &[&pid])
                         .await?;
                 }

@@ -81,7 +81,7 @@ pub async fn run(config: &Config, args: &BenchArgs) -> Result<Report> {
     }
     let steady = matches!(args.workload, WorkloadKind::Steady | WorkloadKind::All);
     let backlog = matches!(args.workload, WorkloadKind::Backlog | WorkloadKind::All);
-    let steady_modes = steady::modes(&modes);
+    let steady_modes = steady::modes(&modes, args.standby_url.is_some());
     let backlog_modes: Vec<Mode> = if backlog { modes.clone() } else { Vec::new() };
     let backlog_runs = u64::from(args.repeat) * backlog_modes.len() as u64;
     let steady_runs = if steady {

@@ -236,41 +236,56 @@ impl std::str::FromStr for Pin {
 pub(crate) struct Pinned {
     postmaster: u32,
     broker: Option<u32>,
+    /// A standby's postmaster (`--standby-url`), pinned with the rest.
+    standby: Option<u32>,
     all: String,
 }
 
-/// Pins the database (postmaster and children) to `pin.db`, this process and the
-/// broker to `pin.rest`.
+/// Pins the database (postmaster and children) to `pin.db`, this process, the
+/// broker and a standby's server (postmaster and children) to `pin.rest`.
 ///
 /// # Errors
 ///
 /// [`BenchError::Pin`] when `taskset` is missing or refuses.
-pub(crate) fn pin(pin: &Pin, postmaster: u32, broker: Option<u32>) -> Result<Pinned> {
-    let snapshot = DbSnapshot::take(postmaster).unwrap_or_default();
-    taskset(&pin.db, postmaster)?;
-    for pid in snapshot.pids() {
-        // A backend that exited meanwhile is no error.
-        let _ = taskset(&pin.db, pid);
-    }
+pub(crate) fn pin(
+    pin: &Pin,
+    postmaster: u32,
+    broker: Option<u32>,
+    standby: Option<u32>,
+) -> Result<Pinned> {
+    pin_tree(&pin.db, postmaster)?;
     taskset(&pin.rest, std::process::id())?;
     if let Some(broker) = broker {
         taskset(&pin.rest, broker)?;
+    }
+    if let Some(standby) = standby {
+        pin_tree(&pin.rest, standby)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     Ok(Pinned {
         postmaster,
         broker,
+        standby,
         all: format!("0-{}", cores.saturating_sub(1)),
     })
+}
+
+/// A postmaster and its children to `cpus` (later children inherit it).
+fn pin_tree(cpus: &str, postmaster: u32) -> Result<()> {
+    let snapshot = DbSnapshot::take(postmaster).unwrap_or_default();
+    taskset(cpus, postmaster)?;
+    for pid in snapshot.pids() {
+        // A backend that exited meanwhile is no error.
+        let _ = taskset(cpus, pid);
+    }
+    Ok(())
 }
 
 impl Pinned {
     /// Gives every pinned process all cores again (best effort).
     pub(crate) fn release(self) {
-        let snapshot = DbSnapshot::take(self.postmaster).unwrap_or_default();
-        let _ = taskset(&self.all, self.postmaster);
-        for pid in snapshot.pids() {
-            let _ = taskset(&self.all, pid);
+        for postmaster in std::iter::once(self.postmaster).chain(self.standby) {
+            let _ = pin_tree(&self.all, postmaster);
         }
         let _ = taskset(&self.all, std::process::id());
         if let Some(broker) = self.broker {

@@ -96,20 +96,31 @@ pub(crate) const NO_RELAY: &str = "no-relay";
 /// consumer's cost (see the module doc).
 pub(crate) const RECVLOGICAL: &str = "pg-ceiling-recvlogical";
 
+/// Label of the point with the CDC relay decoding on a standby (`--standby-url`,
+/// `postgres.slot_url`): the slot and its walsender on the standby, the relay's
+/// writes on the primary.
+pub(crate) const CDC_STANDBY: &str = "cdc-standby";
+
+/// How often the standby's replay lag is sampled during a point.
+const REPLAY_LAG_SAMPLE: Duration = Duration::from_millis(250);
+
 /// How long a walsender may take to decode the last writes once the writers
 /// stopped before its point fails.
 const DECODE_GRACE: Duration = Duration::from_secs(30);
 
 /// Which contenders run the steady workload: the writers alone, then the real
-/// relays.
+/// relays (with a standby, the CDC relay also decoding there).
 #[must_use]
-pub(crate) fn modes(modes: &[Mode]) -> Vec<&'static str> {
+pub(crate) fn modes(modes: &[Mode], standby: bool) -> Vec<&'static str> {
     let mut out = vec![NO_RELAY];
     if modes.contains(&Mode::RecvLogical) {
         out.push(RECVLOGICAL);
     }
     if modes.contains(&Mode::Cdc) {
         out.push("cdc");
+        if standby {
+            out.push(CDC_STANDBY);
+        }
     }
     if modes.contains(&Mode::CdcExactlyOnce) {
         out.push(CDC_EXACTLY_ONCE);
@@ -135,8 +146,8 @@ enum Outcome {
         /// `None` for the no-relay and `pg_recvlogical` points (nothing is
         /// consumed).
         latency: Option<Latency>,
-        /// CPU per event by process.
-        cpu: PerEvent,
+        /// CPU per event by process (boxed: the largest field by far).
+        cpu: Box<PerEvent>,
         /// The relay's per-stage figures, each with its drift when the quarter
         /// pages were read (CDC only; empty when unreadable).
         stages: Vec<StageLatency>,
@@ -162,7 +173,7 @@ pub(crate) async fn run(
     let duration = Duration::from_secs(args.steady_secs);
     let writers_max = if args.rates.contains(&Rate::WritersMax) {
         progress.step(format!("measuring the writers' maximum ({duration:?})"));
-        let max = writers_max(config, workload, duration).await?;
+        let max = Box::pin(writers_max(config, workload, duration)).await?;
         progress.done(&match &max {
             Ok(rate) => format!("writers' maximum: {rate:.0} events/s"),
             Err(reason) => format!("writers' maximum not measured: {reason}"),
@@ -179,9 +190,14 @@ pub(crate) async fn run(
         }
         (Rate::WritersMax, None) => Err("the writers' maximum was not measured".to_owned()),
     };
-    let watch = Watch::find(config).await;
+    let watch = Watch::find(config, args.standby_url.as_deref()).await?;
     let pinned = match (&args.pin, watch.postmaster) {
-        (Some(pin), Some(postmaster)) => Some(processes::pin(pin, postmaster, watch.broker)?),
+        (Some(pin), Some(postmaster)) => Some(processes::pin(
+            pin,
+            postmaster,
+            watch.broker,
+            watch.standby,
+        )?),
         (Some(_), None) => {
             return Err(BenchError::Pin(
                 "PostgreSQL does not run on this machine (its postmaster is not found)".into(),
@@ -189,7 +205,10 @@ pub(crate) async fn run(
         }
         (None, _) => None,
     };
-    let result = run_points(config, workload, modes, args, progress, &watch, &target).await;
+    let result = Box::pin(run_points(
+        config, workload, modes, args, progress, &watch, &target,
+    ))
+    .await;
     if let Some(pinned) = pinned {
         pinned.release();
     }
@@ -205,17 +224,38 @@ pub(crate) async fn run(
 }
 
 /// The processes whose CPU a point charges besides the relay's, found once.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Watch {
     postmaster: Option<u32>,
     broker: Option<u32>,
+    /// The standby's postmaster (`--standby-url`), when it runs on this machine.
+    standby: Option<u32>,
+    /// `--standby-url`.
+    standby_url: Option<String>,
 }
 
 impl Watch {
-    async fn find(config: &Config) -> Watch {
+    async fn find(config: &Config, standby_url: Option<&str>) -> Result<Watch> {
         let postmaster = match crate::postgres::connect(&config.postgres.url).await {
             Ok(client) => processes::postmaster(&client).await,
             Err(_) => None,
+        };
+        let standby = match standby_url {
+            Some(url) => {
+                let client = crate::postgres::connect(url).await?;
+                let in_recovery: bool = client
+                    .query_one("SELECT pg_is_in_recovery()", &[])
+                    .await?
+                    .get(0);
+                if !in_recovery {
+                    return Err(BenchError::Standby(format!(
+                        "--standby-url {} is not a standby (not in recovery)",
+                        crate::config::redact_url(url)
+                    )));
+                }
+                processes::postmaster(&client).await
+            }
+            None => None,
         };
         let broker = config
             .kafka
@@ -224,8 +264,66 @@ impl Watch {
             .next()
             .and_then(|b| b.trim().rsplit(':').next()?.parse::<u16>().ok())
             .and_then(processes::listening_on);
-        Watch { postmaster, broker }
+        Ok(Watch {
+            postmaster,
+            broker,
+            standby,
+            standby_url: standby_url.map(str::to_owned),
+        })
     }
+}
+
+/// The standby's replay lag sampled through a point (`--standby-url`).
+struct LagSampler {
+    stop: Arc<AtomicBool>,
+    task: Option<tokio::task::JoinHandle<Option<f64>>>,
+}
+
+impl LagSampler {
+    /// Starts sampling on a connection of its own to the primary, when there is a
+    /// standby to watch.
+    fn start(fixture: &Fixture, watch: &Watch) -> LagSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = watch.standby_url.as_ref().map(|_| {
+            let url = fixture.config.postgres.url.clone();
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                let primary = crate::postgres::connect(&url).await.ok()?;
+                replay_lag_max(&primary, stop).await
+            })
+        });
+        LagSampler { stop, task }
+    }
+
+    /// Stops sampling; the highest lag seen, ms.
+    async fn finish(self) -> Option<f64> {
+        self.stop.store(true, Ordering::Release);
+        self.task?.await.ok().flatten()
+    }
+}
+
+/// Samples the standby's replay lag on the primary (`pg_stat_replication.replay_lag`
+/// of the physical walsenders) until aborted; returns the highest seen, in ms.
+async fn replay_lag_max(primary: &tokio_postgres::Client, stop: Arc<AtomicBool>) -> Option<f64> {
+    let mut highest: Option<f64> = None;
+    let mut tick = tokio::time::interval(REPLAY_LAG_SAMPLE);
+    while !stop.load(Ordering::Acquire) {
+        tick.tick().await;
+        let row = primary
+            .query_one(
+                "SELECT max(extract(epoch FROM r.replay_lag) * 1000)::float8
+                   FROM pg_stat_replication r
+                   JOIN pg_replication_slots s ON s.active_pid = r.pid
+                  WHERE s.slot_type = 'physical'",
+                &[],
+            )
+            .await
+            .ok()?;
+        if let Some(ms) = row.get::<_, Option<f64>>(0) {
+            highest = Some(highest.map_or(ms, |h| h.max(ms)));
+        }
+    }
+    highest.or(Some(0.0))
 }
 
 type Runs = HashMap<(&'static str, usize), Vec<Outcome>>;
@@ -251,7 +349,15 @@ async fn run_points(
                             "{mode} steady {rate} ({events_per_s:.0} events/s), run {repeat}/{}",
                             args.repeat
                         ));
-                        one_run(config, workload, mode, events_per_s, duration, watch).await?
+                        Box::pin(one_run(
+                            config,
+                            workload,
+                            mode,
+                            events_per_s,
+                            duration,
+                            watch,
+                        ))
+                        .await?
                     }
                     Err(reason) => Outcome::Failed {
                         reason,
@@ -304,7 +410,7 @@ fn aggregate(mode: &str, rate: Rate, target: Option<f64>, outcomes: &[Outcome]) 
             } => {
                 achieved.push(*a);
                 latencies.extend(*latency);
-                cpus.push(*cpu);
+                cpus.push(**cpu);
                 stages.extend(s);
                 drifts.extend(drift.map(|d| d.change_pct()));
             }
@@ -366,7 +472,7 @@ async fn writers_max(
     workload: &Workload,
     duration: Duration,
 ) -> Result<std::result::Result<f64, String>> {
-    until_interrupted(async {
+    Box::pin(until_interrupted(async {
         let fixture = match Fixture::create(config).await {
             Ok(fixture) => fixture,
             Err(e) => return Ok(Err(e.to_string())),
@@ -393,7 +499,7 @@ async fn writers_max(
             Ok(_) => Err("the writers wrote nothing".to_owned()),
             Err(e) => Err(BenchError::from(e).to_string()),
         })
-    })
+    }))
     .await
 }
 
@@ -407,8 +513,15 @@ async fn one_run(
     duration: Duration,
     watch: &Watch,
 ) -> Result<Outcome> {
-    let result = until_interrupted(async {
-        let fixture = Fixture::create(config).await?;
+    let result = Box::pin(until_interrupted(async {
+        let mut fixture = Fixture::create(config).await?;
+        if mode == CDC_STANDBY {
+            let url = watch.standby_url.as_deref().ok_or_else(|| {
+                BenchError::Standby("the cdc-standby point needs --standby-url".into())
+            })?;
+            fixture.decode_on(url).await?;
+        }
+        let fixture = fixture;
         let result = match mode {
             NO_RELAY => {
                 writers_alone(&fixture, workload, events_per_s, duration, watch, None).await
@@ -420,7 +533,7 @@ async fn one_run(
         };
         fixture.cleanup().await;
         result
-    })
+    }))
     .await;
     match result {
         Ok(outcome) => Ok(outcome),
@@ -444,11 +557,14 @@ async fn run_in(
         .ok_or(BenchError::NoSchedule { events_per_s })?;
     let exactly_once = mode == CDC_EXACTLY_ONCE;
     let messages = mode == CDC_MESSAGE;
-    let cdc = mode == "cdc" || exactly_once || messages;
+    let on_standby = mode == CDC_STANDBY;
+    let cdc = mode == "cdc" || exactly_once || messages || on_standby;
     debug_assert!(cdc || mode == POLL_LABEL);
-    if cdc {
+    if cdc && !on_standby {
         fixture.create_slot().await?;
     }
+    // On a standby the relay creates the slot itself: the creation waits for a
+    // running-transactions record, which it asks the primary for.
     if exactly_once {
         fixture.create_progress_topic().await?;
     }
@@ -485,6 +601,7 @@ async fn run_in(
         Vec::new()
     };
     let cpu_start = CpuReading::take(watch, relay_pid, &walsenders);
+    let lag = LagSampler::start(fixture, watch);
     let started = Instant::now();
     let write_deadline = duration * 2 + WRITE_SLACK;
     let writes = if messages {
@@ -542,6 +659,7 @@ async fn run_in(
         .unwrap_or_default();
     let mut cpu = cpu_start.per_event(&CpuReading::take(watch, relay_pid, &walsenders), written);
     cpu.produce_requests = end_page.as_deref().and_then(produce_requests);
+    cpu.replay_lag_ms = lag.finish().await;
     let _ = child.start_kill();
     let _ = child.wait().await;
     let found = u64::try_from(latencies.len()).unwrap_or(u64::MAX);
@@ -559,7 +677,7 @@ async fn run_in(
     Ok(Outcome::Measured {
         achieved,
         latency: Some(latency),
-        cpu,
+        cpu: Box::new(cpu),
         stages,
         drift,
     })
@@ -587,6 +705,7 @@ async fn writers_alone(
     let scheduled = schedule.count() * u64::from(workload.rows_per_tx);
     let (pid, walsenders) = reader.map_or((None, &[][..]), |r| (r.pid, &r.walsenders[..]));
     let cpu_start = CpuReading::take(watch, pid, walsenders);
+    let lag = LagSampler::start(fixture, watch);
     let started = Instant::now();
     let written = write(
         fixture,
@@ -610,11 +729,12 @@ async fn writers_alone(
     if reader.is_some() {
         decoded(fixture, walsenders).await?;
     }
-    let cpu = cpu_start.per_event(&CpuReading::take(watch, pid, walsenders), written);
+    let mut cpu = cpu_start.per_event(&CpuReading::take(watch, pid, walsenders), written);
+    cpu.replay_lag_ms = lag.finish().await;
     Ok(Outcome::Measured {
         achieved,
         latency: None,
-        cpu,
+        cpu: Box::new(cpu),
         stages: Vec::new(),
         drift: None,
     })
@@ -737,6 +857,7 @@ async fn decoded(fixture: &Fixture, walsenders: &[u32]) -> Result<()> {
 #[derive(Debug, Clone)]
 struct CpuReading {
     db: Option<processes::DbSnapshot>,
+    standby: Option<processes::DbSnapshot>,
     walsenders: Option<Duration>,
     relay: Option<Duration>,
     broker: Option<Duration>,
@@ -749,6 +870,7 @@ impl CpuReading {
     fn take(watch: &Watch, relay: Option<u32>, walsenders: &[u32]) -> CpuReading {
         CpuReading {
             db: watch.postmaster.and_then(processes::DbSnapshot::take),
+            standby: watch.standby.and_then(processes::DbSnapshot::take),
             walsenders: sum_over(walsenders, processes::process_cpu),
             relay: relay.and_then(processes::process_cpu),
             broker: watch.broker.and_then(processes::process_cpu),
@@ -772,6 +894,11 @@ impl CpuReading {
                 (Some(a), Some(b)) => Some(micros(a.until(b))),
                 _ => None,
             },
+            standby: match (&self.standby, &end.standby) {
+                (Some(a), Some(b)) => Some(micros(a.until(b))),
+                _ => None,
+            },
+            replay_lag_ms: None,
             walsender: delta(self.walsenders, end.walsenders),
             relay: delta(self.relay, end.relay),
             broker: delta(self.broker, end.broker),
@@ -830,6 +957,12 @@ fn spawn(
 ) -> Result<tokio::process::Child> {
     let args: &[&str] = if cdc { &["run"] } else { &POLL_ARGS };
     let mut cmd = relay_command(fixture, args)?;
+    if let Some(url) = fixture.slot_url() {
+        cmd.env(
+            format!("{}POSTGRES__SLOT_URL", crate::config::ENV_PREFIX),
+            url,
+        );
+    }
     if exactly_once {
         exactly_once_env(&mut cmd);
     }
@@ -866,7 +999,7 @@ async fn wait_ready(
         tick.tick().await;
         let ready: bool = if cdc {
             fixture
-                .client()
+                .slot_client()
                 .query_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active)",
                     &[&fixture.config.postgres.slot],
@@ -1006,26 +1139,42 @@ mod tests {
             workers: 1,
         };
         assert_eq!(
-            modes(&[Mode::RecvLogical, Mode::Cdc, Mode::CdcExactlyOnce, poll]),
+            modes(
+                &[Mode::RecvLogical, Mode::Cdc, Mode::CdcExactlyOnce, poll],
+                false
+            ),
             vec![NO_RELAY, RECVLOGICAL, "cdc", CDC_EXACTLY_ONCE, POLL_LABEL]
         );
         assert_eq!(
-            modes(&[Mode::RecvLogical, Mode::Ours]),
+            modes(&[Mode::RecvLogical, Mode::Ours], false),
             vec![NO_RELAY, RECVLOGICAL],
             "PostgreSQL's own consumer is a steady point; our null sink is not"
         );
         assert_eq!(
-            modes(&[Mode::CdcExactlyOnce]),
+            modes(&[Mode::CdcExactlyOnce], false),
             vec![NO_RELAY, CDC_EXACTLY_ONCE]
         );
-        assert!(modes(&[Mode::BrokerCeiling]).is_empty());
+        assert!(modes(&[Mode::BrokerCeiling], false).is_empty());
         assert_eq!(
-            modes(&[Mode::Cdc, Mode::CdcMessage, poll]),
+            modes(&[Mode::Cdc, Mode::CdcMessage, poll], false),
             vec![NO_RELAY, "cdc", CDC_MESSAGE, POLL_LABEL]
         );
         assert!(
-            modes(&[Mode::CdcMessageUnaudited, Mode::RecvLogicalMessage]).is_empty(),
+            modes(
+                &[Mode::CdcMessageUnaudited, Mode::RecvLogicalMessage],
+                false
+            )
+            .is_empty(),
             "the unaudited message outbox and its pg_recvlogical are backlog modes only"
+        );
+        assert_eq!(
+            modes(&[Mode::Cdc, poll], true),
+            vec![NO_RELAY, "cdc", CDC_STANDBY, POLL_LABEL],
+            "with a standby, the relay also decodes there"
+        );
+        assert_eq!(
+            modes(&[Mode::CdcExactlyOnce], true),
+            vec![NO_RELAY, CDC_EXACTLY_ONCE]
         );
     }
 }

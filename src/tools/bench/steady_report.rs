@@ -60,6 +60,27 @@ pub(crate) fn render_steady(workload: &str, steady: &[SteadyResult]) -> String {
             );
         }
     }
+    if steady.iter().any(|s| s.cpu.standby.is_some()) {
+        let _ = writeln!(
+            out,
+            "
+the standby (--standby-url): CPU per event written (µs, all its processes: replay, WAL receiver, and the walsender of cdc-standby) and the highest replay lag sampled (ms):\n{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18}",
+            "mode", "rate", "achieved/s", "standby CPU", "replay lag max"
+        );
+        for s in steady {
+            let cell = |v: Option<Spread>| v.map_or("-".into(), |v| spread(&v, 1));
+            let _ = writeln!(
+                out,
+                "{:<MODE_WIDTH$} {:>6} {:>10} {:>18} {:>18}",
+                s.mode,
+                rate_text(s),
+                s.achieved_events_per_s
+                    .map_or("-".into(), |a| format!("{:.0}", a.median)),
+                cell(s.cpu.standby),
+                cell(s.cpu.replay_lag_ms),
+            );
+        }
+    }
     if steady.iter().any(|s| s.cpu.has_traffic()) {
         let _ = writeln!(
             out,
@@ -136,6 +157,12 @@ pub struct SteadyResult {
 pub(crate) struct PerEvent {
     /// Every PostgreSQL process (backends, walsenders, background workers).
     pub db: Option<f64>,
+    /// Every process of the standby's server (`--standby-url`): its startup
+    /// (replay), WAL receiver and, for `cdc-standby`, the relay's walsender.
+    pub standby: Option<f64>,
+    /// Not per event: the highest replay lag of the standby sampled during the run,
+    /// ms (`pg_stat_replication.replay_lag` on the primary).
+    pub replay_lag_ms: Option<f64>,
     /// Of `db`: the walsenders of the run's slot.
     pub walsender: Option<f64>,
     /// The relay or poller process.
@@ -157,6 +184,8 @@ pub(crate) struct PerEvent {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PerEventSpread {
     pub db: Option<Spread>,
+    pub standby: Option<Spread>,
+    pub replay_lag_ms: Option<Spread>,
     pub walsender: Option<Spread>,
     pub relay: Option<Spread>,
     pub broker: Option<Spread>,
@@ -173,6 +202,8 @@ impl PerEventSpread {
         };
         PerEventSpread {
             db: of(|c| c.db),
+            standby: of(|c| c.standby),
+            replay_lag_ms: of(|c| c.replay_lag_ms),
             walsender: of(|c| c.walsender),
             relay: of(|c| c.relay),
             broker: of(|c| c.broker),
