@@ -295,7 +295,7 @@ async fn least_privilege_role_relays_poisons_and_heartbeats() {
             .query_opt(
                 "SELECT pid, query_start::text FROM pg_stat_activity
                  WHERE usename = $1 AND state = 'idle'
-                   AND query LIKE '%(pg_current_wal_lsn() - restart_lsn)::float8%'",
+                   AND query LIKE '%(w.lsn - restart_lsn)::float8%'",
                 &[&role],
             )
             .await
