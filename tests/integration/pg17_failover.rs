@@ -40,7 +40,7 @@ fn required(name: &str) -> String {
 }
 
 /// Commits rows `seqs` as single-row transactions, 13 entities round robin.
-async fn write(client: &Client, seqs: std::ops::Range<i64>) {
+pub(crate) async fn write(client: &Client, seqs: std::ops::Range<i64>) {
     client
         .batch_execute(&format!(
             "DO $$ BEGIN

@@ -24,6 +24,7 @@ use crate::harness::{
     self, DevBroker, RelayProcess, TestDb, assert_per_key_order, consume, consume_unique,
     deliveries, tally,
 };
+use crate::pg17_failover::write;
 
 /// The relay's in-flight window: what a kill can have delivered past its position.
 const WINDOW: usize = 200;
@@ -36,24 +37,6 @@ fn required(name: &str) -> String {
              run it with scripts/pg17-failover-drill"
         )
     })
-}
-
-/// Commits rows `seqs` as single-row transactions, 13 entities round robin.
-async fn write(client: &Client, seqs: std::ops::Range<i64>) {
-    client
-        .batch_execute(&format!(
-            "DO $$ BEGIN
-               FOR g IN {}..{} LOOP
-                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                 VALUES ('order', 'e' || (g % 13), 'Created', jsonb_build_object('seq', g));
-                 COMMIT;
-               END LOOP;
-             END $$",
-            seqs.start,
-            seqs.end - 1
-        ))
-        .await
-        .expect("write events");
 }
 
 /// `(active, walsender state)` of `slot` on a server: whether a walsender streams
