@@ -73,6 +73,10 @@ pub enum Error {
     /// the session is started again from the healed slot.
     #[error("replication slot {slot} was healed by another relay; starting again")]
     RelaySlotHealedElsewhere { slot: String },
+    /// `run`: a step of a session's start was asked for before the session was
+    /// planned (a broken invariant of the shell); the session is started again.
+    #[error("a session step came before its start plan")]
+    RelayNotPlanned,
     /// `run` with `kafka.delivery = "exactly-once"`: a transactional call failed in a
     /// way the session cannot absorb (fenced by another relay, a broker without
     /// transactions: exit 3), or the progress record could not be read.
@@ -263,6 +267,7 @@ impl Error {
             // cdc
             | Error::RelaySlotTaken(_)
             | Error::RelaySlotHealedElsewhere { .. }
+            | Error::RelayNotPlanned
             | Error::RelayPoisonWriterStopped
             | Error::CutoverSlotActive { .. }
             | Error::BacklogHalted { .. }
@@ -295,6 +300,7 @@ impl Error {
             Error::Io(_)
             | Error::RelaySlotTaken(_)
             | Error::RelaySlotHealedElsewhere { .. }
+            | Error::RelayNotPlanned
             | Error::BacklogHalted { .. }
             | Error::CutoverSlotActive { .. } => ErrorClass::Transient,
             Error::ProgressRecord(_) => ErrorClass::Transient,

@@ -3,7 +3,7 @@
 //!
 //! What may be confirmed is the sans-IO core's decision (`progress/saving.rs`): it
 //! asks for saves, is told of each outcome, and never builds a status past the saved
-//! position. This part only performs: it owns the position table, the saver of the
+//! position. This part only performs: it owns the saver of the
 //! current session (`position_saver`), and the `/readyz` alert for saves that keep
 //! failing, and it tells the session when a save outcome ends the session
 //! ([`Verdict`]). One saver per session: the previous one is dropped before the next
@@ -13,11 +13,11 @@
 use std::time::{Duration, Instant};
 
 use crate::cdc::metrics::Health;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::PositionWrites;
 use crate::cdc::position_saver::{PositionSaver, SaverEvent};
 use crate::cdc::progress::Core;
 use crate::lsn::Lsn;
-use crate::outbox::position::{PositionTable, ServerHistory};
-use crate::postgres::conninfo::ConnInfo;
 
 /// Saves failing this long turn `/readyz` 503 (the `position` alert): nothing is
 /// confirmed meanwhile.
@@ -35,52 +35,30 @@ pub(crate) enum Verdict {
     Refused(String),
 }
 
-/// The position table, this session's saver and the failure alert.
+/// This session's saver and the failure alert.
+#[derive(Default)]
 pub(crate) struct Confirmation {
-    positions: PositionTable,
     saver: Option<PositionSaver>,
     /// Saves have failed since then, without one succeeding.
     failing_since: Option<Instant>,
 }
 
 impl Confirmation {
-    pub(crate) fn new(positions: PositionTable) -> Confirmation {
-        Confirmation {
-            positions,
-            saver: None,
-            failing_since: None,
-        }
-    }
-
-    /// The relay's position table.
-    pub(crate) fn positions(&self) -> &PositionTable {
-        &self.positions
-    }
-
     /// The session ended: its saver stops before the next one is planned.
     pub(crate) fn end_session(&mut self) {
         self.saver = None;
     }
 
-    /// A session starts at `start` on `history`, on the server that started at
-    /// `server_started`: a saver of its own, which writes to that server only.
+    /// A session starts at `start`: a saver of its own, with `writes` that go to
+    /// the session's server and history only.
     pub(crate) fn start_session(
         &mut self,
-        conninfo: &ConnInfo,
-        history: ServerHistory,
-        server_started: Option<i64>,
+        writes: Box<dyn PositionWrites>,
         start: Lsn,
         min_gap: Duration,
     ) {
         self.failing_since = None;
-        self.saver = Some(PositionSaver::spawn(
-            conninfo.clone(),
-            self.positions.clone(),
-            history,
-            server_started,
-            start,
-            min_gap,
-        ));
+        self.saver = Some(PositionSaver::spawn(writes, start, min_gap));
     }
 
     /// Hands a save the core asked for to the saver.
@@ -107,7 +85,7 @@ impl Confirmation {
         core: &mut Core,
         health: &Health,
     ) -> Verdict {
-        let now = Instant::now();
+        let now = clock::now();
         match event {
             SaverEvent::Saved(lsn) => {
                 core.saved(lsn, now);
@@ -146,7 +124,7 @@ impl Confirmation {
     pub(crate) async fn final_save(&mut self, core: &mut Core, timeout: Duration) {
         if let Some(saver) = &mut self.saver {
             let saved = saver.flush(core.confirmed(), timeout).await;
-            core.saved(saved, Instant::now());
+            core.saved(saved, clock::now());
         }
     }
 }

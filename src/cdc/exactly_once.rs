@@ -28,14 +28,17 @@ use std::time::Instant;
 
 use rdkafka::ClientConfig;
 
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::SessionDatabase;
+use crate::cdc::ports::producer::{KafkaProgressReader, Producer, ProgressReader};
 use crate::cdc::progress::{Core, ProgressMark};
 use crate::cdc::progress_record::{self, ProgressRecord};
 use crate::cdc::start::ServerView;
-use crate::cdc::wal_identity::{self, TxIdentity, TxLog, TxNames, Verdict};
+use crate::cdc::wal_identity::{TxIdentity, TxLog, TxNames, Verdict};
 use crate::config::{Config, DeliveryMode};
 use crate::delivery::EventId;
 use crate::error::Result;
-use crate::kafka::{self, Isolation, Publisher, RecordRef, TransactionCall, TransactionError};
+use crate::kafka::{self, Isolation, RecordRef, TransactionCall, TransactionError};
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 use crate::postgres::replication::TimelineSwitch;
@@ -67,7 +70,8 @@ pub(crate) struct ExactlyOnce {
     id: String,
     slot: String,
     topic: String,
-    reader: ClientConfig,
+    /// Reads the progress record back (`read_committed`).
+    reader: Box<dyn ProgressReader>,
     /// `init_transactions` succeeded on the current producer.
     initialized: bool,
     /// A transaction is begun on the current producer.
@@ -107,7 +111,10 @@ impl ExactlyOnce {
             return Ok(None);
         };
         let slot = config.postgres.slot_name();
-        let reader = progress_reader_config(config, READER_CLIENT_ID)?;
+        let reader = Box::new(KafkaProgressReader(progress_reader_config(
+            config,
+            READER_CLIENT_ID,
+        )?));
         Ok(Some(ExactlyOnce {
             id,
             slot,
@@ -191,13 +198,13 @@ impl ExactlyOnce {
     /// producer first.
     pub(crate) async fn start_session(
         &mut self,
-        publisher: &Publisher,
+        publisher: &dyn Producer,
         core: &mut Core,
         server: &ServerView,
-        metadata: &tokio_postgres::Client,
+        database: &mut dyn SessionDatabase,
         start: Lsn,
     ) -> Result<()> {
-        let outcome = self.prepare(publisher, core, server, metadata, start).await;
+        let outcome = self.prepare(publisher, core, server, database, start).await;
         if let Err(crate::error::Error::Transaction(e)) = &outcome
             && !e.needs_operator()
         {
@@ -208,10 +215,10 @@ impl ExactlyOnce {
 
     async fn prepare(
         &mut self,
-        publisher: &Publisher,
+        publisher: &dyn Producer,
         core: &mut Core,
         server: &ServerView,
-        metadata: &tokio_postgres::Client,
+        database: &mut dyn SessionDatabase,
         start: Lsn,
     ) -> Result<()> {
         if !self.initialized {
@@ -223,7 +230,7 @@ impl ExactlyOnce {
         }
         // What the last session saw may be sent again, or be another WAL's.
         self.transactions.clear();
-        let latest = read_latest(&self.reader, &self.topic, &self.slot).await?;
+        let latest = self.reader.read_latest(&self.topic, &self.slot).await?;
         let Some(record) = latest else {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
@@ -233,14 +240,10 @@ impl ExactlyOnce {
         // meanwhile committed records past it. Judged by that older end, its last
         // record looked written past the server's WAL (a restore) and was dropped,
         // and a standby that took over published the records since again.
-        let wal_end = server.wal_end.max(
-            crate::postgres::wal_end(metadata)
-                .await
-                .map_err(crate::poller::pg_error)?,
-        );
+        let wal_end = server.wal_end.max(database.wal_end().await?);
         let history = server.history;
         match usable_mark(&record, history, &server.forks, start, wal_end) {
-            Ok(mark) if !self.same_wal(metadata, &record, history, start).await? => {
+            Ok(mark) if !self.same_wal(database, &record, history, start).await? => {
                 tracing::warn!(%start, %wal_end, recorded_saved = %record.saved, confirmed = %mark.confirmed,
                     "the transactions the progress record names are not this server's (restored in place and written since?): the record is not used; events it covered may be published again");
             }
@@ -272,7 +275,7 @@ impl ExactlyOnce {
     /// The server's answer failed.
     async fn same_wal(
         &mut self,
-        metadata: &tokio_postgres::Client,
+        database: &mut dyn SessionDatabase,
         record: &ProgressRecord,
         history: ServerHistory,
         start: Lsn,
@@ -282,9 +285,9 @@ impl ExactlyOnce {
         if record.history != history || !reaches_past_start {
             return Ok(true);
         }
-        let verdict = wal_identity::check(metadata, &record.names, record.mark.confirmed, start)
-            .await
-            .map_err(crate::poller::pg_error)?;
+        let verdict = database
+            .wal_identity(&record.names, record.mark.confirmed, start)
+            .await?;
         match verdict {
             Verdict::Same => Ok(true),
             Verdict::Other { xid } => {
@@ -307,7 +310,7 @@ impl ExactlyOnce {
     }
 
     /// [`probe`] with this session's producer.
-    async fn probe(&mut self, publisher: &Publisher) -> Result<()> {
+    async fn probe(&mut self, publisher: &dyn Producer) -> Result<()> {
         probe(publisher, &self.id, &self.topic, &self.slot)
             .await
             .map_err(|failed| {
@@ -316,7 +319,7 @@ impl ExactlyOnce {
             })
     }
 
-    async fn init(&mut self, publisher: &Publisher) -> Result<()> {
+    async fn init(&mut self, publisher: &dyn Producer) -> Result<()> {
         let mut attempt = 1;
         loop {
             match publisher.init_transactions(&self.id).await {
@@ -333,14 +336,14 @@ impl ExactlyOnce {
 
     /// Before a produce: begins the transaction if none is. `false` when librdkafka
     /// refused (the producer is unusable: [`ExactlyOnce::take_failure`] says why).
-    pub(crate) fn before_produce(&mut self, publisher: &Publisher) -> bool {
+    pub(crate) fn before_produce(&mut self, publisher: &dyn Producer) -> bool {
         if self.begun {
             return true;
         }
         match publisher.begin_transaction(&self.id) {
             Ok(()) => {
                 self.begun = true;
-                self.begun_at = Some(Instant::now());
+                self.begun_at = Some(clock::now());
                 true
             }
             Err(e) => {
@@ -352,7 +355,7 @@ impl ExactlyOnce {
 
     /// [`Action::CommitTransaction`](crate::cdc::progress::Action): writes the
     /// progress record in the transaction and starts the commit.
-    pub(crate) fn commit(&mut self, publisher: &Publisher, core: &Core, history: ServerHistory) {
+    pub(crate) fn commit(&mut self, publisher: &dyn Producer, core: &Core, history: ServerHistory) {
         let mark = core.transaction_mark().cloned().unwrap_or_default();
         let names = TxNames {
             watermark: self.transactions.ending_at(mark.confirmed),
@@ -388,11 +391,11 @@ impl ExactlyOnce {
     }
 
     /// [`Action::AbortTransaction`](crate::cdc::progress::Action).
-    pub(crate) fn abort(&mut self, publisher: &Publisher) {
+    pub(crate) fn abort(&mut self, publisher: &dyn Producer) {
         self.start(publisher, Ending::Abort);
     }
 
-    fn start(&mut self, publisher: &Publisher, ending: Ending) {
+    fn start(&mut self, publisher: &dyn Producer, ending: Ending) {
         let call = match ending {
             Ending::Commit => publisher.start_commit(&self.id),
             Ending::Abort => publisher.start_abort(&self.id),
@@ -431,7 +434,7 @@ impl ExactlyOnce {
     /// Hands a finished call's outcome to the core once every report of the
     /// transaction is in (`drained`: librdkafka has nothing in flight and the report
     /// channel is empty); retries, aborts or gives up as the outcome says.
-    pub(crate) fn settle(&mut self, publisher: &Publisher, core: &mut Core, drained: bool) {
+    pub(crate) fn settle(&mut self, publisher: &dyn Producer, core: &mut Core, drained: bool) {
         // A success waits for the last reports (the core's contract); a failure is
         // acted on at once (a retry or an abort need not wait for them).
         if !drained && matches!(self.outcome, Some((_, Ok(())))) {
@@ -440,7 +443,7 @@ impl ExactlyOnce {
         let Some((ending, outcome)) = self.outcome.take() else {
             return;
         };
-        let now = Instant::now();
+        let now = clock::now();
         match (ending, outcome) {
             (Ending::Commit, Ok(())) => {
                 ::metrics::counter!(crate::cdc::metrics::KAFKA_TRANSACTIONS, "outcome" => "committed")
@@ -525,7 +528,7 @@ pub(crate) fn progress_reader_config(config: &Config, client_id: &str) -> Result
 /// Queues one record of the progress topic `topic`, reported as
 /// [`PROGRESS_RECORD_ID`].
 pub(crate) fn send_progress(
-    publisher: &Publisher,
+    publisher: &dyn Producer,
     topic: &str,
     key: &str,
     value: &[u8],
@@ -555,7 +558,7 @@ pub(crate) struct ProbeFailed {
 /// commit; and before the progress record is read, so that a broker that leaves the
 /// transaction open cannot hold that read.
 pub(crate) async fn probe(
-    publisher: &Publisher,
+    publisher: &dyn Producer,
     id: &str,
     topic: &str,
     slot: &str,

@@ -23,6 +23,7 @@ mod in_flight;
 mod instruments;
 pub mod metrics;
 mod poison_policy;
+pub(crate) mod ports;
 mod position_saver;
 pub mod progress;
 pub mod progress_record;

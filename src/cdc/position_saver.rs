@@ -19,16 +19,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use crate::cdc::metrics as m;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::{PositionWrites, SaveError};
 use crate::cdc::progress::SavePhase;
 use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
-use crate::outbox::position::{PositionTable, ServerHistory};
-use crate::postgres::conninfo::ConnInfo;
-
-/// A save is one single-row `UPDATE`: anything longer is a lock or a server that
-/// stopped answering (`crate::postgres::bound_statements`).
-const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
-const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Backoff between failed saves.
 const RETRY_INITIAL: Duration = Duration::from_millis(200);
@@ -71,10 +66,7 @@ impl PositionSaver {
     /// Starts saving positions of `history` on the server that started at
     /// `server_started`; `initial` is already saved.
     pub(crate) fn spawn(
-        conninfo: ConnInfo,
-        table: PositionTable,
-        history: ServerHistory,
-        server_started: Option<i64>,
+        writes: Box<dyn PositionWrites>,
         initial: Lsn,
         min_gap: Duration,
     ) -> PositionSaver {
@@ -86,10 +78,7 @@ impl PositionSaver {
         let (failures_tx, failures) = mpsc::channel(FAILURES_QUEUED);
         let task = tokio::spawn(
             Task {
-                conninfo,
-                table,
-                history,
-                server_started,
+                writes,
                 min_gap,
                 failures: failures_tx,
             }
@@ -167,57 +156,15 @@ struct Request {
 const FAILURES_QUEUED: usize = 4;
 
 struct Task {
-    conninfo: ConnInfo,
-    table: PositionTable,
-    history: ServerHistory,
-    /// The session's server (`pg_postmaster_start_time()`); a restarted one may be
-    /// a restored copy, whose row must not get this session's positions.
-    server_started: Option<i64>,
+    /// The session's writes (`ports::database`): to the server the writes go to,
+    /// refused on another history or a restarted server.
+    writes: Box<dyn PositionWrites>,
     min_gap: Duration,
     failures: mpsc::Sender<SaverEvent>,
 }
 
-/// Why a save did not happen.
-struct SaveError {
-    message: String,
-    phase: SavePhase,
-    /// The server's SQLSTATE, when it sent one.
-    sqlstate: Option<String>,
-    /// The row is not ours to write (see [`SaverEvent::Refused`]).
-    refused: bool,
-}
-
-impl SaveError {
-    fn connecting(e: &crate::postgres::PgError) -> Self {
-        SaveError {
-            message: e.to_string(),
-            phase: SavePhase::Connecting,
-            sqlstate: e.sqlstate().map(str::to_owned),
-            refused: false,
-        }
-    }
-}
-
-impl From<crate::outbox::checkpoint::CheckpointError> for SaveError {
-    fn from(e: crate::outbox::checkpoint::CheckpointError) -> Self {
-        let sqlstate = match &e {
-            crate::outbox::checkpoint::CheckpointError::Postgres(pg) => {
-                pg.code().map(|code| code.code().to_owned())
-            }
-            _ => None,
-        };
-        SaveError {
-            message: e.to_string(),
-            phase: SavePhase::Statement,
-            sqlstate,
-            refused: false,
-        }
-    }
-}
-
 impl Task {
-    async fn run(self, mut requested: watch::Receiver<Request>, saved: watch::Sender<Lsn>) {
-        let mut client: Option<tokio_postgres::Client> = None;
+    async fn run(mut self, mut requested: watch::Receiver<Request>, saved: watch::Sender<Lsn>) {
         let mut backoff = Backoff::new(RETRY_INITIAL, RETRY_MAX);
         let mut last_write: Option<Instant> = None;
         let mut urgent_seen = 0;
@@ -231,15 +178,15 @@ impl Task {
             }
             let urgent = requested.borrow().urgent;
             if let (Some(at), true) = (last_write, urgent == urgent_seen) {
-                tokio::time::sleep(self.min_gap.saturating_sub(at.elapsed())).await;
+                tokio::time::sleep(self.min_gap.saturating_sub(clock::elapsed(at))).await;
             }
             let target = requested.borrow_and_update().lsn;
             if target <= *saved.borrow() {
                 continue;
             }
             urgent_seen = requested.borrow().urgent;
-            last_write = Some(Instant::now());
-            match self.save(&mut client, target).await {
+            last_write = Some(clock::now());
+            match self.writes.save(target).await {
                 Ok(()) => {
                     backoff.reset();
                     saved.send_replace(target);
@@ -281,81 +228,6 @@ impl Task {
                     tokio::time::sleep(pause).await;
                 }
             }
-        }
-    }
-
-    /// A new connection must reach the server this session streamed from: a server
-    /// that restarted meanwhile may be a data directory restored in place, where a
-    /// position of the lost WAL would make the next session skip new commits. That
-    /// is a refusal (the session ends and the start plan decides on the new server).
-    async fn same_server(&self, client: &tokio_postgres::Client) -> Result<(), SaveError> {
-        let Some(expected) = self.server_started else {
-            return Ok(());
-        };
-        let started = crate::postgres::postmaster_started(client)
-            .await
-            .map_err(|e| SaveError::from(crate::outbox::checkpoint::CheckpointError::from(e)))?;
-        if started == Some(expected) {
-            return Ok(());
-        }
-        Err(SaveError {
-            message: "the server restarted since this session started (it may be a restored \
-                      copy): nothing of this session is saved there"
-                .to_owned(),
-            phase: SavePhase::Connecting,
-            sqlstate: None,
-            refused: true,
-        })
-    }
-
-    /// One save, reconnecting first if needed. A missing row (deleted by an
-    /// operator) is re-created; a row of another history or with a resync pending
-    /// is not overwritten.
-    async fn save(
-        &self,
-        client: &mut Option<tokio_postgres::Client>,
-        target: Lsn,
-    ) -> Result<(), SaveError> {
-        if client
-            .as_ref()
-            .is_none_or(tokio_postgres::Client::is_closed)
-        {
-            let connected = crate::postgres::connect_info(&self.conninfo)
-                .await
-                .map_err(|e| SaveError::connecting(&e))?;
-            crate::postgres::bound_statements(&connected, STATEMENT_TIMEOUT, LOCK_TIMEOUT)
-                .await
-                .map_err(|e| {
-                    SaveError::from(crate::outbox::checkpoint::CheckpointError::from(e))
-                })?;
-            self.same_server(&connected).await?;
-            *client = Some(connected);
-        }
-        let Some(c) = client.as_ref() else {
-            return Err(SaveError {
-                message: "no connection".to_owned(),
-                phase: SavePhase::Connecting,
-                sqlstate: None,
-                refused: false,
-            });
-        };
-        if self.table.save(c, self.history, target).await? {
-            return Ok(());
-        }
-        match self.table.load(c).await? {
-            None => {
-                tracing::warn!(table = %self.table.name(), "the relay position row was deleted; recording it again");
-                Ok(self.table.adopt(c, self.history, target, false).await?)
-            }
-            Some(p) => Err(SaveError {
-                message: format!(
-                    "the position row belongs to {} (expected {}) or a resync is pending ({:?})",
-                    p.history, self.history, p.slot_lost
-                ),
-                phase: SavePhase::Statement,
-                sqlstate: None,
-                refused: true,
-            }),
         }
     }
 }

@@ -347,6 +347,8 @@ pub struct Publisher {
     /// Sends lingering records at once when the relay's stream goes idle
     /// (`relay.flush_when_idle`); see [`Publisher::stream_idle`].
     idle_flush: Option<IdleFlush>,
+    /// The settings it was made with (for [`Publisher::alone`]).
+    config: ClientConfig,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -481,8 +483,8 @@ impl Publisher {
     /// # Errors
     ///
     /// As for [`Publisher::new`].
-    pub(crate) fn alone(&self, cfg: &ClientConfig) -> Result<Publisher, BrokerError> {
-        let mut cfg = cfg.clone();
+    pub(crate) fn alone(&self) -> Result<Publisher, BrokerError> {
+        let mut cfg = self.config.clone();
         cfg.set("batch.num.messages", "1").set("linger.ms", "0");
         let publisher = Self::reporting_to(&cfg, self.producer.context().reports.clone())?;
         Ok(publisher.with_configuration_errors_poisoned(self.poison_configuration_errors))
@@ -536,6 +538,7 @@ impl Publisher {
             max_message_bytes,
             compresses: super::compresses(cfg),
             idle_flush: None,
+            config: cfg.clone(),
         })
     }
 

@@ -17,6 +17,8 @@ use crate::cdc::exactly_once::ExactlyOnce;
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::metrics::Health;
 use crate::cdc::poison_policy::PoisonPolicy;
+use crate::cdc::ports::database::Postgres;
+use crate::cdc::ports::producer::KafkaProducers;
 use crate::cdc::progress::{Core, CoreConfig, Records, TransactionLimits};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
 use crate::config::Config;
@@ -84,11 +86,11 @@ pub async fn run_checked(
     let writes_client = primary_client.as_ref().unwrap_or(&metadata);
     let mut producer_config = kafka::producer_config(&config.kafka, &config.relay)?;
     let exactly_once = ExactlyOnce::new(&config, &mut producer_config)?;
-    let delivery = Delivery::new(producer_config, &config.relay, exactly_once.is_some())?;
+    let producers = KafkaProducers::new(producer_config, &config.relay);
+    let first = producers.publisher()?;
     let checks_started = Instant::now();
-    checks
-        .check(writes_client, delivery.publisher(), &config)
-        .await?;
+    checks.check(writes_client, &first.0, &config).await?;
+    let delivery = Delivery::new(producers, first, &config.relay, exactly_once.is_some());
     tracing::info!(
         took_ms = millis(checks_started.elapsed()),
         "start-up checks passed"
@@ -165,8 +167,11 @@ pub async fn run_checked(
     let mut relay = Relay {
         core: Core::new(core_config, Lsn::ZERO, Instant::now()),
         records: Records::default(),
-        confirmation: Confirmation::new(positions),
-        opening: Opening::new(conninfo, primary, prerequisites.wal_sender_timeout),
+        confirmation: Confirmation::default(),
+        opening: Opening::new(
+            Box::new(Postgres::new(config.clone(), conninfo, primary, positions)),
+            prerequisites.wal_sender_timeout,
+        ),
         reader,
         delivery,
         transactions,

@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use rdkafka::ClientConfig;
 use rdkafka::error::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 
@@ -24,6 +23,8 @@ use super::telemetry::Telemetry;
 use crate::cdc::exactly_once::PROGRESS_RECORD_ID;
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::metrics::{self as m, Health};
+use crate::cdc::ports::clock;
+use crate::cdc::ports::producer::{KafkaProducers, Made, Producer, Producers};
 use crate::cdc::progress::{Core, MissingRecord, Records};
 use crate::config::RelayConfig;
 use crate::delivery::{EventId, Failure};
@@ -44,14 +45,13 @@ pub(super) enum Reported {
 
 /// See the module documentation.
 pub(super) struct Delivery {
-    publisher: Publisher,
+    publisher: Box<dyn Producer>,
     reports: mpsc::Receiver<DeliveryReport>,
-    /// To make a new producer when the current one is wedged, and the retry-alone
-    /// one.
-    producer_config: ClientConfig,
+    /// Makes a new producer when the current one is wedged or fenced.
+    producers: Box<dyn Producers>,
     /// Sends records in batches of one, for retries after a size error (see
     /// [`Delivery::retry_alone`]); made on first use.
-    alone: Option<Publisher>,
+    alone: Option<Box<dyn Producer>>,
     /// Exactly-once mode: another producer cannot write into this one's
     /// transaction, so nothing is retried alone.
     transactional: bool,
@@ -69,41 +69,62 @@ pub(super) struct Delivery {
     /// When the stream goes idle between transactions, whether the producer may be
     /// told to send without lingering (`relay.flush_when_idle`, `kafka::idle_flush`).
     idle_gate: IdleGate,
-    /// `relay.*`: how producers are made, `on_config_error`, `producer_stall_secs`.
+    /// `relay.*`: `on_config_error`, `producer_stall_secs`.
     settings: RelayConfig,
 }
 
 impl Delivery {
-    /// The relay's producer made from `producer_config` with the relay's settings.
-    ///
-    /// # Errors
-    ///
-    /// The producer cannot be made.
+    /// The relay's delivery path on librdkafka's producers, starting with `first`
+    /// (made by `producers`, already used by the start-up checks).
     pub(super) fn new(
-        producer_config: ClientConfig,
+        producers: KafkaProducers,
+        first: (Publisher, mpsc::Receiver<DeliveryReport>),
         settings: &RelayConfig,
         transactional: bool,
-    ) -> Result<Delivery> {
-        let (publisher, reports) = relay_publisher(&producer_config, settings)?;
-        Ok(Delivery {
+    ) -> Delivery {
+        let topic_limits = TopicLimits::new(producers.config());
+        let idle_gate = IdleGate::new(kafka::linger(producers.config()));
+        let (publisher, reports) = first;
+        Delivery::with_producers(
+            Box::new(producers),
+            (Box::new(publisher), reports),
+            topic_limits,
+            idle_gate,
+            settings,
+            transactional,
+        )
+    }
+
+    /// The delivery path on `producers` (the real ones, or a simulation's),
+    /// starting with `first`.
+    pub(crate) fn with_producers(
+        producers: Box<dyn Producers>,
+        first: Made,
+        topic_limits: TopicLimits,
+        idle_gate: IdleGate,
+        settings: &RelayConfig,
+        transactional: bool,
+    ) -> Delivery {
+        let (publisher, reports) = first;
+        Delivery {
             publisher,
             reports,
-            topic_limits: TopicLimits::new(&producer_config),
-            idle_gate: IdleGate::new(kafka::linger(&producer_config)),
-            producer_config,
+            topic_limits,
+            idle_gate,
+            producers,
             alone: None,
             transactional,
-            last_report_at: Instant::now(),
+            last_report_at: clock::now(),
             fatal: None,
             alerted: false,
             blocked_topics: HashMap::new(),
             settings: settings.clone(),
-        })
+        }
     }
 
     /// The producer (for the start-up checks and the Kafka transactions).
-    pub(super) fn publisher(&self) -> &Publisher {
-        &self.publisher
+    pub(super) fn publisher(&self) -> &dyn Producer {
+        self.publisher.as_ref()
     }
 
     /// Replaces a wedged or fatally failed producer. The old one is dropped on a
@@ -114,12 +135,12 @@ impl Delivery {
     ///
     /// The new producer cannot be made.
     pub(super) fn replace(&mut self) -> Result<()> {
-        let (publisher, reports) = relay_publisher(&self.producer_config, &self.settings)?;
+        let (publisher, reports) = self.producers.make()?;
         let old = std::mem::replace(&mut self.publisher, publisher);
         let old_alone = self.alone.take();
         self.reports = reports;
         self.fatal = None;
-        self.last_report_at = Instant::now();
+        self.last_report_at = clock::now();
         tokio::task::spawn_blocking(move || drop((old, old_alone)));
         ::metrics::counter!(m::PRODUCER_RESTARTS).increment(1);
         Ok(())
@@ -170,7 +191,7 @@ impl Delivery {
         telemetry: &Telemetry,
     ) -> Reported {
         let (health, instruments) = (&telemetry.health, &telemetry.instruments);
-        let now = Instant::now();
+        let now = clock::now();
         self.last_report_at = now;
         if report.id == PROGRESS_RECORD_ID {
             // Its failure fails the commit, which is then aborted.
@@ -250,14 +271,14 @@ impl Delivery {
         core: &mut Core,
         records: &mut Records<InFlight>,
         telemetry: &Telemetry,
-        begin: impl FnOnce(&Publisher) -> bool,
+        begin: impl FnOnce(&dyn Producer) -> bool,
     ) -> std::result::Result<(), MissingRecord> {
         let (health, instruments) = (&telemetry.health, &telemetry.instruments);
         let Some(InFlight::Event { event, .. }) = records.get(id) else {
             return Err(missing_record(core, id, attempt));
         };
         tracing::trace!(%id, topic = %event.topic, "produce");
-        let now = Instant::now();
+        let now = clock::now();
         let topic_limit = self.topic_limits.limit(&event.topic, now);
         let producer_limit = self.publisher.max_message_bytes();
         let compressed = self.publisher.compresses();
@@ -271,10 +292,10 @@ impl Delivery {
                 &message,
                 Failure::Permanent,
             );
-            core.refuse(id, Instant::now());
+            core.refuse(id, clock::now());
             return Ok(());
         }
-        if !begin(&self.publisher) {
+        if !begin(self.publisher.as_ref()) {
             // The producer cannot begin a transaction: the session ends and the
             // event goes out with the next producer.
             core.delivery_failed(id, Failure::Transient, now);
@@ -311,7 +332,7 @@ impl Delivery {
             }
             let kind = kafka::error_kind(rejected.code);
             record_failure(records, id, kind, &rejected.message, rejected.failure);
-            core.delivery_failed(id, rejected.failure, Instant::now());
+            core.delivery_failed(id, rejected.failure, clock::now());
         }
         Ok(())
     }
@@ -323,7 +344,7 @@ impl Delivery {
             && !in_transaction
             && self
                 .idle_gate
-                .may_nudge(Instant::now(), self.publisher.queued())
+                .may_nudge(clock::now(), self.publisher.queued())
     }
 
     /// Before a pause in reading: whether what lingers should be sent first.
@@ -334,7 +355,7 @@ impl Delivery {
 
     /// Sends what lingers in the producer at once.
     pub(super) fn nudge(&mut self) {
-        self.idle_gate.nudged(Instant::now());
+        self.idle_gate.nudged(clock::now());
         self.publisher.stream_idle();
     }
 
@@ -354,11 +375,11 @@ impl Delivery {
             in_flight = in_flight.saturating_add(producer.in_flight().max(0));
         }
         if in_flight == 0 {
-            self.last_report_at = Instant::now();
+            self.last_report_at = clock::now();
             return None;
         }
         let stall = Duration::from_secs(self.settings.producer_stall_secs);
-        let silent = self.last_report_at.elapsed();
+        let silent = clock::elapsed(self.last_report_at);
         if stall.is_zero() || silent < stall {
             return None;
         }
@@ -366,7 +387,7 @@ impl Delivery {
         // producer gets a full stall period once it is back.
         if let Err(e) = self.publisher.check_broker(WATCHDOG_BROKER_CHECK).await {
             tracing::debug!(error = %e, in_flight, "no delivery reports; the broker is unreachable");
-            self.last_report_at = Instant::now();
+            self.last_report_at = clock::now();
             return None;
         }
         // Reports that arrived during the check (the loop waited for it).
@@ -463,7 +484,7 @@ impl Delivery {
             return false;
         }
         if self.alone.is_none() {
-            match self.publisher.alone(&self.producer_config) {
+            match self.publisher.alone() {
                 Ok(p) => self.alone = Some(p),
                 Err(e) => tracing::warn!(error = %e, "cannot make the retry-alone producer"),
             }
@@ -489,7 +510,7 @@ impl Delivery {
         let Some(InFlight::Event { event, alone, .. }) = records.get_mut(id) else {
             return false;
         };
-        let topic_limit = self.topic_limits.limit(&event.topic, Instant::now());
+        let topic_limit = self.topic_limits.limit(&event.topic, clock::now());
         if *alone || too_large(event, producer_limit, topic_limit, compressed).is_some() {
             return false;
         }
@@ -505,29 +526,11 @@ impl Delivery {
     }
 }
 
-/// The relay's producer with the relay's settings: configuration errors poisoned or
-/// not (`relay.on_config_error`), lingering records sent when the stream goes idle
-/// (`relay.flush_when_idle`).
-fn relay_publisher(
-    producer_config: &ClientConfig,
-    relay: &RelayConfig,
-) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>)> {
-    let (publisher, reports) =
-        Publisher::new(producer_config.clone(), kafka::report_capacity(relay))?;
-    let publisher = publisher.with_configuration_errors_poisoned(relay.on_config_error.poisons());
-    let publisher = if relay.flush_when_idle {
-        publisher.with_idle_flush()?
-    } else {
-        publisher
-    };
-    Ok((publisher, reports))
-}
-
 /// A produce without a record: the core counts it failed, which blocks its key
 /// (no later event of the key leaves ahead of it while the lost session drains)
 /// and aborts the open Kafka transaction it joined; the caller ends the session.
 pub(super) fn missing_record(core: &mut Core, id: EventId, attempt: u32) -> MissingRecord {
-    core.delivery_failed(id, Failure::Transient, Instant::now());
+    core.delivery_failed(id, Failure::Transient, clock::now());
     MissingRecord { id, attempt }
 }
 

@@ -71,7 +71,7 @@ mod transaction_driver;
 pub use assemble::{run, run_checked, run_with_health};
 use delivery::{Delivery, Reported};
 use ends::{Drain, Lost, SessionEnd};
-use opening::{Opening, Start};
+use opening::Opening;
 use poison_path::PoisonPath;
 use reader::{Intake, Pause, StreamReader, send_status};
 use telemetry::Telemetry;
@@ -82,6 +82,9 @@ use std::time::{Duration, Instant};
 use crate::cdc::confirmation::{Confirmation, Verdict};
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::poison_policy::PoisonPolicy;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::Start;
+use crate::cdc::ports::stream::WalStream;
 use crate::cdc::position_saver::SaverEvent;
 use crate::cdc::progress::{Action, Core, CoreConfig, MissingRecord, Records};
 use crate::cdc::start::StartPlan;
@@ -92,7 +95,7 @@ use crate::kafka::{self, DeliveryReport};
 use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
-use crate::postgres::replication::{ReplicationError, ReplicationStream};
+use crate::postgres::replication::ReplicationError;
 
 /// Reconnect backoff after a lost replication session (jittered); it starts over only
 /// after a session confirmed progress.
@@ -177,9 +180,9 @@ impl Relay {
                 Err(e) => return Err(e),
             };
             let started_at = self.core.confirmed();
-            self.telemetry.health.set_streaming(true, Instant::now());
+            self.telemetry.health.set_streaming(true, clock::now());
             let ended = self.stream(stream, &mut shutdown).await;
-            self.telemetry.health.set_streaming(false, Instant::now());
+            self.telemetry.health.set_streaming(false, clock::now());
             let SessionEnd::Lost(reason) = ended? else {
                 return Ok(self.telemetry.summary.clone());
             };
@@ -288,7 +291,7 @@ impl Relay {
                 if tokio::time::Instant::now() >= deadline {
                     Drain::TimedOut
                 } else {
-                    self.core.tick(Instant::now());
+                    self.core.tick(clock::now());
                     Drain::Progress
                 }
             }
@@ -302,7 +305,7 @@ impl Relay {
     ///
     /// A produce without a record ([`MissingRecord`]): nothing more is executed.
     fn execute_offline_actions(&mut self) -> std::result::Result<(), MissingRecord> {
-        self.forget_resolved(Instant::now());
+        self.forget_resolved(clock::now());
         while let Some(action) = self.core.next_action() {
             match action {
                 // No stream to send it on: the next session starts from what is
@@ -317,9 +320,9 @@ impl Relay {
     /// Executes every action the core has queued.
     async fn execute_actions(
         &mut self,
-        stream: &mut ReplicationStream,
+        stream: &mut dyn WalStream,
     ) -> std::result::Result<(), Lost> {
-        let now = Instant::now();
+        let now = clock::now();
         self.forget_resolved(now);
         self.telemetry
             .instruments
@@ -333,7 +336,7 @@ impl Relay {
                     self.reader.status_sent(status);
                     self.telemetry
                         .instruments
-                        .status_sent(status.flush, Instant::now());
+                        .status_sent(status.flush, clock::now());
                     self.telemetry.summary.confirmed = status.flush;
                 }
                 action => self.execute(action)?,
@@ -398,54 +401,47 @@ impl Relay {
 
     /// Connects, decides where to start (`cdc::start`), heals a lost slot, and starts
     /// streaming with a core that continues this process's event ids.
-    async fn start_session(&mut self, first: bool) -> Result<ReplicationStream> {
+    async fn start_session(&mut self, first: bool) -> Result<Box<dyn WalStream>> {
         // The previous session's saver stops before anything is decided: a late save
         // of its would move the position row under this session's plan.
         self.confirmation.end_session();
-        let mut link = self.opening.connect().await?;
         let busy_timeout = self.opening.busy_timeout(&self.config, first);
         let remembered = self.opening.remembered(&self.core);
-        let positions = self.confirmation.positions();
-        let plan = self
-            .opening
-            .decide(&mut link, &self.config, positions, remembered, busy_timeout)
-            .await?;
+        let plan = self.opening.decide(remembered, busy_timeout).await?;
         if matches!(plan, StartPlan::Fresh | StartPlan::Lost { .. }) {
             self.before_backlog()?;
         }
-        let Start {
-            at: start,
-            fresh_core,
-        } = self
+        let (
+            Start {
+                at: start,
+                fresh_core,
+            },
+            opened,
+        ) = self
             .opening
-            .carry_out(
-                plan,
-                &mut link,
-                &self.config,
-                self.confirmation.positions(),
-                remembered,
-                busy_timeout,
-                &self.telemetry.health,
-            )
+            .carry_out(plan, remembered, busy_timeout, &self.telemetry.health)
             .await?;
+        let database = &mut self.opening.database;
         if fresh_core || first {
             // A cutover's or a resync's backlog may have parked keys meanwhile, and
             // so may the relay that streamed while this one waited for the slot.
             self.poison.set_policy(PoisonPolicy::new(
                 self.config.relay.on_poison,
-                crate::cdc::poison_policy::parked_keys(link.writes(), &self.config).await?,
+                database.parked_keys().await?,
             ));
         }
-        let history = link.server.history;
+        let history = opened.server.history;
         self.reset_core(history, start, fresh_core);
-        let recorded = Opening::recorded_poison(&mut link, &self.config, start).await;
+        let recorded = self.opening.database.recorded_poison(start).await;
         self.poison.set_recorded(recorded);
-        self.opening.opened(history, link.server.started);
+        self.opening.opened(history, opened.server.started);
         // Saved where the writes go, checked against that server's start.
+        let writes = self
+            .opening
+            .database
+            .position_writes(history, opened.writes_started);
         self.confirmation.start_session(
-            self.opening.writes_conninfo(),
-            history,
-            link.writes_started,
+            writes,
             start,
             self.config
                 .relay
@@ -454,7 +450,12 @@ impl Relay {
         let slot_name = self.config.postgres.slot_name();
         let stream = self
             .reader
-            .start(link.conn, &self.config, &slot_name, start)
+            .start(
+                self.opening.database.as_mut(),
+                &self.config,
+                &slot_name,
+                start,
+            )
             .await?;
         if let Some(eo) = self.transactions.exactly_once() {
             // Only now, holding the slot: fences the producer of a relay that held
@@ -462,8 +463,8 @@ impl Relay {
             eo.start_session(
                 self.delivery.publisher(),
                 &mut self.core,
-                &link.server,
-                &link.metadata,
+                &opened.server,
+                self.opening.database.as_mut(),
                 start,
             )
             .await?;
@@ -477,7 +478,7 @@ impl Relay {
     /// session resolved); on another, or when the start plan found this process's
     /// positions void (`fresh`), nothing of the old positions is kept.
     fn reset_core(&mut self, history: ServerHistory, start: Lsn, fresh: bool) {
-        let now = Instant::now();
+        let now = clock::now();
         let core = std::mem::replace(
             &mut self.core,
             Core::new(CoreConfig::default(), Lsn::ZERO, now),
@@ -496,7 +497,7 @@ impl Relay {
     /// The replication loop of one session.
     async fn stream(
         &mut self,
-        mut stream: ReplicationStream,
+        mut stream: Box<dyn WalStream>,
         shutdown: &mut Shutdown,
     ) -> Result<SessionEnd> {
         let timer = tokio::time::sleep(Duration::from_secs(3600));
@@ -505,10 +506,9 @@ impl Relay {
         watchdog.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.reader.streaming();
         self.telemetry.health.set_alert("replication", None);
-        let slot = self.config.postgres.slot_name();
         loop {
             self.settle_transaction();
-            if let Err(lost) = self.execute_actions(&mut stream).await {
+            if let Err(lost) = self.execute_actions(stream.as_mut()).await {
                 return Ok(SessionEnd::Lost(lost));
             }
             if let Some((code, message)) = self.delivery.take_fatal() {
@@ -516,7 +516,7 @@ impl Relay {
             }
             if let Some(lost) = self
                 .transactions
-                .failure_in(&stream, self.opening.conninfo(), &slot)
+                .failure_in(stream.as_ref(), self.opening.database.as_ref())
                 .await?
             {
                 return Ok(SessionEnd::Lost(lost));
@@ -542,7 +542,7 @@ impl Relay {
             match self
                 .reader
                 .pause_if_caught_up(
-                    &mut stream,
+                    stream.as_mut(),
                     shutdown,
                     may_read,
                     &mut self.delivery,
@@ -583,7 +583,7 @@ impl Relay {
                     }
                 }
                 () = &mut timer, if has_deadline => {
-                    self.core.tick(Instant::now());
+                    self.core.tick(clock::now());
                 }
                 () = self.transactions.finished(), if calling => {}
                 // The transaction's last report may arrive just before librdkafka
@@ -593,7 +593,7 @@ impl Relay {
                     if let Some(lost) = self.delivery.watch(&self.telemetry.health).await {
                         return Ok(SessionEnd::Lost(lost));
                     }
-                    if let Some(lost) = self.reader.watch_server(&mut stream, &self.telemetry.health).await {
+                    if let Some(lost) = self.reader.watch_server(stream.as_mut(), &self.telemetry.health).await {
                         return Ok(SessionEnd::Lost(lost));
                     }
                 }
@@ -631,7 +631,7 @@ impl Relay {
             self.delivery
                 .on_report(report, &mut self.core, &mut self.records, &self.telemetry);
         if reported == Reported::Acked {
-            self.forget_resolved(Instant::now());
+            self.forget_resolved(clock::now());
         }
     }
 
@@ -675,7 +675,7 @@ impl Relay {
         {
             // Resolved as poisoned without an insert (`request_poison`). Any attempt:
             // a produce handed out again after an abort may never have been sent.
-            self.core.refuse(id, Instant::now());
+            self.core.refuse(id, clock::now());
             return Ok(());
         }
         let Ok(InFlight::Event { event, parked, .. }) = self.records.to_produce(id, attempt) else {
@@ -686,7 +686,7 @@ impl Relay {
         if attempt == 1 && self.poison.parks(event) {
             // Its key waits for `replay` (relay.on_poison = "park-key").
             *parked = true;
-            self.core.park(id, Instant::now());
+            self.core.park(id, clock::now());
             return Ok(());
         }
         let transactions = &mut self.transactions;
@@ -702,7 +702,7 @@ impl Relay {
 
     /// Stop reading, wait (bounded) for in-flight events to resolve, send the final
     /// status update, end the stream.
-    async fn graceful_shutdown(&mut self, mut stream: ReplicationStream) -> Result<SessionEnd> {
+    async fn graceful_shutdown(&mut self, mut stream: Box<dyn WalStream>) -> Result<SessionEnd> {
         let timeout = Duration::from_secs(self.config.relay.shutdown_timeout_secs);
         let deadline = tokio::time::Instant::now() + timeout;
         tracing::info!(
@@ -712,7 +712,7 @@ impl Relay {
         while self.core.resolvable_events() > 0 || self.transactions.unfinished(&self.core) {
             // Exactly-once: what is written commits now.
             self.core.commit_now();
-            if let Err(lost) = self.execute_actions(&mut stream).await {
+            if let Err(lost) = self.execute_actions(stream.as_mut()).await {
                 tracing::warn!(%lost, "shutting down: the session ended early; unconfirmed events will be re-sent on the next start");
                 break;
             }
@@ -738,14 +738,14 @@ impl Relay {
             .final_save(&mut self.core, FINAL_SAVE_TIMEOUT)
             .await;
         let status = self.core.shutdown_status();
-        if send_status(&mut stream, status).await.is_ok() {
+        if send_status(stream.as_mut(), status).await.is_ok() {
             self.telemetry.summary.confirmed = status.flush;
         }
         if let Err(e) = stream.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
         }
         // The last commit's events, resolved after the loop's last execution.
-        self.forget_resolved(Instant::now());
+        self.forget_resolved(clock::now());
         tracing::info!(confirmed = %self.telemetry.summary.confirmed, delivered = self.telemetry.summary.delivered, "stopped");
         Ok(SessionEnd::Shutdown)
     }

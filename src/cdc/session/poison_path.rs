@@ -7,8 +7,6 @@
 //! It owns that state and nothing else: the core and the event records are passed
 //! in by the loop, which decides when each call is made.
 
-use std::time::Instant;
-
 use tokio::sync::mpsc;
 
 use super::RunSummary;
@@ -16,6 +14,7 @@ use crate::cdc::in_flight::InFlight;
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
+use crate::cdc::ports::clock;
 use crate::cdc::progress::{Core, Records};
 use crate::delivery::EventId;
 use crate::lsn::Lsn;
@@ -81,7 +80,7 @@ impl PoisonPath {
         summary: &mut RunSummary,
         instruments: &mut Instruments,
     ) {
-        let now = Instant::now();
+        let now = clock::now();
         match outcome.result {
             Ok(Parked::Recorded) => {
                 if let Some(pending) = records.remove(outcome.id) {
@@ -167,7 +166,7 @@ impl PoisonPath {
         {
             // Its row is committed already.
             records.remove(id);
-            core.poison_committed(id, Instant::now());
+            core.poison_committed(id, clock::now());
             return;
         }
         let parking = match self.policy.dispose(pending) {
@@ -178,7 +177,7 @@ impl PoisonPath {
         // The channel holds one request per in-flight event at most, so it is never
         // full; if it were, the core retries after a backoff.
         if self.requests.try_send(PoisonRequest { id, row }).is_err() {
-            core.poison_insert_failed(id, Instant::now());
+            core.poison_insert_failed(id, clock::now());
         }
     }
 }
@@ -201,7 +200,7 @@ fn halt(id: EventId, attempts: u32, core: &mut Core, records: &Records<InFlight>
          confirming past it. Fix the cause and restart the relay, or set relay.on_poison \
          to \"park-key\" or \"skip\" to record it in the poison table"
     );
-    core.halt(id, Instant::now());
+    core.halt(id, clock::now());
     let halted = core.halted_events();
     // Exact: at most a window of events.
     #[allow(clippy::cast_precision_loss)]

@@ -21,6 +21,9 @@ use crate::cdc::binary::BinaryDecoding;
 use crate::cdc::in_flight::{InFlight, order_key};
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::Health;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::SessionDatabase;
+use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::{Core, ProtocolError, Records, StatusUpdate};
 use crate::cdc::read_pacing::ReadPacing;
 use crate::config::Config;
@@ -30,8 +33,8 @@ use crate::lsn::Lsn;
 use crate::outbox::message::{MessageMapped, is_outbox_prefix};
 use crate::outbox::{Mapped, OutboxMapper};
 use crate::postgres::pgoutput::{Decoder, LogicalReplicationMessage};
+use crate::postgres::replication::ReplicationError;
 use crate::postgres::replication::frames::{ServerFrame, StandbyStatus, pg_epoch_micros};
-use crate::postgres::replication::{ReplicationConnection, ReplicationError, ReplicationStream};
 
 /// pgoutput protocol version requested. v1 sends each transaction whole at commit,
 /// which is what the ack tracker models (one transaction at a time).
@@ -108,7 +111,7 @@ impl StreamReader {
             current_commit_time: 0,
             last_status: None,
             hearing: Hearing {
-                heard_at: Instant::now(),
+                heard_at: clock::now(),
                 asked: false,
             },
             receive_timeout: receive_timeout(
@@ -132,11 +135,11 @@ impl StreamReader {
     /// the slot.
     pub(super) async fn start(
         &mut self,
-        conn: ReplicationConnection,
+        database: &mut dyn SessionDatabase,
         config: &Config,
         slot: &str,
         start: Lsn,
-    ) -> Result<ReplicationStream> {
+    ) -> Result<Box<dyn WalStream>> {
         let publication = config.postgres.publication_name();
         let publications =
             crate::postgres::replication::publication_names_option(&[publication.as_str()]);
@@ -152,7 +155,8 @@ impl StreamReader {
         if self.binary.active() {
             options.push(("binary", "true"));
         }
-        conn.start_replication_with_options(slot, start, &options)
+        database
+            .start_streaming(slot, start, &options)
             .await
             .map_err(|e| {
                 // Lost a race for the slot (e.g. with the walsender of a relay that
@@ -169,14 +173,14 @@ impl StreamReader {
     pub(super) fn streaming(&mut self) {
         self.last_status = None;
         self.hearing = Hearing {
-            heard_at: Instant::now(),
+            heard_at: clock::now(),
             asked: false,
         };
     }
 
     /// The loop does not read now (the window is full): no silence of the server's.
     pub(super) fn not_reading(&mut self) {
-        self.hearing.heard_at = Instant::now();
+        self.hearing.heard_at = clock::now();
     }
 
     /// A status update went out.
@@ -192,7 +196,7 @@ impl StreamReader {
         intake: Intake<'_>,
         health: &Health,
     ) -> std::result::Result<(), FrameError> {
-        let now = Instant::now();
+        let now = clock::now();
         if matches!(frame, ServerFrame::XLogData { .. }) {
             self.pacing.frame_read();
         }
@@ -346,7 +350,7 @@ impl StreamReader {
     /// The stream's: checking it, waiting on it or releasing its readiness failed.
     pub(super) async fn pause_if_caught_up(
         &mut self,
-        stream: &mut ReplicationStream,
+        stream: &mut dyn WalStream,
         shutdown: &mut Shutdown,
         may_read: bool,
         delivery: &mut Delivery,
@@ -380,14 +384,14 @@ impl StreamReader {
     /// the timeout, whatever TCP does.
     pub(super) async fn watch_server(
         &mut self,
-        stream: &mut ReplicationStream,
+        stream: &mut dyn WalStream,
         health: &Health,
     ) -> Option<Lost> {
         let timeout = self.receive_timeout;
         if timeout.is_zero() {
             return None;
         }
-        let silent = self.hearing.heard_at.elapsed();
+        let silent = clock::elapsed(self.hearing.heard_at);
         if silent >= timeout {
             return Some(Lost::ServerSilent {
                 silent_secs: silent.as_secs(),
@@ -437,7 +441,7 @@ fn receive_timeout(configured: Duration, wal_sender_timeout: Duration) -> Durati
 ///
 /// The connection's.
 pub(super) async fn send_status(
-    stream: &mut ReplicationStream,
+    stream: &mut dyn WalStream,
     status: StatusUpdate,
 ) -> std::result::Result<(), ReplicationError> {
     let frame = StandbyStatus {
@@ -453,7 +457,7 @@ pub(super) async fn send_status(
 /// Raises the socket's low-water mark for a pause; `false` where that cannot be
 /// done (a Unix socket, a kernel before Linux 4.18, a failed `setsockopt`), and then
 /// no pause is taken and the producer's idle flush keeps its usual rules.
-fn hold_for_pause(stream: &ReplicationStream) -> bool {
+fn hold_for_pause(stream: &dyn WalStream) -> bool {
     stream.hold_readiness().unwrap_or_else(|e| {
         tracing::debug!(error = %e, "cannot hold the replication socket's readiness; not pausing");
         false
@@ -470,7 +474,7 @@ fn hold_for_pause(stream: &ReplicationStream) -> bool {
 /// The socket failed, or its readiness could not be released (its reads could then
 /// wait for ever): the connection is given up.
 async fn pause_reading(
-    stream: &mut ReplicationStream,
+    stream: &mut dyn WalStream,
     shutdown: &mut Shutdown,
     pause: Duration,
 ) -> std::result::Result<Pause, ReplicationError> {

@@ -11,19 +11,21 @@
 //! It owns that state and nothing else: the core, the producer and the replication
 //! stream are passed in by the loop.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::ends::{Lost, SlotHolder, session_or_process};
 use crate::cdc::exactly_once::ExactlyOnce;
 use crate::cdc::metrics as m;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::SessionDatabase;
+use crate::cdc::ports::producer::Producer;
+use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::Core;
 use crate::error::Result;
-use crate::kafka::{Publisher, TransactionError};
+use crate::kafka::TransactionError;
 use crate::lifecycle::millis;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
-use crate::postgres::conninfo::ConnInfo;
-use crate::postgres::replication::ReplicationStream;
 
 /// See the module documentation.
 pub(super) struct TransactionDriver {
@@ -92,7 +94,7 @@ impl TransactionDriver {
 
     /// Before a record is produced: begins a transaction if none is open. `false`
     /// when the producer cannot begin one (the session then ends).
-    pub(super) fn before_produce(&mut self, publisher: &Publisher) -> bool {
+    pub(super) fn before_produce(&mut self, publisher: &dyn Producer) -> bool {
         self.exactly_once
             .as_mut()
             .is_none_or(|eo| eo.before_produce(publisher))
@@ -102,7 +104,7 @@ impl TransactionDriver {
     /// server history).
     pub(super) fn commit(
         &mut self,
-        publisher: &Publisher,
+        publisher: &dyn Producer,
         core: &Core,
         history: Option<ServerHistory>,
     ) {
@@ -112,7 +114,7 @@ impl TransactionDriver {
     }
 
     /// Starts the abort.
-    pub(super) fn abort(&mut self, publisher: &Publisher, core: &Core) {
+    pub(super) fn abort(&mut self, publisher: &dyn Producer, core: &Core) {
         if let Some(eo) = self.exactly_once.as_mut() {
             tracing::info!(
                 events = core.transaction_events(),
@@ -127,7 +129,7 @@ impl TransactionDriver {
     /// waiting; asked only while an outcome waits).
     pub(super) fn settle(
         &mut self,
-        publisher: &Publisher,
+        publisher: &dyn Producer,
         core: &mut Core,
         drained: impl FnOnce() -> bool,
     ) {
@@ -177,8 +179,8 @@ impl TransactionDriver {
             .transpose()
     }
 
-    /// [`TransactionDriver::failure`] while `stream` holds the slot `slot` (asked on
-    /// `conninfo`). A fence is then told apart from a takeover. The coordinator
+    /// [`TransactionDriver::failure`] while `stream` holds the slot (asked of
+    /// `database`). A fence is then told apart from a takeover. The coordinator
     /// fences a producer itself when it aborts its transaction on
     /// `transaction.timeout.ms` (a broker stall, a coordinator that lost the
     /// transaction): the epoch is bumped as for a new producer. It is that, and no
@@ -195,9 +197,8 @@ impl TransactionDriver {
     /// A failure that needs the operator.
     pub(super) async fn failure_in(
         &mut self,
-        stream: &ReplicationStream,
-        conninfo: &ConnInfo,
-        slot: &str,
+        stream: &dyn WalStream,
+        database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
         let Some(e) = self
             .exactly_once
@@ -206,7 +207,7 @@ impl TransactionDriver {
         else {
             return Ok(None);
         };
-        if e.is_fenced() && self.fenced_by_timeout(&e, stream, conninfo, slot).await {
+        if e.is_fenced() && self.fenced_by_timeout(&e, stream, database).await {
             tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
             ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
             return Ok(Some(Lost::CoordinatorAborted(e)));
@@ -220,20 +221,19 @@ impl TransactionDriver {
     async fn fenced_by_timeout(
         &self,
         e: &TransactionError,
-        stream: &ReplicationStream,
-        conninfo: &ConnInfo,
-        slot: &str,
+        stream: &dyn WalStream,
+        database: &dyn SessionDatabase,
     ) -> bool {
         let age = self
             .exactly_once
             .as_ref()
-            .and_then(|eo| eo.transaction_age(Instant::now()));
+            .and_then(|eo| eo.transaction_age(clock::now()));
         if age.is_none_or(|age| age < self.timeout) {
             tracing::error!(error = %e, transaction_age_ms = age.map(millis), "fenced before the transaction could time out: another producer took this transactional.id");
             return false;
         }
         // Boxed: the connection's future is large, and this path is rare.
-        match Box::pin(slot_holder(stream, conninfo, slot)).await {
+        match Box::pin(slot_holder(stream, database)).await {
             SlotHolder::ThisSession => true,
             SlotHolder::Other(pid) => {
                 tracing::error!(error = %e, slot_pid = ?pid, "fenced, and the slot is not this session's: another relay took over");
@@ -243,25 +243,13 @@ impl TransactionDriver {
     }
 }
 
-/// Who holds `slot` according to the server (a short connection of its own; any
-/// failure answers "another", the safe side).
-async fn slot_holder(stream: &ReplicationStream, conninfo: &ConnInfo, slot: &str) -> SlotHolder {
-    const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Who holds the slot according to the server (any failure to ask answers
+/// "another", the safe side).
+async fn slot_holder(stream: &dyn WalStream, database: &dyn SessionDatabase) -> SlotHolder {
     let ours = stream.backend_pid();
-    let ask = async {
-        let client = crate::postgres::connect_info(conninfo).await.ok()?;
-        let row = client
-            .query_opt(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .ok()??;
-        row.try_get::<_, Option<i32>>(0).ok()
-    };
-    match tokio::time::timeout(ASK_TIMEOUT, ask).await {
-        Ok(Some(active)) if active.is_some() && active == ours => SlotHolder::ThisSession,
-        Ok(Some(active)) => SlotHolder::Other(active),
-        _ => SlotHolder::Other(None),
+    match database.slot_active_pid().await {
+        Some(active) if active.is_some() && active == ours => SlotHolder::ThisSession,
+        Some(active) => SlotHolder::Other(active),
+        None => SlotHolder::Other(None),
     }
 }
