@@ -30,9 +30,10 @@ use rdkafka::ClientConfig;
 
 use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
-use crate::cdc::ports::producer::{KafkaProgressReader, Producer, ProgressReader};
+use crate::cdc::ports::producer::librdkafka::KafkaProgressReader;
+use crate::cdc::ports::producer::{Producer, ProgressReader};
 use crate::cdc::progress::{Core, ProgressMark};
-use crate::cdc::progress_record::{self, ProgressRecord};
+use crate::cdc::progress_record::ProgressRecord;
 use crate::cdc::start::ServerView;
 use crate::cdc::wal_identity::{TxIdentity, TxLog, TxNames, Verdict};
 use crate::config::{Config, DeliveryMode};
@@ -131,6 +132,12 @@ impl ExactlyOnce {
             transactions: TxLog::default(),
             unverifiable_said: false,
         }))
+    }
+
+    /// Reads the progress record through `reader` (the simulation's broker).
+    #[cfg(test)]
+    pub(crate) fn read_progress_with(&mut self, reader: Box<dyn ProgressReader>) {
+        self.reader = reader;
     }
 
     /// A `Begin`: the transaction committing at `commit` has this xid and commit
@@ -489,25 +496,6 @@ pub(crate) fn make_transactional(
         std::time::Duration::from_millis(config.kafka.transaction_timeout_ms),
     );
     Some(id)
-}
-
-/// The latest committed record of `slot` ([`progress_record::read_latest`], on a
-/// blocking thread).
-///
-/// # Errors
-///
-/// See [`progress_record::read_latest`].
-pub(crate) async fn read_latest(
-    reader: &ClientConfig,
-    topic: &str,
-    slot: &str,
-) -> Result<Option<ProgressRecord>> {
-    let (reader, topic, slot) = (reader.clone(), topic.to_owned(), slot.to_owned());
-    Ok(
-        tokio::task::spawn_blocking(move || progress_record::read_latest(&reader, &topic, &slot))
-            .await
-            .map_err(|e| progress_record::ProgressRecordError::Task(e.to_string()))??,
-    )
 }
 
 /// The settings of a progress record reader (`read_committed`).

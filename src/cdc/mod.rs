@@ -30,6 +30,8 @@ pub mod progress_record;
 mod read_pacing;
 mod resync;
 pub mod session;
+#[cfg(test)]
+mod simulation;
 pub mod start;
 pub mod start_checks;
 pub mod wal_identity;

@@ -62,6 +62,8 @@ mod transactions;
 pub use admin::create_progress_topic;
 #[cfg(feature = "tools")]
 pub(crate) use admin::create_topic;
+#[cfg(test)]
+pub(crate) use classify::classify;
 pub(crate) use classify::{configuration_fix, error_kind, is_configuration, is_size_error};
 pub use config::{compresses, linger, producer_config, report_capacity};
 pub use consumer::{Isolation, ReaderContext, reader_config};

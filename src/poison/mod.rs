@@ -31,4 +31,6 @@ pub(crate) use parking::{
 };
 pub(crate) use recorded::RecordedPoison;
 pub(crate) use table::{Parking, PoisonRow, insert_rows, insert_statement, source_table};
+#[cfg(test)]
+pub(crate) use writer::PoisonInsertError;
 pub(crate) use writer::{PoisonOutcome, PoisonRequest, PoisonWriter, run_writer};

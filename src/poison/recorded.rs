@@ -186,6 +186,22 @@ impl RecordedPoison {
         Ok(recorded)
     }
 
+    /// The rows as [`RecordedPoison::read`] would have read them (the simulation's
+    /// poison table).
+    #[cfg(test)]
+    pub(crate) fn of_rows(
+        rows: impl IntoIterator<Item = ((Lsn, u32), PoisonRow)>,
+        copy_limit: usize,
+    ) -> RecordedPoison {
+        RecordedPoison {
+            rows: rows
+                .into_iter()
+                .map(|(name, row)| (name, Occurrence::of(&row, copy_limit)))
+                .collect(),
+            copy_limit,
+        }
+    }
+
     /// Whether the event named `(commit, ordinal)`, whose poison row `row` makes,
     /// is recorded; a recorded one is forgotten (it is resolved once). The row is
     /// made only for a name that is recorded.

@@ -50,9 +50,8 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use crate::cdc::exactly_once::{
-    MAX_RECORD_BYTES, probe, progress_reader_config, read_latest, send_progress,
-};
+use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, progress_reader_config, send_progress};
+use crate::cdc::ports::producer::librdkafka::read_latest;
 use crate::cdc::progress_record::{BacklogSent, ProgressRecord};
 use crate::config::Config;
 use crate::error::Result;

@@ -331,6 +331,10 @@ impl Core {
                     if let Some(event) = self.events.get(&id)
                         && event.state == (EventState::Producing { attempt })
                     {
+                        if attempt == 1 && self.would_overtake_failure(id) {
+                            self.hold_behind_failure(id);
+                            continue;
+                        }
                         if self.transactional() {
                             self.kafka.members.insert(id);
                         }
@@ -345,6 +349,36 @@ impl Core {
             }
         }
         None
+    }
+
+    /// Whether the first produce of `id`, queued before an earlier event of its key
+    /// failed (a send the producer refused at once fails within the same batch of
+    /// actions), would overtake that event's retry.
+    fn would_overtake_failure(&self, id: EventId) -> bool {
+        let Some(event) = self.events.get(&id) else {
+            return false;
+        };
+        match event.key {
+            Some(k) if !event.failed && self.blocked_keys.contains_key(&k) => {
+                self.earlier_failure(k, id)
+            }
+            _ => false,
+        }
+    }
+
+    /// Holds `id` behind the failed events of its key, in admission order among the
+    /// events held there already (`Core::admit_keyed` holds the later ones).
+    fn hold_behind_failure(&mut self, id: EventId) {
+        let Some(event) = self.events.get_mut(&id) else {
+            return;
+        };
+        let Some(k) = event.key else {
+            return;
+        };
+        event.state = EventState::Held;
+        let held = self.held.entry(k).or_default();
+        let at = held.iter().position(|&h| h > id).unwrap_or(held.len());
+        held.insert(at, id);
     }
 
     /// A poison insert from the queue, skipping (and keeping) the produces: for while

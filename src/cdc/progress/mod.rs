@@ -60,7 +60,7 @@ mod transactions;
 #[cfg(test)]
 mod invariants;
 #[cfg(test)]
-mod simulator;
+pub(crate) mod simulator;
 #[cfg(test)]
 mod tests;
 

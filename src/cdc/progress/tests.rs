@@ -370,6 +370,52 @@ fn a_halted_event_stops_the_watermark_and_holds_its_key_only() {
 }
 
 #[test]
+fn a_send_refused_at_once_holds_the_later_events_of_its_key_queued_with_it() {
+    // Two events of one key, their produces queued together: the producer refuses
+    // the first at once (a full queue, a topic it knows to be missing), and the
+    // second must not go out before the first one's retry.
+    let (mut core, now) = core_at(50);
+    core.begin(Lsn(100), 7).unwrap();
+    let first = core.admit_keyed(10, Some(1), now).unwrap();
+    let second = core.admit_keyed(10, Some(1), now).unwrap();
+    let other = core.admit_keyed(10, Some(2), now).unwrap();
+    core.commit(Lsn(100), Lsn(110), now).unwrap();
+    assert_eq!(
+        core.next_action(),
+        Some(Action::Produce {
+            id: first,
+            attempt: 1
+        })
+    );
+    core.delivery_failed(first, Failure::Transient, now);
+    assert_eq!(
+        work(&mut core),
+        vec![Action::Produce {
+            id: other,
+            attempt: 1
+        }],
+        "the later event of the refused one's key is held, the other key flows"
+    );
+    core.tick(now + ms(200));
+    assert_eq!(
+        work(&mut core),
+        vec![Action::Produce {
+            id: first,
+            attempt: 2
+        }]
+    );
+    core.delivered(first, now + ms(201));
+    assert_eq!(
+        work(&mut core),
+        vec![Action::Produce {
+            id: second,
+            attempt: 1
+        }],
+        "released once the refused event is delivered"
+    );
+}
+
+#[test]
 fn unmappable_rows_go_straight_to_poison() {
     let (mut core, now) = core_at(50);
     core.begin(Lsn(100), 1).unwrap();

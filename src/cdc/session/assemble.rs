@@ -17,8 +17,10 @@ use crate::cdc::exactly_once::ExactlyOnce;
 use crate::cdc::heartbeat::{self, HeartbeatConfig};
 use crate::cdc::metrics::Health;
 use crate::cdc::poison_policy::PoisonPolicy;
-use crate::cdc::ports::database::Postgres;
-use crate::cdc::ports::producer::KafkaProducers;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::database::SessionDatabase;
+use crate::cdc::ports::database::postgres::Postgres;
+use crate::cdc::ports::producer::librdkafka::KafkaProducers;
 use crate::cdc::progress::{Core, CoreConfig, Records, TransactionLimits};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
 use crate::config::Config;
@@ -29,7 +31,7 @@ use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxMapper;
 use crate::outbox::position::PositionTable;
-use crate::poison::PoisonWriter;
+use crate::poison::{PoisonOutcome, PoisonRequest, PoisonWriter};
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::slot;
@@ -119,24 +121,11 @@ pub async fn run_checked(
 
     tracing::info!(brokers = %config.kafka.brokers, "connected to Kafka");
 
-    let mapper = OutboxMapper::for_config(&config)?;
-
     let (poison_tx, poison_rx) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let (outcome_tx, outcomes) = mpsc::channel(config.relay.max_in_flight_events.max(1));
     let writer = PoisonWriter::new(primary.clone().unwrap_or_else(|| conninfo.clone()), &config);
     tokio::spawn(crate::poison::run_writer(writer, poison_rx, outcome_tx));
 
-    let core_config = CoreConfig {
-        max_in_flight_events: config.relay.max_in_flight_events,
-        max_in_flight_bytes: config.relay.max_in_flight_bytes,
-        max_attempts: config.relay.max_attempts,
-        status_interval: prerequisites.status_interval(),
-        transactions: exactly_once.as_ref().map(|_| TransactionLimits {
-            max_events: config.kafka.transaction_max_events,
-            interval: Duration::from_millis(config.kafka.transaction_interval_ms),
-        }),
-        ..CoreConfig::default()
-    };
     drop((metadata, primary_client));
     let heartbeat_secs = config.relay.heartbeat_interval_secs;
     let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat::run(HeartbeatConfig {
@@ -150,36 +139,134 @@ pub async fn run_checked(
         },
         emit: heartbeat_secs > 0,
     })));
+    let database = Postgres::new(config.clone(), conninfo, primary, positions.clone());
+    let ports = Ports {
+        database: Box::new(database),
+        delivery,
+        poison: (poison_tx, outcomes),
+    };
+    let facts = ServerFacts {
+        wal_sender_timeout: prerequisites.wal_sender_timeout,
+        status_interval: prerequisites.status_interval(),
+        server_version_num: prerequisites.server_version_num,
+    };
+    let mut relay = assemble(config, ports, &facts, exactly_once, policy, health)?;
+    relay.run(shutdown).await
+}
 
+/// The relay's world: PostgreSQL, the producer and the poison writer's channels
+/// (`cdc::ports`).
+pub(crate) struct Ports {
+    pub(crate) database: Box<dyn SessionDatabase>,
+    pub(super) delivery: Delivery,
+    /// Requests to the poison writer, and its outcomes.
+    pub(crate) poison: (mpsc::Sender<PoisonRequest>, mpsc::Receiver<PoisonOutcome>),
+}
+
+/// What the server said at start that the relay is built with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServerFacts {
+    pub(crate) wal_sender_timeout: Duration,
+    pub(crate) status_interval: Duration,
+    pub(crate) server_version_num: u32,
+}
+
+/// The relay on `ports`, with the core, the reader and the parts made from the
+/// configuration and the server's facts.
+fn assemble(
+    config: Config,
+    ports: Ports,
+    facts: &ServerFacts,
+    exactly_once: Option<ExactlyOnce>,
+    policy: PoisonPolicy,
+    health: Health,
+) -> Result<Relay> {
+    let mapper = OutboxMapper::for_config(&config)?;
+    let core_config = CoreConfig {
+        max_in_flight_events: config.relay.max_in_flight_events,
+        max_in_flight_bytes: config.relay.max_in_flight_bytes,
+        max_attempts: config.relay.max_attempts,
+        status_interval: facts.status_interval,
+        transactions: exactly_once.as_ref().map(|_| TransactionLimits {
+            max_events: config.kafka.transaction_max_events,
+            interval: Duration::from_millis(config.kafka.transaction_interval_ms),
+        }),
+        ..CoreConfig::default()
+    };
     let binary_decoding =
-        config.postgres.binary_decoding && prerequisites.server_version_num >= BINARY_OPTION_SINCE;
+        config.postgres.binary_decoding && facts.server_version_num >= BINARY_OPTION_SINCE;
     let reader = StreamReader::new(
         &config,
         mapper,
         BinaryDecoding::new(binary_decoding),
-        prerequisites.server_version_num >= MESSAGES_OPTION_SINCE,
-        prerequisites.wal_sender_timeout,
+        facts.server_version_num >= MESSAGES_OPTION_SINCE,
+        facts.wal_sender_timeout,
     );
     let transactions = TransactionDriver::new(
         exactly_once,
         Duration::from_millis(config.kafka.transaction_timeout_ms),
     );
-    let mut relay = Relay {
-        core: Core::new(core_config, Lsn::ZERO, Instant::now()),
+    let (poison_tx, outcomes) = ports.poison;
+    Ok(Relay {
+        core: Core::new(core_config, Lsn::ZERO, clock::now()),
         records: Records::default(),
         confirmation: Confirmation::default(),
-        opening: Opening::new(
-            Box::new(Postgres::new(config.clone(), conninfo, primary, positions)),
-            prerequisites.wal_sender_timeout,
-        ),
+        opening: Opening::new(ports.database, facts.wal_sender_timeout),
         reader,
-        delivery,
+        delivery: ports.delivery,
         transactions,
         poison: PoisonPath::new(policy, poison_tx, outcomes),
         telemetry: Telemetry::new(health),
         config,
+    })
+}
+
+/// Runs the relay on ports other than the real ones (the simulation of
+/// `cdc::simulation`): no start-up checks, no heartbeat; `progress` reads
+/// exactly-once's progress record back.
+///
+/// # Errors
+///
+/// As [`run`].
+#[cfg(test)]
+pub(crate) async fn run_on_ports(
+    config: Config,
+    ports: SimulatedPorts,
+    facts: &ServerFacts,
+    shutdown: Shutdown,
+    health: Health,
+) -> Result<RunSummary> {
+    let mut producer_config = rdkafka::ClientConfig::new();
+    let mut exactly_once = ExactlyOnce::new(&config, &mut producer_config)?;
+    if let Some(eo) = &mut exactly_once {
+        eo.read_progress_with(ports.progress);
+    }
+    let first = ports.producers.make()?;
+    let delivery = Delivery::with_producers(
+        ports.producers,
+        first,
+        crate::kafka::TopicLimits::unasked(),
+        crate::kafka::IdleGate::new(Duration::ZERO),
+        &config.relay,
+        exactly_once.is_some(),
+    );
+    let policy = PoisonPolicy::new(config.relay.on_poison, std::collections::HashSet::new());
+    let ports = Ports {
+        database: ports.database,
+        delivery,
+        poison: ports.poison,
     };
+    let mut relay = assemble(config, ports, facts, exactly_once, policy, health)?;
     relay.run(shutdown).await
+}
+
+/// The simulation's ports (see [`run_on_ports`]).
+#[cfg(test)]
+pub(crate) struct SimulatedPorts {
+    pub(crate) database: Box<dyn SessionDatabase>,
+    pub(crate) producers: Box<dyn crate::cdc::ports::producer::Producers>,
+    pub(crate) progress: Box<dyn crate::cdc::ports::producer::ProgressReader>,
+    pub(crate) poison: (mpsc::Sender<PoisonRequest>, mpsc::Receiver<PoisonOutcome>),
 }
 
 /// Opens the first metadata connection, waiting with backoff while PostgreSQL is

@@ -24,7 +24,8 @@ use crate::cdc::exactly_once::PROGRESS_RECORD_ID;
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::ports::clock;
-use crate::cdc::ports::producer::{KafkaProducers, Made, Producer, Producers};
+use crate::cdc::ports::producer::librdkafka::KafkaProducers;
+use crate::cdc::ports::producer::{Made, Producer, Producers};
 use crate::cdc::progress::{Core, MissingRecord, Records};
 use crate::config::RelayConfig;
 use crate::delivery::{EventId, Failure};
@@ -127,9 +128,8 @@ impl Delivery {
         self.publisher.as_ref()
     }
 
-    /// Replaces a wedged or fatally failed producer. The old one is dropped on a
-    /// blocking thread (librdkafka's destroy may wait for its broker connections);
-    /// its late reports go nowhere.
+    /// Replaces a wedged or fatally failed producer. The old one is retired
+    /// (`Producer::retire`); its late reports go nowhere.
     ///
     /// # Errors
     ///
@@ -141,7 +141,10 @@ impl Delivery {
         self.reports = reports;
         self.fatal = None;
         self.last_report_at = clock::now();
-        tokio::task::spawn_blocking(move || drop((old, old_alone)));
+        old.retire();
+        if let Some(alone) = old_alone {
+            alone.retire();
+        }
         ::metrics::counter!(m::PRODUCER_RESTARTS).increment(1);
         Ok(())
     }

@@ -68,6 +68,8 @@ mod reader;
 mod telemetry;
 mod transaction_driver;
 
+#[cfg(test)]
+pub(crate) use assemble::{ServerFacts, SimulatedPorts, run_on_ports};
 pub use assemble::{run, run_checked, run_with_health};
 use delivery::{Delivery, Reported};
 use ends::{Drain, Lost, SessionEnd};
@@ -92,7 +94,7 @@ use crate::config::Config;
 use crate::delivery::{ErrorClass, EventId};
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport};
-use crate::lifecycle::{Backoff, Shutdown, jittered, millis, sleep_or_shutdown};
+use crate::lifecycle::{Backoff, Shutdown, millis, sleep_or_shutdown};
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 use crate::postgres::replication::ReplicationError;
@@ -170,7 +172,7 @@ impl Relay {
             let stream = match stream {
                 Ok(stream) => stream,
                 Err(e) if e.class() == ErrorClass::Transient => {
-                    let pause = jittered(backoff.next_pause());
+                    let pause = clock::jittered(backoff.next_pause());
                     tracing::warn!(error = %e, retry_in_ms = millis(pause), "cannot start replication; retrying");
                     if sleep_or_shutdown(&mut shutdown, pause).await {
                         return Ok(self.telemetry.summary.clone());
@@ -204,7 +206,7 @@ impl Relay {
             }
             self.telemetry
                 .session_ended(&reason, self.core.confirmed(), progressed);
-            let pause = jittered(backoff.next_pause());
+            let pause = clock::jittered(backoff.next_pause());
             if sleep_or_shutdown(&mut shutdown, pause).await {
                 return Ok(self.telemetry.summary.clone());
             }

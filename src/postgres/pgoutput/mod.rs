@@ -58,7 +58,7 @@ mod error;
 mod types;
 
 #[cfg(test)]
-mod testkit;
+pub(crate) mod testkit;
 #[cfg(test)]
 mod tests;
 

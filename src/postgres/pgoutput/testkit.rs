@@ -39,7 +39,7 @@ pub(super) fn put_prepare(out: &mut BytesMut, p: &Prepare) {
     put_cstr(out, p.gid.as_bytes());
 }
 
-pub(super) fn encode(msg: &LogicalReplicationMessage) -> Bytes {
+pub(crate) fn encode(msg: &LogicalReplicationMessage) -> Bytes {
     use LogicalReplicationMessage as M;
     let mut out = BytesMut::new();
     out.put_u8(msg.tag());

@@ -11,23 +11,22 @@
 //! [`Producers`] makes a new producer when the shell replaces a wedged or fenced
 //! one, and [`ProgressReader`] reads exactly-once's progress record back.
 //!
-//! The real adapter is [`Publisher`] (librdkafka); the simulated one is
-//! `cdc::simulation`'s Kafka.
+//! The real adapters are in `librdkafka.rs` beside this file ([`Publisher`],
+//! librdkafka); the simulated ones are `cdc::simulation`'s Kafka.
+
+pub(crate) mod librdkafka;
 
 use std::time::Duration;
 
-use rdkafka::ClientConfig;
 use rdkafka::error::RDKafkaErrorCode;
 use tokio::sync::mpsc;
 
 use super::Boxed;
 use crate::cdc::progress_record::ProgressRecord;
-use crate::config::RelayConfig;
 use crate::delivery::{EventId, Failure};
 use crate::error::Result;
 use crate::kafka::{
-    self, BrokerError, DeliveryReport, Publisher, RecordRef, SendRejected, TransactionCall,
-    TransactionError,
+    BrokerError, DeliveryReport, RecordRef, SendRejected, TransactionCall, TransactionError,
 };
 use crate::outbox::OutboxEvent;
 
@@ -90,6 +89,9 @@ pub(crate) trait Producer: Send + Sync {
 
     /// Starts aborting the open transaction.
     fn start_abort(&self, id: &str) -> TransactionCall;
+
+    /// Lets the producer go (replaced); its late reports go nowhere.
+    fn retire(self: Box<Self>);
 }
 
 /// A producer and the channel its reports arrive on.
@@ -113,126 +115,4 @@ pub(crate) trait ProgressReader: Send + Sync {
         topic: &'a str,
         slot: &'a str,
     ) -> Boxed<'a, Result<Option<ProgressRecord>>>;
-}
-
-impl Producer for Publisher {
-    fn send(&self, id: EventId, record: RecordRef<'_>) -> std::result::Result<(), SendRejected> {
-        Publisher::send(self, id, record)
-    }
-
-    fn send_event(
-        &self,
-        id: EventId,
-        event: &OutboxEvent,
-    ) -> std::result::Result<(), SendRejected> {
-        Publisher::send_event(self, id, event)
-    }
-
-    fn classify(&self, code: RDKafkaErrorCode) -> Failure {
-        Publisher::classify(self, code)
-    }
-
-    fn max_message_bytes(&self) -> usize {
-        Publisher::max_message_bytes(self)
-    }
-
-    fn compresses(&self) -> bool {
-        Publisher::compresses(self)
-    }
-
-    fn in_flight(&self) -> i32 {
-        Publisher::in_flight(self)
-    }
-
-    fn stream_idle(&self) {
-        Publisher::stream_idle(self);
-    }
-
-    fn fatal_error(&self) -> Option<(RDKafkaErrorCode, String)> {
-        Publisher::fatal_error(self)
-    }
-
-    fn check_broker(&self, timeout: Duration) -> Boxed<'_, std::result::Result<(), BrokerError>> {
-        Box::pin(Publisher::check_broker(self, timeout))
-    }
-
-    fn alone(&self) -> std::result::Result<Box<dyn Producer>, BrokerError> {
-        Ok(Box::new(Publisher::alone(self)?))
-    }
-
-    fn init_transactions(&self, id: &str) -> Boxed<'_, std::result::Result<(), TransactionError>> {
-        let id = id.to_owned();
-        Box::pin(async move { Publisher::init_transactions(self, &id).await })
-    }
-
-    fn begin_transaction(&self, id: &str) -> std::result::Result<(), TransactionError> {
-        Publisher::begin_transaction(self, id)
-    }
-
-    fn start_commit(&self, id: &str) -> TransactionCall {
-        Publisher::start_commit(self, id)
-    }
-
-    fn start_abort(&self, id: &str) -> TransactionCall {
-        Publisher::start_abort(self, id)
-    }
-}
-
-/// The real producers: librdkafka's, with the relay's settings.
-pub(crate) struct KafkaProducers {
-    config: ClientConfig,
-    settings: RelayConfig,
-}
-
-impl KafkaProducers {
-    pub(crate) fn new(config: ClientConfig, settings: &RelayConfig) -> KafkaProducers {
-        KafkaProducers {
-            config,
-            settings: settings.clone(),
-        }
-    }
-
-    /// The producer settings (for the topic-limit lookups and the linger).
-    pub(crate) fn config(&self) -> &ClientConfig {
-        &self.config
-    }
-
-    /// A producer as [`Producers::make`] makes it, not boxed (the start-up checks
-    /// ask it more than the port does).
-    ///
-    /// # Errors
-    ///
-    /// It cannot be made.
-    pub(crate) fn publisher(&self) -> Result<(Publisher, mpsc::Receiver<DeliveryReport>)> {
-        let (publisher, reports) =
-            Publisher::new(self.config.clone(), kafka::report_capacity(&self.settings))?;
-        let publisher =
-            publisher.with_configuration_errors_poisoned(self.settings.on_config_error.poisons());
-        let publisher = if self.settings.flush_when_idle {
-            publisher.with_idle_flush()?
-        } else {
-            publisher
-        };
-        Ok((publisher, reports))
-    }
-}
-
-impl Producers for KafkaProducers {
-    fn make(&self) -> Result<Made> {
-        let (publisher, reports) = self.publisher()?;
-        Ok((Box::new(publisher), reports))
-    }
-}
-
-/// The real progress reader: a `read_committed` consumer with these settings.
-pub(crate) struct KafkaProgressReader(pub(crate) ClientConfig);
-
-impl ProgressReader for KafkaProgressReader {
-    fn read_latest<'a>(
-        &'a self,
-        topic: &'a str,
-        slot: &'a str,
-    ) -> Boxed<'a, Result<Option<ProgressRecord>>> {
-        Box::pin(crate::cdc::exactly_once::read_latest(&self.0, topic, slot))
-    }
 }

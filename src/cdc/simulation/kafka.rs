@@ -1,0 +1,592 @@
+//! The simulated Kafka behind the producer port: records go in flight and the
+//! schedule's driver resolves them (acked into a partition, failed transiently or
+//! permanently, or, for a topic that does not exist yet, refused as a
+//! configuration error), in order within a producer's partition as an idempotent
+//! producer keeps them; transactions that commit once their records are in, fail
+//! when one of them failed, abort (purging what is in flight), and fence older
+//! producers of the `transactional.id` at `init_transactions`; a read_committed view
+//! of the progress topic.
+
+use std::time::Duration;
+
+use rdkafka::error::RDKafkaErrorCode;
+use tokio::sync::mpsc;
+
+use super::world::{
+    InFlight, PARTITIONS, Payload, ProducerState, ProgressEntry, Record, RowId, Shared, Txn,
+    TxnStatus, World,
+};
+use crate::cdc::ports::Boxed;
+use crate::cdc::ports::clock;
+use crate::cdc::ports::producer::{Made, Producer, Producers, ProgressReader};
+use crate::cdc::progress_record::ProgressRecord;
+use crate::delivery::{EventId, Failure};
+use crate::error::Result;
+use crate::kafka::{
+    BrokerError, DeliveryReport, RecordRef, SendRejected, TransactionCall, TransactionError,
+};
+use crate::outbox::OutboxEvent;
+
+/// Room for every report a schedule can have outstanding.
+const REPORTS: usize = 100_000;
+
+/// Makes the simulated producers of one relay process.
+pub(super) struct SimProducers {
+    pub(super) shared: Shared,
+    pub(super) transactional: bool,
+    pub(super) progress_topic: String,
+    /// `relay.on_config_error = "poison"`.
+    pub(super) poison_configuration_errors: bool,
+}
+
+impl Producers for SimProducers {
+    fn make(&self) -> Result<Made> {
+        let (tx, rx) = mpsc::channel(REPORTS);
+        let id = register(&self.shared, tx, self.transactional);
+        Ok((Box::new(self.producer(id)), rx))
+    }
+}
+
+impl SimProducers {
+    fn producer(&self, id: u64) -> SimProducer {
+        SimProducer {
+            shared: self.shared.clone(),
+            id,
+            progress_topic: self.progress_topic.clone(),
+            poison_configuration_errors: self.poison_configuration_errors,
+            transactional: self.transactional,
+        }
+    }
+}
+
+fn register(shared: &Shared, reports: mpsc::Sender<DeliveryReport>, transactional: bool) -> u64 {
+    let mut world = shared.lock();
+    let id = world.next_producer;
+    world.next_producer += 1;
+    world.producers.insert(
+        id,
+        ProducerState {
+            reports,
+            transactional,
+            fenced: false,
+            gone: false,
+            open_txn: None,
+        },
+    );
+    id
+}
+
+/// One simulated producer.
+pub(super) struct SimProducer {
+    shared: Shared,
+    id: u64,
+    progress_topic: String,
+    poison_configuration_errors: bool,
+    transactional: bool,
+}
+
+fn rejected(code: RDKafkaErrorCode, message: &str) -> SendRejected {
+    SendRejected {
+        code,
+        failure: Failure::Transient,
+        message: message.to_owned(),
+    }
+}
+
+fn fenced(id: &str) -> TransactionError {
+    TransactionError::Fenced {
+        id: id.to_owned(),
+        message: "simulated: a newer producer initialised this transactional.id".to_owned(),
+    }
+}
+
+/// FNV-1a: the partition of a key, the same in every run.
+fn partition_of(key: &[u8]) -> usize {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in key {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    usize::try_from(hash % PARTITIONS as u64).unwrap_or(0)
+}
+
+impl Producer for SimProducer {
+    fn send(&self, id: EventId, record: RecordRef<'_>) -> std::result::Result<(), SendRejected> {
+        let mut world = self.shared.lock();
+        let world = &mut *world;
+        let Some(state) = world.producers.get(&self.id) else {
+            return Err(rejected(
+                RDKafkaErrorCode::Fail,
+                "simulated: unknown producer",
+            ));
+        };
+        if state.fenced {
+            return Err(rejected(RDKafkaErrorCode::Fenced, "simulated: fenced"));
+        }
+        let txn = state.open_txn;
+        if self.transactional && txn.is_none() {
+            return Err(rejected(
+                RDKafkaErrorCode::State,
+                "simulated: no transaction is open",
+            ));
+        }
+        if world.rng.percent(1) {
+            return Err(rejected(
+                RDKafkaErrorCode::QueueFull,
+                "simulated: queue full",
+            ));
+        }
+        let (partition, payload) = if record.topic == self.progress_topic {
+            let entry = ProgressEntry {
+                key: String::from_utf8_lossy(record.key).into_owned(),
+                value: record.payload.to_vec(),
+                txn,
+            };
+            (0, Payload::Progress(entry))
+        } else {
+            let named = record
+                .headers
+                .iter()
+                .find(|(name, _)| *name == "idempotency_key")
+                .and_then(|(_, value)| std::str::from_utf8(value).ok())
+                .and_then(RowId::parse);
+            let Some(row) = named else {
+                panic!("a record without a simulated row's idempotency key: {record:?}");
+            };
+            let record = Record {
+                row,
+                entity: record.key.to_vec(),
+                txn,
+            };
+            (
+                partition_of(record.entity.as_slice()),
+                Payload::Outbox(record),
+            )
+        };
+        tracing::debug!(target: "sim", producer = self.id, %id, ?payload, ?txn, "send");
+        world.in_flight.push(InFlight {
+            producer: self.id,
+            id,
+            partition,
+            payload,
+            txn,
+        });
+        Ok(())
+    }
+
+    fn send_event(
+        &self,
+        id: EventId,
+        event: &OutboxEvent,
+    ) -> std::result::Result<(), SendRejected> {
+        let headers: Vec<(&str, &[u8])> = event
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_ref(), value.as_ref()))
+            .collect();
+        self.send(
+            id,
+            RecordRef {
+                topic: &event.topic,
+                key: &event.key,
+                payload: &event.payload,
+                headers: &headers,
+                timestamp_ms: event.timestamp_ms,
+            },
+        )
+    }
+
+    fn classify(&self, code: RDKafkaErrorCode) -> Failure {
+        crate::kafka::classify(code).under(self.poison_configuration_errors)
+    }
+
+    fn max_message_bytes(&self) -> usize {
+        1_000_000
+    }
+
+    fn compresses(&self) -> bool {
+        false
+    }
+
+    fn in_flight(&self) -> i32 {
+        let world = self.shared.lock();
+        let count = world
+            .in_flight
+            .iter()
+            .filter(|r| r.producer == self.id)
+            .count();
+        i32::try_from(count).unwrap_or(i32::MAX)
+    }
+
+    fn stream_idle(&self) {}
+
+    fn fatal_error(&self) -> Option<(RDKafkaErrorCode, String)> {
+        None
+    }
+
+    fn check_broker(&self, _timeout: Duration) -> Boxed<'_, std::result::Result<(), BrokerError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn alone(&self) -> std::result::Result<Box<dyn Producer>, BrokerError> {
+        let reports = {
+            let world = self.shared.lock();
+            world.producers.get(&self.id).map(|p| p.reports.clone())
+        };
+        let Some(reports) = reports else {
+            return Err(BrokerError::ProducerCreation(
+                "simulated: unknown producer".to_owned(),
+            ));
+        };
+        let id = register(&self.shared, reports, self.transactional);
+        Ok(Box::new(SimProducer {
+            shared: self.shared.clone(),
+            id,
+            progress_topic: self.progress_topic.clone(),
+            poison_configuration_errors: self.poison_configuration_errors,
+            transactional: self.transactional,
+        }))
+    }
+
+    fn init_transactions(&self, _id: &str) -> Boxed<'_, std::result::Result<(), TransactionError>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let mut world = self.shared.lock();
+            let world = &mut *world;
+            for (id, producer) in &mut world.producers {
+                if *id == self.id || !producer.transactional || producer.fenced {
+                    continue;
+                }
+                producer.fenced = true;
+                tracing::debug!(target: "sim", fenced = *id, by = self.id, "init_transactions fences");
+                if let Some(txn) = producer.open_txn.take()
+                    && let Some(txn) = world.txns.get_mut(&txn)
+                    && txn.status == TxnStatus::Open
+                {
+                    txn.status = TxnStatus::Aborted;
+                    world.stats.aborts += 1;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn begin_transaction(&self, id: &str) -> std::result::Result<(), TransactionError> {
+        let mut world = self.shared.lock();
+        let world = &mut *world;
+        let txn = world.next_txn;
+        let Some(state) = world.producers.get_mut(&self.id) else {
+            return Err(fenced(id));
+        };
+        if state.fenced {
+            return Err(fenced(id));
+        }
+        if state.open_txn.is_some() {
+            return Err(TransactionError::Fatal {
+                code: RDKafkaErrorCode::State,
+                message: "simulated: a transaction is already open".to_owned(),
+            });
+        }
+        state.open_txn = Some(txn);
+        tracing::debug!(target: "sim", producer = self.id, txn, "begin");
+        world.next_txn += 1;
+        world.txns.insert(
+            txn,
+            Txn {
+                status: TxnStatus::Open,
+                committing: false,
+                failed: false,
+            },
+        );
+        Ok(())
+    }
+
+    fn start_commit(&self, id: &str) -> TransactionCall {
+        tokio::spawn(commit(self.shared.clone(), self.id, id.to_owned()))
+    }
+
+    fn start_abort(&self, id: &str) -> TransactionCall {
+        tokio::spawn(abort(self.shared.clone(), self.id, id.to_owned()))
+    }
+
+    fn retire(self: Box<Self>) {
+        drop(self);
+    }
+}
+
+impl Drop for SimProducer {
+    /// The producer is gone: what it has in flight lands or not, unreported.
+    fn drop(&mut self) {
+        let mut world = self.shared.lock();
+        if let Some(state) = world.producers.get_mut(&self.id) {
+            state.gone = true;
+        }
+        settle_gone(&mut world);
+    }
+}
+
+/// What gone producers had in flight lands now or never, unreported, in order
+/// within a partition: once one record of a partition is lost, the later ones are
+/// too (an idempotent producer's sequence has a gap there).
+pub(super) fn settle_gone(world: &mut World) {
+    let mut lost: Vec<(u64, usize)> = Vec::new();
+    let in_flight = std::mem::take(&mut world.in_flight);
+    for record in in_flight {
+        if world.reports_to(record.producer).is_some() {
+            world.in_flight.push(record);
+            continue;
+        }
+        let queue = (record.producer, record.partition);
+        if !lost.contains(&queue) && world.rng.percent(50) {
+            tracing::debug!(target: "sim", producer = record.producer, id = %record.id, "lands unreported");
+            land(world, &record);
+            world.stats.landed_unreported += 1;
+        } else {
+            lost.push(queue);
+        }
+    }
+}
+
+/// `commit_transaction`: waits until the transaction's records are in, then
+/// commits, or fails (abortable) when one of them failed or, now and then, on its
+/// own.
+async fn commit(
+    shared: Shared,
+    producer: u64,
+    id: String,
+) -> std::result::Result<(), TransactionError> {
+    loop {
+        let notify = shared.notify.clone();
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        {
+            let mut world = shared.lock();
+            let world = &mut *world;
+            let Some(state) = world.producers.get(&producer) else {
+                return Err(fenced(&id));
+            };
+            if state.fenced {
+                return Err(fenced(&id));
+            }
+            if state.gone {
+                // The process is gone: whether its commit reached the
+                // coordinator is decided where it went (`Schedule::kill`).
+                return Err(TransactionError::Fatal {
+                    code: RDKafkaErrorCode::Fatal,
+                    message: "simulated: the producer is gone".to_owned(),
+                });
+            }
+            let Some(txn) = state.open_txn else {
+                return Err(TransactionError::Fatal {
+                    code: RDKafkaErrorCode::State,
+                    message: "simulated: no transaction to commit".to_owned(),
+                });
+            };
+            if let Some(t) = world.txns.get_mut(&txn) {
+                t.committing = true;
+            }
+            let waiting = world.in_flight.iter().any(|r| r.txn == Some(txn));
+            if !waiting {
+                let failed = world.txns.get(&txn).is_none_or(|t| t.failed);
+                if failed || world.rng.percent(2) {
+                    tracing::debug!(target: "sim", producer, txn, failed, "commit fails");
+                    return Err(TransactionError::Abortable {
+                        code: RDKafkaErrorCode::InvalidTransactionalState,
+                        message: "simulated: a record of the transaction failed".to_owned(),
+                    });
+                }
+                if let Some(t) = world.txns.get_mut(&txn) {
+                    t.status = TxnStatus::Committed;
+                }
+                tracing::debug!(target: "sim", producer, txn, "committed");
+                if let Some(state) = world.producers.get_mut(&producer) {
+                    state.open_txn = None;
+                }
+                world.stats.commits += 1;
+                return Ok(());
+            }
+        }
+        notified.await;
+    }
+}
+
+/// `abort_transaction`: purges what is in flight (reported as purged) and aborts.
+async fn abort(
+    shared: Shared,
+    producer: u64,
+    id: String,
+) -> std::result::Result<(), TransactionError> {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let mut world = shared.lock();
+    let world = &mut *world;
+    let Some(state) = world.producers.get(&producer) else {
+        return Err(fenced(&id));
+    };
+    if state.fenced {
+        return Err(fenced(&id));
+    }
+    let Some(txn) = state.open_txn else {
+        return Ok(());
+    };
+    let (purged, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut world.in_flight)
+        .into_iter()
+        .partition(|r| r.txn == Some(txn));
+    world.in_flight = kept;
+    for record in purged {
+        report(
+            world,
+            &record,
+            Err((
+                RDKafkaErrorCode::PurgeQueue,
+                "simulated: purged by the abort".to_owned(),
+            )),
+        );
+    }
+    if let Some(t) = world.txns.get_mut(&txn) {
+        t.status = TxnStatus::Aborted;
+    }
+    tracing::debug!(target: "sim", producer, txn, "aborted");
+    if let Some(state) = world.producers.get_mut(&producer) {
+        state.open_txn = None;
+    }
+    world.stats.aborts += 1;
+    Ok(())
+}
+
+/// Sends the report of `record` to its producer, if it still listens.
+fn report(
+    world: &World,
+    record: &InFlight,
+    result: std::result::Result<(i32, i64), (RDKafkaErrorCode, String)>,
+) {
+    tracing::debug!(target: "sim", producer = record.producer, id = %record.id, ?result, "report");
+    if let Some(reports) = world.reports_to(record.producer) {
+        let sent = reports.try_send(DeliveryReport {
+            id: record.id,
+            result,
+            reported_at: clock::now(),
+        });
+        // The relay dropped the channel (a replaced producer): nobody listens.
+        drop(sent);
+    }
+}
+
+/// The broker answers for up to `n` records: each time the first record in flight
+/// of a producer's partition (an idempotent producer keeps that order).
+pub(super) fn answer(world: &mut World, n: usize) {
+    for _ in 0..n {
+        if world.in_flight.is_empty() {
+            return;
+        }
+        let pick = world.rng.index(world.in_flight.len());
+        let (producer, partition) = (
+            world.in_flight[pick].producer,
+            world.in_flight[pick].partition,
+        );
+        let Some(head) = world
+            .in_flight
+            .iter()
+            .position(|r| r.producer == producer && r.partition == partition)
+        else {
+            return;
+        };
+        let record = world.in_flight.remove(head);
+        resolve(world, record);
+    }
+}
+
+fn resolve(world: &mut World, record: InFlight) {
+    if world.reports_to(record.producer).is_none() {
+        // A gone producer's records were settled when it went (`settle_gone`).
+        return;
+    }
+    let outbox = matches!(record.payload, Payload::Outbox(_));
+    let failure = if outbox && world.topic_missing {
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition)
+    } else {
+        match world.rng.below(100) {
+            0..8 => Some(RDKafkaErrorCode::RequestTimedOut),
+            8..10 if outbox => Some(RDKafkaErrorCode::InvalidRecord),
+            _ => None,
+        }
+    };
+    match failure {
+        None => {
+            let offset = land(world, &record);
+            world.stats.acks += 1;
+            report(world, &record, Ok((record_partition(&record), offset)));
+        }
+        Some(code) => {
+            // The later records of the partition fail with it (idempotence keeps
+            // their order by failing them).
+            let (later, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut world.in_flight)
+                .into_iter()
+                .partition(|r| r.producer == record.producer && r.partition == record.partition);
+            world.in_flight = kept;
+            for failed in std::iter::once(record).chain(later) {
+                world.stats.failures += 1;
+                if let Some(txn) = failed.txn.and_then(|t| world.txns.get_mut(&t)) {
+                    txn.failed = true;
+                }
+                report(world, &failed, Err((code, format!("simulated: {code:?}"))));
+            }
+        }
+    }
+}
+
+fn record_partition(record: &InFlight) -> i32 {
+    i32::try_from(record.partition).unwrap_or(0)
+}
+
+/// Appends `record` to its partition; returns its offset.
+fn land(world: &mut World, record: &InFlight) -> i64 {
+    match &record.payload {
+        Payload::Outbox(r) => {
+            let log = &mut world.partitions[record.partition];
+            log.push(r.clone());
+            i64::try_from(log.len() - 1).unwrap_or(i64::MAX)
+        }
+        Payload::Progress(entry) => {
+            world.progress.push(entry.clone());
+            i64::try_from(world.progress.len() - 1).unwrap_or(i64::MAX)
+        }
+    }
+}
+
+/// Whether a record written in `txn` is visible to a read_committed reader.
+pub(super) fn committed(world: &World, txn: Option<u64>) -> bool {
+    txn.is_none_or(|t| {
+        world
+            .txns
+            .get(&t)
+            .is_some_and(|t| t.status == TxnStatus::Committed)
+    })
+}
+
+/// The progress record read back, read_committed.
+pub(super) struct SimProgressReader {
+    pub(super) shared: Shared,
+}
+
+impl ProgressReader for SimProgressReader {
+    fn read_latest<'a>(
+        &'a self,
+        _topic: &'a str,
+        slot: &'a str,
+    ) -> Boxed<'a, Result<Option<ProgressRecord>>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let world = self.shared.lock();
+            let latest = world
+                .progress
+                .iter()
+                .rev()
+                .find(|e| e.key == slot && committed(&world, e.txn));
+            match latest {
+                None => Ok(None),
+                Some(entry) => Ok(Some(ProgressRecord::decode(&entry.value)?)),
+            }
+        })
+    }
+}

@@ -1,0 +1,613 @@
+//! The simulated PostgreSQL behind the database and stream ports: a walsender that
+//! sends every transaction committing at or after where it starts (never before
+//! the slot's confirmed position, as PostgreSQL moves a start back up to it), a
+//! slot that a status update moves forward and a crash rewinds to its last
+//! checkpoint, the position row, the poison table and its writer.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::world::{HISTORY, PositionRow, RowId, Shared, Slot, Walsender, World};
+use crate::cdc::metrics::Health;
+use crate::cdc::ports::Boxed;
+use crate::cdc::ports::database::{Opened, PositionWrites, SaveError, SessionDatabase, Start};
+use crate::cdc::ports::stream::WalStream;
+use crate::cdc::progress::SavePhase;
+use crate::cdc::start::{self, Remembered, ServerView, SlotView, StartPlan};
+use crate::cdc::wal_identity::{TxNames, Verdict};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::lsn::Lsn;
+use crate::outbox::position::{Position, ServerHistory};
+use crate::poison::{
+    Parked, ParkedKey, PoisonInsertError, PoisonOutcome, PoisonRequest, RecordedPoison,
+};
+use crate::postgres::pgoutput::testkit::encode;
+use crate::postgres::pgoutput::{
+    Begin, ColumnValue, Commit, Insert, LogicalReplicationMessage, Relation, RelationColumn,
+    TupleData,
+};
+use crate::postgres::prerequisite::Prerequisite;
+use crate::postgres::replication::ReplicationError;
+use crate::postgres::replication::frames::{ServerFrame, StandbyStatus};
+
+/// The outbox table's relation id.
+const RELATION_ID: u32 = 16_385;
+
+/// A walsender with nothing to send sends a keepalive this often.
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+
+/// The database port of one relay process.
+pub(super) struct SimDatabase {
+    shared: Shared,
+    config: Config,
+    opened: Option<Opened>,
+}
+
+impl SimDatabase {
+    pub(super) fn new(shared: Shared, config: Config) -> SimDatabase {
+        SimDatabase {
+            shared,
+            config,
+            opened: None,
+        }
+    }
+}
+
+/// PostgreSQL is restarting: a transient error, as a refused connection is.
+fn down() -> Error {
+    Error::Io(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "simulated: PostgreSQL is restarting",
+    ))
+}
+
+fn server_view(world: &World) -> ServerView {
+    ServerView {
+        history: HISTORY,
+        wal_end: world.wal_end(),
+        forks: Vec::new(),
+        started: Some(world.server_started),
+    }
+}
+
+impl SessionDatabase for SimDatabase {
+    fn plan(
+        &mut self,
+        remembered: Option<Remembered>,
+        _busy_timeout: Duration,
+    ) -> Boxed<'_, Result<StartPlan>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let world = self.shared.lock();
+            if !world.up {
+                return Err(down());
+            }
+            let server = server_view(&world);
+            let active = world
+                .active
+                .filter(|pid| world.walsenders.get(pid).is_some_and(|w| !w.broken));
+            let slot = world.slot.map(|s| SlotView {
+                confirmed: s.confirmed,
+                invalidated: false,
+                active_pid: active,
+            });
+            let recorded = world.position.map(|p| Position {
+                history: p.history,
+                confirmed: p.confirmed,
+                delivered_xmin: None,
+                delivered_lsn: None,
+                slot_lost: None,
+                resyncs: 0,
+            });
+            self.opened = Some(Opened {
+                server: server.clone(),
+                writes_started: server.started,
+            });
+            let slot_name = self.config.postgres.slot_name();
+            Ok(start::plan(
+                &slot_name,
+                &server,
+                recorded.as_ref(),
+                slot,
+                remembered,
+            ))
+        })
+    }
+
+    fn carry_out<'a>(
+        &'a mut self,
+        plan: StartPlan,
+        _remembered: Option<Remembered>,
+        _busy_timeout: Duration,
+        _health: &'a Health,
+    ) -> Boxed<'a, Result<Start>> {
+        Box::pin(async move {
+            let mut world = self.shared.lock();
+            if !world.up {
+                return Err(down());
+            }
+            let slot = self.config.postgres.slot_name();
+            match plan {
+                StartPlan::Fresh => {
+                    let at = world.wal_end();
+                    world.slot = Some(Slot {
+                        confirmed: at,
+                        persisted: at,
+                    });
+                    world.position = Some(PositionRow {
+                        history: HISTORY,
+                        confirmed: at,
+                    });
+                    Ok(Start {
+                        at,
+                        fresh_core: true,
+                    })
+                }
+                StartPlan::Resume {
+                    from,
+                    history_changed,
+                    server_restarted,
+                    ..
+                } => {
+                    match &mut world.position {
+                        Some(row) if !history_changed && row.history == HISTORY => {
+                            row.confirmed = row.confirmed.max(from);
+                        }
+                        _ => {
+                            world.position = Some(PositionRow {
+                                history: HISTORY,
+                                confirmed: from,
+                            });
+                        }
+                    }
+                    Ok(Start {
+                        at: from,
+                        fresh_core: server_restarted || history_changed,
+                    })
+                }
+                StartPlan::Busy { pid } => Err(Prerequisite::SlotBusy {
+                    slot,
+                    pid,
+                    waited_secs: 0,
+                }
+                .into()),
+                StartPlan::Lost { loss, .. } => Err(Prerequisite::SlotLost {
+                    detail: loss.to_string(),
+                }
+                .into()),
+            }
+        })
+    }
+
+    fn opened(&self) -> Result<Opened> {
+        self.opened.clone().ok_or(Error::RelayNotPlanned)
+    }
+
+    fn parked_keys(&mut self) -> Boxed<'_, Result<HashSet<ParkedKey>>> {
+        Box::pin(async { Ok(HashSet::new()) })
+    }
+
+    fn recorded_poison(&mut self, start: Lsn) -> Boxed<'_, RecordedPoison> {
+        Box::pin(async move {
+            let world = self.shared.lock();
+            let wal_end = world.wal_end();
+            let rows = world
+                .poison
+                .iter()
+                .filter_map(|(_, row)| {
+                    let lsn = row.lsn?;
+                    (lsn >= start && lsn <= wal_end)
+                        .then(|| ((lsn, row.tx_position.unwrap_or(0)), row.clone()))
+                })
+                .collect::<Vec<_>>();
+            RecordedPoison::of_rows(rows, self.config.relay.poison_copy_limit_bytes)
+        })
+    }
+
+    fn position_writes(
+        &self,
+        history: ServerHistory,
+        server_started: Option<i64>,
+    ) -> Box<dyn PositionWrites> {
+        Box::new(SimPositionWrites {
+            shared: self.shared.clone(),
+            history,
+            server_started,
+        })
+    }
+
+    fn start_streaming<'a>(
+        &'a mut self,
+        _slot: &'a str,
+        start: Lsn,
+        _options: &'a [(&'a str, &'a str)],
+    ) -> Boxed<'a, std::result::Result<Box<dyn WalStream>, ReplicationError>> {
+        Box::pin(async move {
+            let mut world = self.shared.lock();
+            if !world.up {
+                return Err(ReplicationError::ConnectionClosed);
+            }
+            // PostgreSQL starts a slot no earlier than its confirmed position.
+            let from = world.slot.map_or(start, |s| start.max(s.confirmed));
+            let pid = world.next_pid;
+            world.next_pid += 1;
+            let walsender = Walsender {
+                next_tx: world.first_tx_from(from),
+                next_msg: 0,
+                relation_sent: false,
+                broken: false,
+                sent_end: from,
+            };
+            tracing::debug!(target: "sim", pid, %start, %from, next_tx = walsender.next_tx, "start_replication");
+            world.walsenders.insert(pid, walsender);
+            world.active = Some(pid);
+            Ok(Box::new(SimStream {
+                shared: self.shared.clone(),
+                pid,
+            }) as Box<dyn WalStream>)
+        })
+    }
+
+    fn wal_end(&mut self) -> Boxed<'_, Result<Lsn>> {
+        Box::pin(async move {
+            let world = self.shared.lock();
+            if world.up {
+                Ok(world.wal_end())
+            } else {
+                Err(down())
+            }
+        })
+    }
+
+    fn slot_active_pid(&self) -> Boxed<'_, Option<Option<i32>>> {
+        Box::pin(async move {
+            let world = self.shared.lock();
+            world.up.then_some(world.active)
+        })
+    }
+
+    fn wal_identity<'a>(
+        &'a mut self,
+        _names: &'a TxNames,
+        _confirmed: Lsn,
+        _start: Lsn,
+    ) -> Boxed<'a, Result<Verdict>> {
+        // One server, never restored in place: the record's transactions are its own.
+        Box::pin(async { Ok(Verdict::Same) })
+    }
+}
+
+/// The position saver's writes to the simulated position row.
+struct SimPositionWrites {
+    shared: Shared,
+    history: ServerHistory,
+    server_started: Option<i64>,
+}
+
+impl PositionWrites for SimPositionWrites {
+    fn save(&mut self, target: Lsn) -> Boxed<'_, std::result::Result<(), SaveError>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let mut world = self.shared.lock();
+            if !world.up {
+                return Err(SaveError {
+                    message: "simulated: PostgreSQL is restarting".to_owned(),
+                    phase: SavePhase::Connecting,
+                    sqlstate: Some("57P03".to_owned()),
+                    refused: false,
+                });
+            }
+            if self.server_started != Some(world.server_started) {
+                return Err(SaveError {
+                    message: "simulated: the server restarted since this session started"
+                        .to_owned(),
+                    phase: SavePhase::Connecting,
+                    sqlstate: None,
+                    refused: true,
+                });
+            }
+            let history = self.history;
+            tracing::debug!(target: "sim", %target, "position saved");
+            match &mut world.position {
+                Some(row) if row.history == history => {
+                    row.confirmed = row.confirmed.max(target);
+                    Ok(())
+                }
+                Some(row) => Err(SaveError {
+                    message: format!("simulated: the row belongs to {}", row.history),
+                    phase: SavePhase::Statement,
+                    sqlstate: None,
+                    refused: true,
+                }),
+                None => {
+                    world.position = Some(PositionRow {
+                        history,
+                        confirmed: target,
+                    });
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+/// A walsender's stream.
+struct SimStream {
+    shared: Shared,
+    pid: i32,
+}
+
+impl SimStream {
+    /// The next message the walsender has for the relay, if any.
+    fn take(&self) -> std::result::Result<Option<ServerFrame>, ReplicationError> {
+        let mut world = self.shared.lock();
+        let world = &mut *world;
+        let Some(walsender) = world.walsenders.get(&self.pid) else {
+            return Err(ReplicationError::ConnectionClosed);
+        };
+        if walsender.broken {
+            return Err(ReplicationError::ConnectionClosed);
+        }
+        if walsender.next_tx >= world.wal.len() {
+            return Ok(None);
+        }
+        if world.rng.percent(2) {
+            return Ok(Some(keepalive(world, self.pid, true)));
+        }
+        let Some(walsender) = world.walsenders.get_mut(&self.pid) else {
+            return Err(ReplicationError::ConnectionClosed);
+        };
+        let tx = &world.wal[walsender.next_tx];
+        let rows = tx.rows.len();
+        let (lsn, message) = if walsender.next_msg == 0 {
+            walsender.next_msg = 1;
+            (
+                Lsn(tx.final_lsn.0.saturating_sub(1)),
+                LogicalReplicationMessage::Begin(Begin {
+                    final_lsn: tx.final_lsn,
+                    commit_time: 0,
+                    xid: tx.xid,
+                }),
+            )
+        } else if walsender.next_msg <= rows && !walsender.relation_sent {
+            walsender.relation_sent = true;
+            (
+                tx.final_lsn,
+                LogicalReplicationMessage::Relation(relation()),
+            )
+        } else if walsender.next_msg <= rows {
+            let ordinal = walsender.next_msg - 1;
+            walsender.next_msg += 1;
+            let row = RowId {
+                tx: walsender.next_tx,
+                ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
+            };
+            let insert = insert(row, tx.rows[ordinal].entity, tx.rows[ordinal].unmappable);
+            (tx.final_lsn, LogicalReplicationMessage::Insert(insert))
+        } else {
+            walsender.next_tx += 1;
+            walsender.next_msg = 0;
+            walsender.sent_end = tx.end_lsn;
+            (
+                tx.end_lsn,
+                LogicalReplicationMessage::Commit(Commit {
+                    flags: 0,
+                    commit_lsn: tx.final_lsn,
+                    end_lsn: tx.end_lsn,
+                    commit_time: 0,
+                }),
+            )
+        };
+        Ok(Some(ServerFrame::XLogData {
+            wal_start: lsn,
+            wal_end: lsn,
+            send_time: 0,
+            data: encode(&message),
+        }))
+    }
+}
+
+/// A keepalive whose `wal_end` never passes a commit not sent yet.
+fn keepalive(world: &World, pid: i32, reply_requested: bool) -> ServerFrame {
+    let wal_end = match world.walsenders.get(&pid) {
+        Some(w) if w.next_tx >= world.wal.len() => world.wal_end(),
+        Some(w) => w.sent_end,
+        None => Lsn::ZERO,
+    };
+    ServerFrame::Keepalive {
+        wal_end,
+        send_time: 0,
+        reply_requested,
+    }
+}
+
+impl WalStream for SimStream {
+    fn next_frame(
+        &mut self,
+    ) -> Boxed<'_, std::result::Result<Option<ServerFrame>, ReplicationError>> {
+        Box::pin(async move {
+            loop {
+                let notify = self.shared.notify.clone();
+                let notified = notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(frame) = self.take()? {
+                    return Ok(Some(frame));
+                }
+                tokio::select! {
+                    biased;
+                    () = notified => {}
+                    () = tokio::time::sleep(KEEPALIVE_EVERY) => {
+                        let world = self.shared.lock();
+                        return Ok(Some(keepalive(&world, self.pid, false)));
+                    }
+                }
+            }
+        })
+    }
+
+    fn frame_ready(&mut self) -> std::result::Result<bool, ReplicationError> {
+        let world = self.shared.lock();
+        match world.walsenders.get(&self.pid) {
+            Some(w) if !w.broken => Ok(w.next_tx < world.wal.len()),
+            _ => Err(ReplicationError::ConnectionClosed),
+        }
+    }
+
+    fn read_more(&mut self) -> Boxed<'_, std::result::Result<(), ReplicationError>> {
+        Box::pin(std::future::pending())
+    }
+
+    fn hold_readiness(&self) -> std::result::Result<bool, ReplicationError> {
+        // No socket to hold: the relay never pauses its reads here.
+        Ok(false)
+    }
+
+    fn release_readiness(&self) -> std::result::Result<(), ReplicationError> {
+        Ok(())
+    }
+
+    fn send_status<'a>(
+        &'a mut self,
+        status: &'a StandbyStatus,
+    ) -> Boxed<'a, std::result::Result<(), ReplicationError>> {
+        Box::pin(async move {
+            let mut world = self.shared.lock();
+            match world.walsenders.get(&self.pid) {
+                Some(w) if !w.broken => {}
+                _ => return Err(ReplicationError::ConnectionClosed),
+            }
+            if world.active == Some(self.pid)
+                && let Some(slot) = &mut world.slot
+            {
+                slot.confirmed = slot.confirmed.max(status.flush);
+                tracing::debug!(target: "sim", pid = self.pid, flush = %status.flush, "status");
+            }
+            Ok(())
+        })
+    }
+
+    fn backend_pid(&self) -> Option<i32> {
+        Some(self.pid)
+    }
+
+    fn finish(self: Box<Self>) -> Boxed<'static, std::result::Result<(), ReplicationError>> {
+        // Dropping it closes the connection.
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl Drop for SimStream {
+    /// The connection closes: the walsender exits and lets go of the slot.
+    fn drop(&mut self) {
+        let mut world = self.shared.lock();
+        if let Some(w) = world.walsenders.get_mut(&self.pid) {
+            w.broken = true;
+        }
+        if world.active == Some(self.pid) {
+            world.active = None;
+        }
+    }
+}
+
+/// The outbox table of `migrations/0001_outbox.sql`.
+fn relation() -> Relation {
+    let column = |name: &str, type_oid: u32| RelationColumn {
+        flags: 0,
+        name: name.into(),
+        type_oid,
+        type_modifier: -1,
+    };
+    const UUID: u32 = 2950;
+    const TEXT: u32 = 25;
+    const JSONB: u32 = 3802;
+    const TIMESTAMPTZ: u32 = 1184;
+    const INT4: u32 = 23;
+    Relation {
+        xid: None,
+        id: RELATION_ID,
+        namespace: "public".into(),
+        name: "outbox".into(),
+        replica_identity: b'd',
+        columns: vec![
+            column("id", UUID),
+            column("idempotency_key", TEXT),
+            column("aggregate_type", TEXT),
+            column("aggregate_id", TEXT),
+            column("event_type", TEXT),
+            column("topic", TEXT),
+            column("headers", JSONB),
+            column("payload", JSONB),
+            column("created_at", TIMESTAMPTZ),
+            column("sent_at", TIMESTAMPTZ),
+            column("attempts", INT4),
+            column("last_error", TEXT),
+        ],
+    }
+}
+
+/// The Insert of outbox row `row` of entity `entity` (a NULL payload when
+/// `unmappable`).
+fn insert(row: RowId, entity: u32, unmappable: bool) -> Insert {
+    let text = |s: String| ColumnValue::Text(Bytes::from(s));
+    let payload = if unmappable {
+        ColumnValue::Null
+    } else {
+        text(format!("{{\"row\":\"{}\"}}", row.key_text()))
+    };
+    Insert {
+        xid: None,
+        relation_id: RELATION_ID,
+        tuple: TupleData {
+            columns: vec![
+                text(row.uuid()),
+                text(row.key_text()),
+                text("Order".to_owned()),
+                text(format!("e{entity}")),
+                text("OrderChanged".to_owned()),
+                ColumnValue::Null,
+                ColumnValue::Null,
+                payload,
+                text("2026-12-07 00:00:00+00".to_owned()),
+                ColumnValue::Null,
+                text("0".to_owned()),
+                ColumnValue::Null,
+            ],
+        },
+    }
+}
+
+/// The poison writer: commits each row to the simulated poison table (or fails,
+/// now and then, as an insert can), and says so.
+pub(super) async fn poison_writer(
+    shared: Shared,
+    mut requests: mpsc::Receiver<PoisonRequest>,
+    outcomes: mpsc::Sender<PoisonOutcome>,
+) {
+    while let Some(PoisonRequest { id, row }) = requests.recv().await {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let result = {
+            let mut world = shared.lock();
+            if !world.up || world.rng.percent(3) {
+                Err(PoisonInsertError::Batch(
+                    "simulated: the insert failed".to_owned(),
+                ))
+            } else {
+                let named = row.fields.idempotency_key.as_deref().and_then(RowId::parse);
+                let Some(named) = named else {
+                    panic!("a poison row without a simulated row's key: {row:?}");
+                };
+                world.poison.push((named, row));
+                world.stats.poison_rows += 1;
+                Ok(Parked::Recorded)
+            }
+        };
+        if outcomes.send(PoisonOutcome { id, result }).await.is_err() {
+            return;
+        }
+    }
+}

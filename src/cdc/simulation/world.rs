@@ -1,0 +1,335 @@
+//! The simulated world's state: a PostgreSQL (its WAL of committed outbox rows, the
+//! slot, the position row, the poison table, the walsenders) and a Kafka (one
+//! topic's partitions, the progress topic, the records in flight, producers and
+//! their transactions). Everything random is drawn from the world's seeded
+//! generator, and only the schedule's driver and the ports' methods change it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{Notify, mpsc};
+
+use crate::cdc::progress::simulator::Rng;
+use crate::delivery::EventId;
+use crate::kafka::DeliveryReport;
+use crate::lsn::Lsn;
+use crate::outbox::position::ServerHistory;
+use crate::poison::PoisonRow;
+
+/// The simulated server's history (no failover is simulated yet).
+pub(super) const HISTORY: ServerHistory = ServerHistory {
+    system_identifier: 7,
+    timeline: 1,
+};
+
+/// Partitions of the outbox topic.
+pub(super) const PARTITIONS: usize = 3;
+
+/// An outbox row's place in the WAL: its transaction and its ordinal there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct RowId {
+    pub(super) tx: usize,
+    pub(super) ordinal: u32,
+}
+
+impl RowId {
+    /// The row's idempotency key, as its records carry it.
+    pub(super) fn key_text(self) -> String {
+        format!("r{}-{}", self.tx, self.ordinal)
+    }
+
+    /// The row's `id` column (a UUID naming it).
+    pub(super) fn uuid(self) -> String {
+        format!("00000000-0000-4000-8{:03x}-{:012x}", self.ordinal, self.tx)
+    }
+
+    /// The row an idempotency key names.
+    pub(super) fn parse(text: &str) -> Option<RowId> {
+        let (tx, ordinal) = text.strip_prefix('r')?.split_once('-')?;
+        Some(RowId {
+            tx: tx.parse().ok()?,
+            ordinal: ordinal.parse().ok()?,
+        })
+    }
+}
+
+/// One outbox row of a committed transaction.
+#[derive(Debug, Clone)]
+pub(super) struct Row {
+    /// The entity (a few hot ones, so keys repeat within the window).
+    pub(super) entity: u32,
+    /// A NULL payload: the mapper refuses it and the relay poisons it.
+    pub(super) unmappable: bool,
+}
+
+/// One committed transaction.
+#[derive(Debug, Clone)]
+pub(super) struct Tx {
+    pub(super) xid: u32,
+    pub(super) final_lsn: Lsn,
+    pub(super) end_lsn: Lsn,
+    pub(super) rows: Vec<Row>,
+}
+
+/// The replication slot.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Slot {
+    pub(super) confirmed: Lsn,
+    /// What a crash rewinds it to (the last checkpoint's copy).
+    pub(super) persisted: Lsn,
+}
+
+/// The relay's position row.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PositionRow {
+    pub(super) history: ServerHistory,
+    pub(super) confirmed: Lsn,
+}
+
+/// A walsender's place in the WAL.
+#[derive(Debug, Clone)]
+pub(super) struct Walsender {
+    /// The next transaction to send and the next message of it (0: Begin).
+    pub(super) next_tx: usize,
+    pub(super) next_msg: usize,
+    /// The Relation message went out in this stream.
+    pub(super) relation_sent: bool,
+    /// The connection is gone (a cut, a restart, the process killed).
+    pub(super) broken: bool,
+    /// The end of the last transaction sent (keepalives never pass what is unsent).
+    pub(super) sent_end: Lsn,
+}
+
+/// One Kafka record in a partition.
+#[derive(Debug, Clone)]
+pub(super) struct Record {
+    pub(super) row: RowId,
+    pub(super) entity: Vec<u8>,
+    /// The Kafka transaction it was written in.
+    pub(super) txn: Option<u64>,
+}
+
+/// One record of the progress topic.
+#[derive(Debug, Clone)]
+pub(super) struct ProgressEntry {
+    pub(super) key: String,
+    pub(super) value: Vec<u8>,
+    pub(super) txn: Option<u64>,
+}
+
+/// What a record in flight is.
+#[derive(Debug, Clone)]
+pub(super) enum Payload {
+    Outbox(Record),
+    Progress(ProgressEntry),
+}
+
+/// A record sent and not yet reported.
+#[derive(Debug, Clone)]
+pub(super) struct InFlight {
+    pub(super) producer: u64,
+    pub(super) id: EventId,
+    pub(super) partition: usize,
+    pub(super) payload: Payload,
+    pub(super) txn: Option<u64>,
+}
+
+/// A producer's broker-side state.
+#[derive(Debug)]
+pub(super) struct ProducerState {
+    pub(super) reports: mpsc::Sender<DeliveryReport>,
+    pub(super) transactional: bool,
+    /// Another producer of the `transactional.id` was initialised after it.
+    pub(super) fenced: bool,
+    /// Dropped by the relay or killed with the process: no more reports.
+    pub(super) gone: bool,
+    pub(super) open_txn: Option<u64>,
+}
+
+/// A Kafka transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TxnStatus {
+    Open,
+    Committed,
+    Aborted,
+}
+
+#[derive(Debug)]
+pub(super) struct Txn {
+    pub(super) status: TxnStatus,
+    /// The relay asked for its commit (the coordinator may have it, whatever
+    /// happens to the process next).
+    pub(super) committing: bool,
+    /// One of its records failed: its commit must fail (abortable).
+    pub(super) failed: bool,
+}
+
+/// Counts of what a schedule did, for the report.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Stats {
+    pub(super) transactions: u64,
+    pub(super) rows: u64,
+    pub(super) acks: u64,
+    pub(super) failures: u64,
+    pub(super) cuts: u64,
+    pub(super) kills: u64,
+    pub(super) stops: u64,
+    pub(super) restarts: u64,
+    pub(super) crashes: u64,
+    pub(super) commits: u64,
+    pub(super) aborts: u64,
+    pub(super) poison_rows: u64,
+    pub(super) landed_unreported: u64,
+}
+
+impl Stats {
+    /// Adds another schedule's counts.
+    pub(super) fn add(&mut self, other: &Stats) {
+        self.transactions += other.transactions;
+        self.rows += other.rows;
+        self.acks += other.acks;
+        self.failures += other.failures;
+        self.cuts += other.cuts;
+        self.kills += other.kills;
+        self.stops += other.stops;
+        self.restarts += other.restarts;
+        self.crashes += other.crashes;
+        self.commits += other.commits;
+        self.aborts += other.aborts;
+        self.poison_rows += other.poison_rows;
+        self.landed_unreported += other.landed_unreported;
+    }
+}
+
+/// See the module documentation.
+pub(super) struct World {
+    pub(super) rng: Rng,
+    pub(super) wal: Vec<Tx>,
+    pub(super) next_lsn: u64,
+    pub(super) next_xid: u32,
+    /// `pg_postmaster_start_time()`: a restart changes it.
+    pub(super) server_started: i64,
+    /// PostgreSQL answers (false while it restarts).
+    pub(super) up: bool,
+    pub(super) slot: Option<Slot>,
+    pub(super) position: Option<PositionRow>,
+    pub(super) poison: Vec<(RowId, PoisonRow)>,
+    pub(super) walsenders: BTreeMap<i32, Walsender>,
+    /// The walsender that holds the slot.
+    pub(super) active: Option<i32>,
+    pub(super) next_pid: i32,
+    pub(super) partitions: Vec<Vec<Record>>,
+    pub(super) progress: Vec<ProgressEntry>,
+    pub(super) in_flight: Vec<InFlight>,
+    pub(super) producers: BTreeMap<u64, ProducerState>,
+    pub(super) next_producer: u64,
+    pub(super) txns: BTreeMap<u64, Txn>,
+    pub(super) next_txn: u64,
+    /// The outbox topic does not exist yet (records to it fail as configuration
+    /// errors, as when a topic is created late).
+    pub(super) topic_missing: bool,
+    pub(super) stats: Stats,
+}
+
+impl World {
+    pub(super) fn new(seed: u64) -> World {
+        World {
+            rng: Rng(seed),
+            wal: Vec::new(),
+            next_lsn: 0x0100_0000,
+            next_xid: 1_000,
+            server_started: 1,
+            up: true,
+            slot: None,
+            position: None,
+            poison: Vec::new(),
+            walsenders: BTreeMap::new(),
+            active: None,
+            next_pid: 100,
+            partitions: vec![Vec::new(); PARTITIONS],
+            progress: Vec::new(),
+            in_flight: Vec::new(),
+            producers: BTreeMap::new(),
+            next_producer: 1,
+            txns: BTreeMap::new(),
+            next_txn: 1,
+            topic_missing: false,
+            stats: Stats::default(),
+        }
+    }
+
+    /// The WAL end: past every commit.
+    pub(super) fn wal_end(&self) -> Lsn {
+        Lsn(self.next_lsn)
+    }
+
+    /// Commits a transaction of `rows`.
+    pub(super) fn commit(&mut self, rows: Vec<Row>) {
+        let begin = self.next_lsn + 1 + self.rng.below(64);
+        let final_lsn = begin + 24 * (rows.len() as u64 + 1) + self.rng.below(64);
+        let end_lsn = final_lsn + 1 + self.rng.below(40);
+        self.next_lsn = end_lsn;
+        self.stats.transactions += 1;
+        self.stats.rows += rows.len() as u64;
+        tracing::debug!(target: "sim", tx = self.wal.len(), rows = rows.len(), final_lsn, end_lsn, "commit");
+        self.wal.push(Tx {
+            xid: self.next_xid,
+            final_lsn: Lsn(final_lsn),
+            end_lsn: Lsn(end_lsn),
+            rows,
+        });
+        self.next_xid += 1;
+    }
+
+    /// Every walsender's connection is cut (a restart, a crash).
+    pub(super) fn cut_all(&mut self) {
+        for walsender in self.walsenders.values_mut() {
+            walsender.broken = true;
+        }
+        self.active = None;
+    }
+
+    /// The index of the first transaction committing at or after `lsn` (what a
+    /// walsender starting there sends first).
+    pub(super) fn first_tx_from(&self, lsn: Lsn) -> usize {
+        self.wal.partition_point(|t| t.final_lsn < lsn)
+    }
+
+    /// Whether the producer `id` may still report.
+    pub(super) fn reports_to(&self, producer: u64) -> Option<&mpsc::Sender<DeliveryReport>> {
+        self.producers
+            .get(&producer)
+            .filter(|p| !p.gone)
+            .map(|p| &p.reports)
+    }
+}
+
+/// The world, shared by the schedule's driver and the relay's ports, and a
+/// notification for whoever waits on it (a walsender with nothing to send, a
+/// commit waiting for its last records).
+#[derive(Clone)]
+pub(super) struct Shared {
+    world: Arc<Mutex<World>>,
+    pub(super) notify: Arc<Notify>,
+}
+
+impl Shared {
+    pub(super) fn new(seed: u64) -> Shared {
+        Shared {
+            world: Arc::new(Mutex::new(World::new(seed))),
+            notify: Arc::new(Notify::new()),
+        }
+    }
+
+    /// The world, locked (never across an await).
+    pub(super) fn lock(&self) -> MutexGuard<'_, World> {
+        self.world
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Wakes every waiter: the world changed.
+    pub(super) fn changed(&self) {
+        self.notify.notify_waiters();
+    }
+}
