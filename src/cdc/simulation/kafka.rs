@@ -142,7 +142,8 @@ impl Producer for SimProducer {
                 value: record.payload.to_vec(),
                 txn,
             };
-            (0, Payload::Progress(entry))
+            // A partition of its own topic: its order is not the outbox's.
+            (PARTITIONS, Payload::Progress(entry))
         } else {
             let named = record
                 .headers
@@ -293,6 +294,7 @@ impl Producer for SimProducer {
         world.txns.insert(
             txn,
             Txn {
+                producer: self.id,
                 status: TxnStatus::Open,
                 committing: false,
                 failed: false,
@@ -536,7 +538,10 @@ fn resolve(world: &mut World, record: InFlight) {
 }
 
 fn record_partition(record: &InFlight) -> i32 {
-    i32::try_from(record.partition).unwrap_or(0)
+    match record.payload {
+        Payload::Outbox(_) => i32::try_from(record.partition).unwrap_or(0),
+        Payload::Progress(_) => 0,
+    }
 }
 
 /// Appends `record` to its partition; returns its offset.

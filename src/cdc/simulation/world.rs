@@ -156,6 +156,8 @@ pub(super) enum TxnStatus {
 
 #[derive(Debug)]
 pub(super) struct Txn {
+    /// The producer that began it.
+    pub(super) producer: u64,
     pub(super) status: TxnStatus,
     /// The relay asked for its commit (the coordinator may have it, whatever
     /// happens to the process next).
