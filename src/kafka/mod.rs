@@ -71,6 +71,8 @@ pub use error::{BrokerError, BrokerUnavailable};
 pub use idle_flush::IdleGate;
 pub(crate) use progress_topic::describe as describe_progress_topic;
 pub use progress_topic::{LayoutProblem, ProgressTopicLayout, judge as judge_progress_topic};
+#[cfg(test)]
+pub(crate) use publisher::with_event_record;
 pub use publisher::{DeliveryReport, Publisher, RecordRef, SendRejected};
 pub(crate) use publisher::{PRODUCE_REQUESTS, RECORDS_TRANSMITTED};
 pub(crate) use topic_limits::{TopicLimits, read_limits};

@@ -447,6 +447,27 @@ fn fetch_metadata_or_refusal(
     }
 }
 
+/// Hands `send` the record of an outbox event (the record contract of
+/// `docs/architecture.md#the-kafka-record`): its topic, key, payload, headers and
+/// timestamp, borrowed.
+pub(crate) fn with_event_record<R>(
+    event: &crate::outbox::OutboxEvent,
+    send: impl FnOnce(RecordRef<'_>) -> R,
+) -> R {
+    let headers: Vec<(&str, &[u8])> = event
+        .headers
+        .iter()
+        .map(|(name, value)| (name.as_ref(), value.as_ref()))
+        .collect();
+    send(RecordRef {
+        topic: &event.topic,
+        key: &event.key,
+        payload: &event.payload,
+        headers: &headers,
+        timestamp_ms: event.timestamp_ms,
+    })
+}
+
 /// The delivery opaque of an event: its id as a `usize`.
 // Lossless: the assertion at the top of this file rejects targets where usize is
 // narrower than the u64 an EventId holds.
@@ -685,22 +706,9 @@ impl Publisher {
         id: EventId,
         event: &crate::outbox::OutboxEvent,
     ) -> Result<(), SendRejected> {
-        let headers: Vec<(&str, &[u8])> = event
-            .headers
-            .iter()
-            .map(|(name, value)| (name.as_ref(), value.as_ref()))
-            .collect();
-        self.send_value(
-            id,
-            RecordRef {
-                topic: &event.topic,
-                key: &event.key,
-                payload: &event.payload,
-                headers: &headers,
-                timestamp_ms: event.timestamp_ms,
-            },
-            !event.tombstone,
-        )
+        with_event_record(event, |record| {
+            self.send_value(id, record, !event.tombstone)
+        })
     }
 
     /// Queues one record for `id`; never waits for the broker. `Ok` means exactly one

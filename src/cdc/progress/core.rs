@@ -332,7 +332,10 @@ impl Core {
                         && event.state == (EventState::Producing { attempt })
                     {
                         if attempt == 1 && self.would_overtake_failure(id) {
-                            self.hold_behind_failure(id);
+                            // Waits behind it and retries oldest first, as an
+                            // aborted transaction's queued member does
+                            // (`produce_again`).
+                            self.produce_again(id, false);
                             continue;
                         }
                         if self.transactional() {
@@ -364,21 +367,6 @@ impl Core {
             }
             _ => false,
         }
-    }
-
-    /// Holds `id` behind the failed events of its key, in admission order among the
-    /// events held there already (`Core::admit_keyed` holds the later ones).
-    fn hold_behind_failure(&mut self, id: EventId) {
-        let Some(event) = self.events.get_mut(&id) else {
-            return;
-        };
-        let Some(k) = event.key else {
-            return;
-        };
-        event.state = EventState::Held;
-        let held = self.held.entry(k).or_default();
-        let at = held.iter().position(|&h| h > id).unwrap_or(held.len());
-        held.insert(at, id);
     }
 
     /// A poison insert from the queue, skipping (and keeping) the produces: for while

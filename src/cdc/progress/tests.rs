@@ -370,7 +370,7 @@ fn a_halted_event_stops_the_watermark_and_holds_its_key_only() {
 }
 
 #[test]
-fn a_send_refused_at_once_holds_the_later_events_of_its_key_queued_with_it() {
+fn a_send_refused_at_once_keeps_the_later_events_of_its_key_queued_with_it_waiting() {
     // Two events of one key, their produces queued together: the producer refuses
     // the first at once (a full queue, a topic it knows to be missing), and the
     // second must not go out before the first one's retry.
@@ -394,7 +394,7 @@ fn a_send_refused_at_once_holds_the_later_events_of_its_key_queued_with_it() {
             id: other,
             attempt: 1
         }],
-        "the later event of the refused one's key is held, the other key flows"
+        "the later event of the refused one's key waits, the other key flows"
     );
     core.tick(now + ms(200));
     assert_eq!(
@@ -409,9 +409,9 @@ fn a_send_refused_at_once_holds_the_later_events_of_its_key_queued_with_it() {
         work(&mut core),
         vec![Action::Produce {
             id: second,
-            attempt: 1
+            attempt: 2
         }],
-        "released once the refused event is delivered"
+        "retried once the refused event is delivered, as a waiting event is"
     );
 }
 

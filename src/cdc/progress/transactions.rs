@@ -208,9 +208,10 @@ impl Core {
     }
 
     /// An event of an aborted transaction (`sent`), or one whose produce was queued
-    /// but not handed out: produced (again), or left waiting behind an earlier
-    /// failure of its key.
-    fn produce_again(&mut self, id: EventId, sent: bool) {
+    /// but not handed out (an aborted transaction's member, or a first produce
+    /// queued before an earlier event of its key failed, `Core::next_action`):
+    /// produced (again), or left waiting behind an earlier failure of its key.
+    pub(super) fn produce_again(&mut self, id: EventId, sent: bool) {
         let blocked = self
             .events
             .get(&id)

@@ -402,8 +402,16 @@ impl Relay {
     }
 
     /// Connects, decides where to start (`cdc::start`), heals a lost slot, and starts
-    /// streaming with a core that continues this process's event ids.
+    /// streaming with a core that continues this process's event ids; then lets
+    /// go of the start's connections, whatever came of it.
     async fn start_session(&mut self, first: bool) -> Result<Box<dyn WalStream>> {
+        let started = Box::pin(self.open_session(first)).await;
+        self.opening.database.release();
+        started
+    }
+
+    /// See [`Relay::start_session`].
+    async fn open_session(&mut self, first: bool) -> Result<Box<dyn WalStream>> {
         // The previous session's saver stops before anything is decided: a late save
         // of its would move the position row under this session's plan.
         self.confirmation.end_session();

@@ -180,21 +180,7 @@ impl Producer for SimProducer {
         id: EventId,
         event: &OutboxEvent,
     ) -> std::result::Result<(), SendRejected> {
-        let headers: Vec<(&str, &[u8])> = event
-            .headers
-            .iter()
-            .map(|(name, value)| (name.as_ref(), value.as_ref()))
-            .collect();
-        self.send(
-            id,
-            RecordRef {
-                topic: &event.topic,
-                key: &event.key,
-                payload: &event.payload,
-                headers: &headers,
-                timestamp_ms: event.timestamp_ms,
-            },
-        )
+        crate::kafka::with_event_record(event, |record| self.send(id, record))
     }
 
     fn classify(&self, code: RDKafkaErrorCode) -> Failure {
@@ -398,14 +384,7 @@ async fn commit(
                         message: "simulated: a record of the transaction failed".to_owned(),
                     });
                 }
-                if let Some(t) = world.txns.get_mut(&txn) {
-                    t.status = TxnStatus::Committed;
-                }
-                tracing::debug!(target: "sim", producer, txn, "committed");
-                if let Some(state) = world.producers.get_mut(&producer) {
-                    state.open_txn = None;
-                }
-                world.stats.commits += 1;
+                end(world, producer, txn, TxnStatus::Committed);
                 return Ok(());
             }
         }
@@ -445,15 +424,24 @@ async fn abort(
             )),
         );
     }
+    end(world, producer, txn, TxnStatus::Aborted);
+    Ok(())
+}
+
+/// Ends `producer`'s transaction `txn` as `status`.
+fn end(world: &mut World, producer: u64, txn: u64, status: TxnStatus) {
     if let Some(t) = world.txns.get_mut(&txn) {
-        t.status = TxnStatus::Aborted;
+        t.status = status;
     }
-    tracing::debug!(target: "sim", producer, txn, "aborted");
+    tracing::debug!(target: "sim", producer, txn, ?status, "transaction ended");
     if let Some(state) = world.producers.get_mut(&producer) {
         state.open_txn = None;
     }
-    world.stats.aborts += 1;
-    Ok(())
+    match status {
+        TxnStatus::Committed => world.stats.commits += 1,
+        TxnStatus::Aborted => world.stats.aborts += 1,
+        TxnStatus::Open => {}
+    }
 }
 
 /// Sends the report of `record` to its producer, if it still listens.

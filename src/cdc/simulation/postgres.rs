@@ -252,6 +252,8 @@ impl SessionDatabase for SimDatabase {
         })
     }
 
+    fn release(&mut self) {}
+
     fn wal_end(&mut self) -> Boxed<'_, Result<Lsn>> {
         Box::pin(async move {
             let world = self.shared.lock();

@@ -156,6 +156,11 @@ pub(crate) trait SessionDatabase: Send + Sync {
         options: &'a [(&'a str, &'a str)],
     ) -> Boxed<'a, std::result::Result<Box<dyn WalStream>, ReplicationError>>;
 
+    /// The session's start is over (streaming, or failed): its connections go,
+    /// the stream keeps its own. An advisory lock a failed cutover or heal held is
+    /// released with them, and nothing stays idle while the session streams.
+    fn release(&mut self);
+
     /// The slot server's WAL end now.
     fn wal_end(&mut self) -> Boxed<'_, Result<Lsn>>;
 

@@ -382,6 +382,10 @@ impl SessionDatabase for Postgres {
         })
     }
 
+    fn release(&mut self) {
+        self.link = None;
+    }
+
     fn wal_end(&mut self) -> Boxed<'_, Result<Lsn>> {
         Box::pin(async move {
             let link = self.link()?;
