@@ -21,7 +21,7 @@
 //!   that never pass what it has not sent; a status update moves the slot; a
 //!   checkpoint persists it; it restarts fast (the slot kept) or crashes (the
 //!   slot back at its last checkpoint), refusing connections for a while either
-//!   way; a connection is cut.
+//!   way; a connection is cut, between steps and in the middle of the stream.
 //! - Kafka acks, fails transiently, fails permanently or refuses records of a
 //!   topic that does not exist yet, in order within a producer's partition; a
 //!   transaction commits once its records are in, fails when one of them failed

@@ -360,6 +360,16 @@ impl SimStream {
         if world.rng.percent(2) {
             return Ok(Some(keepalive(world, self.pid, true)));
         }
+        // A connection cut in the middle of the stream, mid-transaction too (a
+        // session lost while it re-reads what a lost session left unresolved).
+        if world.rng.below(1_000) < 3 {
+            if let Some(w) = world.walsenders.get_mut(&self.pid) {
+                w.broken = true;
+            }
+            world.stats.cuts += 1;
+            tracing::debug!(target: "sim", pid = self.pid, "connection cut mid-stream");
+            return Err(ReplicationError::ConnectionClosed);
+        }
         let Some(walsender) = world.walsenders.get_mut(&self.pid) else {
             return Err(ReplicationError::ConnectionClosed);
         };
