@@ -23,7 +23,9 @@
 //!   slot back at its last checkpoint), refusing connections for a while either
 //!   way; a connection is cut, between steps and in the middle of the stream.
 //! - Kafka acks, fails transiently, fails permanently or refuses records of a
-//!   topic that does not exist yet, in order within a producer's partition; a
+//!   topic that does not exist yet, in order within a producer's partition, and
+//!   now and then answers nothing for 1–8 s (an outage longer than a lost
+//!   session's drain); a
 //!   transaction commits once its records are in, fails when one of them failed
 //!   (and now and then on its own), aborts purging what is in flight; a newer
 //!   producer of the `transactional.id` fences the older one and aborts what it
@@ -106,6 +108,8 @@ struct Schedule {
     process: Option<Process>,
     /// When PostgreSQL answers again after a restart or a crash.
     down_until: Option<tokio::time::Instant>,
+    /// When the broker answers again after an outage.
+    broker_down_until: Option<tokio::time::Instant>,
 }
 
 impl Schedule {
@@ -124,6 +128,7 @@ impl Schedule {
             config,
             process: None,
             down_until: None,
+            broker_down_until: None,
         }
     }
 
@@ -294,13 +299,27 @@ impl Schedule {
             self.down_until = None;
             self.shared.lock().up = true;
         }
+        let broker_up = self
+            .broker_down_until
+            .is_none_or(|at| tokio::time::Instant::now() >= at);
+        if broker_up {
+            self.broker_down_until = None;
+        }
         let roll = self.shared.lock().rng.below(1_000);
         match roll {
             0..250 if faults => self.commit(),
-            250..700 => {
+            250..700 if broker_up => {
                 let mut world = self.shared.lock();
                 let n = 1 + world.rng.index(8);
                 kafka::answer(&mut world, n);
+            }
+            745..749 if faults && broker_up => {
+                // A broker outage: nothing is answered for 1–8 s, longer than a
+                // lost session's drain, so events stay unresolved across sessions.
+                let mut world = self.shared.lock();
+                let outage = Duration::from_millis(1_000 + world.rng.below(7_000));
+                tracing::debug!(target: "sim", ?outage, "broker outage");
+                self.broker_down_until = Some(tokio::time::Instant::now() + outage);
             }
             700..720 => {
                 let mut world = self.shared.lock();
@@ -431,6 +450,7 @@ impl Schedule {
 
     /// Stops the faults and lets the relay catch up; fails on a wedge.
     async fn catch_up(&mut self) {
+        self.broker_down_until = None;
         {
             let mut world = self.shared.lock();
             world.topic_missing = false;
