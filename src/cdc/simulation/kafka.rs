@@ -492,8 +492,18 @@ fn resolve(world: &mut World, record: InFlight) {
         return;
     }
     let outbox = matches!(record.payload, Payload::Outbox(_));
+    let refused = match &record.payload {
+        Payload::Outbox(r) => world
+            .wal
+            .get(r.row.tx)
+            .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))
+            .is_some_and(|row| row.refused),
+        Payload::Progress(_) => false,
+    };
     let failure = if outbox && world.topic_missing {
         Some(RDKafkaErrorCode::UnknownTopicOrPartition)
+    } else if refused {
+        Some(RDKafkaErrorCode::PolicyViolation)
     } else {
         match world.rng.below(100) {
             0..8 => Some(RDKafkaErrorCode::RequestTimedOut),

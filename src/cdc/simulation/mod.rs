@@ -16,7 +16,8 @@
 //! # The world (`world.rs`, `postgres.rs`, `kafka.rs`)
 //!
 //! - PostgreSQL commits transactions of 0–30 outbox rows over a few hot keys
-//!   (some rows unmappable: a NULL payload); its walsender sends every
+//!   (some rows unmappable: a NULL payload, some refused by the broker every
+//!   time); its walsender sends every
 //!   transaction committing at or after where a session starts, with keepalives
 //!   that never pass what it has not sent; a status update moves the slot; a
 //!   checkpoint persists it; it restarts fast (the slot kept) or crashes (the
@@ -371,6 +372,7 @@ impl Schedule {
             .map(|_| Row {
                 entity: u32::try_from(world.rng.below(5)).unwrap_or(0),
                 unmappable: world.rng.percent(3),
+                refused: world.rng.percent(2),
             })
             .collect();
         world.commit(rows);
@@ -511,9 +513,9 @@ impl Schedule {
                 if poisoned.contains_key(&row) {
                     outcome.poisoned += 1;
                 }
-                if r.unmappable && times > 0 {
+                if (r.unmappable || r.refused) && times > 0 {
                     self.fail(&format!(
-                        "unmappable event {} was published",
+                        "event {}, unmappable or refused by the broker, was published",
                         row.key_text()
                     ));
                 }

@@ -60,6 +60,9 @@ pub(super) struct Row {
     pub(super) entity: u32,
     /// A NULL payload: the mapper refuses it and the relay poisons it.
     pub(super) unmappable: bool,
+    /// The broker refuses its record every time (a policy violation): the relay
+    /// poisons it after `relay.max_attempts`.
+    pub(super) refused: bool,
 }
 
 /// One committed transaction.
