@@ -25,8 +25,8 @@
 //!   way; a connection is cut, between steps and in the middle of the stream.
 //! - Kafka acks, fails transiently, fails permanently or refuses records of a
 //!   topic that does not exist yet, in order within a producer's partition, and
-//!   now and then answers nothing for 1–8 s (an outage longer than a lost
-//!   session's drain); a
+//!   now and then answers nothing for 1–15 s (an outage longer than a lost
+//!   session's drain and the producer watchdog's 3 s); a
 //!   transaction commits once its records are in, fails when one of them failed
 //!   (and now and then on its own), aborts purging what is in flight; a newer
 //!   producer of the `transactional.id` fences the older one and aborts what it
@@ -120,7 +120,7 @@ impl Schedule {
             Mode::ExactlyOnce => "delivery = \"exactly-once\"\ntransaction_max_events = 16\n",
         };
         let config = crate::config::test_config(&format!(
-            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\n"
+            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n"
         ));
         Schedule {
             seed,
@@ -315,10 +315,10 @@ impl Schedule {
                 kafka::answer(&mut world, n);
             }
             745..749 if faults && broker_up => {
-                // A broker outage: nothing is answered for 1–8 s, longer than a
+                // A broker outage: nothing is answered for 1–15 s, longer than a
                 // lost session's drain, so events stay unresolved across sessions.
                 let mut world = self.shared.lock();
-                let outage = Duration::from_millis(1_000 + world.rng.below(7_000));
+                let outage = Duration::from_millis(1_000 + world.rng.below(14_000));
                 tracing::debug!(target: "sim", ?outage, "broker outage");
                 self.broker_down_until = Some(tokio::time::Instant::now() + outage);
             }
