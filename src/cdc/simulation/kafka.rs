@@ -325,7 +325,7 @@ pub(super) fn settle_gone(world: &mut World) {
             continue;
         }
         let queue = (record.producer, record.partition);
-        if !lost.contains(&queue) && world.rng.percent(50) {
+        if !lost.contains(&queue) && refusal(world, &record).is_none() && world.rng.percent(50) {
             tracing::debug!(target: "sim", producer = record.producer, id = %record.id, "lands unreported");
             land(world, &record);
             world.stats.landed_unreported += 1;
@@ -492,18 +492,8 @@ fn resolve(world: &mut World, record: InFlight) {
         return;
     }
     let outbox = matches!(record.payload, Payload::Outbox(_));
-    let refused = match &record.payload {
-        Payload::Outbox(r) => world
-            .wal
-            .get(r.row.tx)
-            .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))
-            .is_some_and(|row| row.refused),
-        Payload::Progress(_) => false,
-    };
-    let failure = if outbox && world.topic_missing {
-        Some(RDKafkaErrorCode::UnknownTopicOrPartition)
-    } else if refused {
-        Some(RDKafkaErrorCode::PolicyViolation)
+    let failure = if let Some(code) = refusal(world, &record) {
+        Some(code)
     } else {
         match world.rng.below(100) {
             0..8 => Some(RDKafkaErrorCode::RequestTimedOut),
@@ -533,6 +523,23 @@ fn resolve(world: &mut World, record: InFlight) {
             }
         }
     }
+}
+
+/// Why the broker refuses `record` whenever it is sent: its topic does not exist
+/// yet, or the record breaks a policy.
+fn refusal(world: &World, record: &InFlight) -> Option<RDKafkaErrorCode> {
+    let Payload::Outbox(r) = &record.payload else {
+        return None;
+    };
+    if world.topic_missing {
+        return Some(RDKafkaErrorCode::UnknownTopicOrPartition);
+    }
+    let refused = world
+        .wal
+        .get(r.row.tx)
+        .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))
+        .is_some_and(|row| row.refused);
+    refused.then_some(RDKafkaErrorCode::PolicyViolation)
 }
 
 fn record_partition(record: &InFlight) -> i32 {
