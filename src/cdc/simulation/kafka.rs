@@ -430,16 +430,19 @@ async fn abort(
 
 /// Ends `producer`'s transaction `txn` as `status`.
 fn end(world: &mut World, producer: u64, txn: u64, status: TxnStatus) {
-    if let Some(t) = world.txns.get_mut(&txn) {
-        t.status = status;
-    }
     tracing::debug!(target: "sim", producer, txn, ?status, "transaction ended");
     if let Some(state) = world.producers.get_mut(&producer) {
         state.open_txn = None;
     }
     match status {
-        TxnStatus::Committed => world.stats.commits += 1,
-        TxnStatus::Aborted => world.stats.aborts += 1,
+        TxnStatus::Committed => world.committed(txn),
+        TxnStatus::Aborted => {
+            if let Some(t) = world.txns.get_mut(&txn) {
+                t.status = status;
+            }
+            world.txn_rows.remove(&txn);
+            world.stats.aborts += 1;
+        }
         TxnStatus::Open => {}
     }
 }
@@ -553,6 +556,12 @@ fn record_partition(record: &InFlight) -> i32 {
 fn land(world: &mut World, record: &InFlight) -> i64 {
     match &record.payload {
         Payload::Outbox(r) => {
+            match r.txn {
+                None => {
+                    world.resolved.insert(r.row);
+                }
+                Some(txn) => world.txn_rows.entry(txn).or_default().push(r.row),
+            }
             let log = &mut world.partitions[record.partition];
             log.push(r.clone());
             i64::try_from(log.len() - 1).unwrap_or(i64::MAX)

@@ -614,6 +614,7 @@ pub(super) async fn poison_writer(
                     panic!("a poison row without a simulated row's key: {row:?}");
                 };
                 world.poison.push((named, row));
+                world.resolved.insert(named);
                 world.stats.poison_rows += 1;
                 Ok(Parked::Recorded)
             }

@@ -233,6 +233,12 @@ pub(super) struct World {
     /// The outbox topic does not exist yet (records to it fail as configuration
     /// errors, as when a topic is created late).
     pub(super) topic_missing: bool,
+    /// Rows delivered (outside a transaction, or in a committed one) or poisoned,
+    /// kept as they happen so that the checks after every step need not read the
+    /// whole log.
+    pub(super) resolved: std::collections::HashSet<RowId>,
+    /// The rows written in each open Kafka transaction.
+    pub(super) txn_rows: BTreeMap<u64, Vec<RowId>>,
     pub(super) stats: Stats,
 }
 
@@ -259,6 +265,8 @@ impl World {
             txns: BTreeMap::new(),
             next_txn: 1,
             topic_missing: false,
+            resolved: std::collections::HashSet::new(),
+            txn_rows: BTreeMap::new(),
             stats: Stats::default(),
         }
     }
@@ -298,6 +306,17 @@ impl World {
     /// walsender starting there sends first).
     pub(super) fn first_tx_from(&self, lsn: Lsn) -> usize {
         self.wal.partition_point(|t| t.final_lsn < lsn)
+    }
+
+    /// A Kafka transaction committed: its rows are delivered.
+    pub(super) fn committed(&mut self, txn: u64) {
+        if let Some(t) = self.txns.get_mut(&txn) {
+            t.status = TxnStatus::Committed;
+        }
+        for row in self.txn_rows.remove(&txn).unwrap_or_default() {
+            self.resolved.insert(row);
+        }
+        self.stats.commits += 1;
     }
 
     /// Whether the producer `id` may still report.
