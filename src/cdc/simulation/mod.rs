@@ -46,11 +46,12 @@
 //! the read_committed view holds each event not poisoned exactly once and no
 //! poisoned one, in per-key commit order. The duplicates are counted.
 //!
-//! Every schedule is a function of its seed (`OUTBOX_RELAY_WHOLE_SIM_SEED=N`
-//! replays one; `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` runs more). Two things the seed
-//! does not fix: a producer replaced by the relay is dropped on a blocking thread,
-//! and tokio's `select!` branches that are not `biased` start at a random one; both
-//! only move when something happens within a step, not what the world does.
+//! A schedule is meant to be a function of its seed (`OUTBOX_RELAY_WHOLE_SIM_SEED=N`
+//! replays one; `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` runs more): the world draws from
+//! the seed, the shell's reconnect jitter is seeded (`ports::clock::jittered`), a
+//! replaced producer is let go on this thread (`Producer::retire`), and every
+//! `select!` of the shell is `biased`. One seed is known not to replay every time,
+//! which points at an order still taken from a randomly seeded hash map somewhere.
 
 mod kafka;
 mod postgres;

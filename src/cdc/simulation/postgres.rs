@@ -204,6 +204,7 @@ impl SessionDatabase for SimDatabase {
                         .then(|| ((lsn, row.tx_position.unwrap_or(0)), row.clone()))
                 })
                 .collect::<Vec<_>>();
+            tracing::debug!(target: "sim", %start, %wal_end, names = ?rows.iter().map(|(name, r)| (name.0, name.1, r.fields.idempotency_key.clone())).collect::<Vec<_>>(), "recorded poison read");
             RecordedPoison::of_rows(rows, self.config.relay.poison_copy_limit_bytes)
         })
     }
