@@ -631,11 +631,14 @@ fn run_many(mode: Mode, default: u64) {
         Some(seed) => vec![seed],
         None => {
             let n = env("OUTBOX_RELAY_WHOLE_SIM_SCHEDULES").unwrap_or(default);
+            // `OUTBOX_RELAY_WHOLE_SIM_FROM=K`: start at the K-th schedule (to run
+            // the ones before a failing seed in one process).
+            let from = env("OUTBOX_RELAY_WHOLE_SIM_FROM").unwrap_or(0);
             let base = match mode {
                 Mode::AtLeastOnce => 0x5EED_0000,
                 Mode::ExactlyOnce => 0xE05E_0000,
             };
-            (0..n).map(|i| base + i).collect()
+            (from..from + n).map(|i| base + i).collect()
         }
     };
     let mut total = Outcome::default();
