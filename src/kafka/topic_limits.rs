@@ -79,20 +79,6 @@ impl TopicLimits {
     /// that client cannot be made, no topic limit is ever known (the producer's
     /// limit and the retry-alone rule still apply).
     #[must_use]
-    /// Limits that are never asked for (the simulation's broker has none): the
-    /// producer's own limit applies.
-    #[cfg(test)]
-    pub(crate) fn unasked() -> TopicLimits {
-        let (answers_tx, answers) = mpsc::unbounded_channel();
-        TopicLimits {
-            admin: None,
-            known: HashMap::default(),
-            asked: HashMap::default(),
-            answers_tx,
-            answers,
-        }
-    }
-
     pub(crate) fn new(producer: &ClientConfig) -> TopicLimits {
         let admin = match admin_config(producer).create::<AdminClient<DefaultClientContext>>() {
             Ok(admin) => Some(Arc::new(admin)),
@@ -101,6 +87,19 @@ impl TopicLimits {
                 None
             }
         };
+        TopicLimits::asking(admin)
+    }
+
+    /// Limits that are never asked for (the simulation's broker has none): the
+    /// producer's own limit applies.
+    #[cfg(test)]
+    #[must_use]
+    pub(crate) fn unasked() -> TopicLimits {
+        TopicLimits::asking(None)
+    }
+
+    /// Nothing known yet; limits are asked of `admin` (never without one).
+    fn asking(admin: Option<Arc<AdminClient<DefaultClientContext>>>) -> TopicLimits {
         let (answers_tx, answers) = mpsc::unbounded_channel();
         TopicLimits {
             admin,

@@ -100,6 +100,19 @@ fn fenced(id: &str) -> TransactionError {
     }
 }
 
+/// The open transaction of `producer`, which may still make transactional calls
+/// (known and not fenced); `None` when none is open.
+fn open_transaction(
+    world: &World,
+    producer: u64,
+    id: &str,
+) -> std::result::Result<Option<u64>, TransactionError> {
+    match world.producers.get(&producer) {
+        Some(state) if !state.fenced => Ok(state.open_txn),
+        _ => Err(fenced(id)),
+    }
+}
+
 /// FNV-1a: the partition of a key, the same in every run.
 fn partition_of(key: &[u8]) -> usize {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
@@ -240,18 +253,22 @@ impl Producer for SimProducer {
             tokio::time::sleep(Duration::from_millis(2)).await;
             let mut world = self.shared.lock();
             let world = &mut *world;
+            let mut fenced_open = Vec::new();
             for (id, producer) in &mut world.producers {
                 if *id == self.id || !producer.transactional || producer.fenced {
                     continue;
                 }
                 producer.fenced = true;
                 tracing::debug!(target: "sim", fenced = *id, by = self.id, "init_transactions fences");
-                if let Some(txn) = producer.open_txn.take()
-                    && let Some(txn) = world.txns.get_mut(&txn)
-                    && txn.status == TxnStatus::Open
+                fenced_open.extend(producer.open_txn.take());
+            }
+            for txn in fenced_open {
+                if world
+                    .txns
+                    .get(&txn)
+                    .is_some_and(|t| t.status == TxnStatus::Open)
                 {
-                    txn.status = TxnStatus::Aborted;
-                    world.stats.aborts += 1;
+                    world.aborted(txn);
                 }
             }
             Ok(())
@@ -262,19 +279,15 @@ impl Producer for SimProducer {
         let mut world = self.shared.lock();
         let world = &mut *world;
         let txn = world.next_txn;
-        let Some(state) = world.producers.get_mut(&self.id) else {
-            return Err(fenced(id));
-        };
-        if state.fenced {
-            return Err(fenced(id));
-        }
-        if state.open_txn.is_some() {
+        if open_transaction(world, self.id, id)?.is_some() {
             return Err(TransactionError::Fatal {
                 code: RDKafkaErrorCode::State,
                 message: "simulated: a transaction is already open".to_owned(),
             });
         }
-        state.open_txn = Some(txn);
+        if let Some(state) = world.producers.get_mut(&self.id) {
+            state.open_txn = Some(txn);
+        }
         tracing::debug!(target: "sim", producer = self.id, txn, "begin");
         world.next_txn += 1;
         world.txns.insert(
@@ -351,13 +364,8 @@ async fn commit(
         {
             let mut world = shared.lock();
             let world = &mut *world;
-            let Some(state) = world.producers.get(&producer) else {
-                return Err(fenced(&id));
-            };
-            if state.fenced {
-                return Err(fenced(&id));
-            }
-            if state.gone {
+            let open = open_transaction(world, producer, &id)?;
+            if world.reports_to(producer).is_none() {
                 // The process is gone: whether its commit reached the
                 // coordinator is decided where it went (`Schedule::kill`).
                 return Err(TransactionError::Fatal {
@@ -365,7 +373,7 @@ async fn commit(
                     message: "simulated: the producer is gone".to_owned(),
                 });
             }
-            let Some(txn) = state.open_txn else {
+            let Some(txn) = open else {
                 return Err(TransactionError::Fatal {
                     code: RDKafkaErrorCode::State,
                     message: "simulated: no transaction to commit".to_owned(),
@@ -401,13 +409,7 @@ async fn abort(
     tokio::time::sleep(Duration::from_millis(1)).await;
     let mut world = shared.lock();
     let world = &mut *world;
-    let Some(state) = world.producers.get(&producer) else {
-        return Err(fenced(&id));
-    };
-    if state.fenced {
-        return Err(fenced(&id));
-    }
-    let Some(txn) = state.open_txn else {
+    let Some(txn) = open_transaction(world, producer, &id)? else {
         return Ok(());
     };
     let (purged, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut world.in_flight)
@@ -436,13 +438,7 @@ fn end(world: &mut World, producer: u64, txn: u64, status: TxnStatus) {
     }
     match status {
         TxnStatus::Committed => world.committed(txn),
-        TxnStatus::Aborted => {
-            if let Some(t) = world.txns.get_mut(&txn) {
-                t.status = status;
-            }
-            world.txn_rows.remove(&txn);
-            world.stats.aborts += 1;
-        }
+        TxnStatus::Aborted => world.aborted(txn),
         TxnStatus::Open => {}
     }
 }

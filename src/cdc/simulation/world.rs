@@ -319,6 +319,15 @@ impl World {
         self.stats.commits += 1;
     }
 
+    /// A Kafka transaction aborted: its rows are not delivered.
+    pub(super) fn aborted(&mut self, txn: u64) {
+        if let Some(t) = self.txns.get_mut(&txn) {
+            t.status = TxnStatus::Aborted;
+        }
+        self.txn_rows.remove(&txn);
+        self.stats.aborts += 1;
+    }
+
     /// Whether the producer `id` may still report.
     pub(super) fn reports_to(&self, producer: u64) -> Option<&mpsc::Sender<DeliveryReport>> {
         self.producers

@@ -170,8 +170,8 @@ impl Postgres {
                 // A restarted server keeps nothing of its old WAL (a restore
                 // restarts it).
                 let mut fresh_core = server_restarted;
-                let positions = self.positions.clone();
-                let link = self.link()?;
+                let positions = &self.positions;
+                let link = self.link.as_mut().ok_or(Error::RelayNotPlanned)?;
                 if history_changed {
                     tracing::warn!(slot = %slot_name, %history, from = %from, server_wal_end = %wal_end,
                         remembered = ?remembered.map(|r| (r.history, r.confirmed)),
