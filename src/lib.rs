@@ -34,6 +34,7 @@ pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod error;
+pub(crate) mod hashing;
 pub mod inbox;
 pub mod kafka;
 pub mod lifecycle;

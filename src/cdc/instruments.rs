@@ -20,7 +20,9 @@
 //! transactions the core tracks (at most `max_in_flight_events + 1`), and its buffer
 //! is reused.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::hashing::HashMap;
 use std::time::{Instant, SystemTime};
 
 use ::metrics::{Counter, Gauge, Histogram};
@@ -64,7 +66,7 @@ pub(crate) struct Instruments {
     /// `(relayed, poisoned)` counters per topic, looked up once per event. foldhash,
     /// not SipHash (which was 1–2 % of a drain's CPU): the map holds at most
     /// [`MAX_TOPIC_SERIES`] + 1 keys, so colliding names cannot make it slow.
-    per_topic: HashMap<String, (Counter, Counter), foldhash::fast::RandomState>,
+    per_topic: HashMap<String, (Counter, Counter)>,
     /// The confirmed LSN at the last [`Instruments::observe`], to tell an advance.
     last_confirmed: Lsn,
 }

@@ -18,8 +18,8 @@
 //!   with an alert naming the event, until someone fixes the cause (or chooses
 //!   another policy) and restarts the relay, which then tries the event again.
 
+use crate::hashing::{HashMap, HashSet};
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
 
 use crate::cdc::in_flight::InFlight;
 use crate::cdc::metrics as m;
@@ -54,7 +54,7 @@ impl PoisonPolicy {
     pub(crate) fn new(mode: PoisonKeyMode, parked: HashSet<ParkedKey>) -> PoisonPolicy {
         let mut policy = PoisonPolicy {
             mode,
-            parked: HashMap::new(),
+            parked: HashMap::default(),
             count: 0,
         };
         for key in parked {
@@ -174,7 +174,7 @@ pub(crate) async fn parked_keys(
                 .into());
             }
         }
-        return Ok(HashSet::new());
+        return Ok(HashSet::default());
     }
     let table = crate::poison::parked_key_table(&config.outbox);
     if crate::postgres::table_exists(client, &table).await? {
@@ -183,5 +183,5 @@ pub(crate) async fn parked_keys(
     if config.relay.on_poison == PoisonKeyMode::ParkKey {
         return Err(Prerequisite::ParkedKeyTableMissing { table }.into());
     }
-    Ok(HashSet::new())
+    Ok(HashSet::default())
 }

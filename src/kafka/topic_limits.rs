@@ -24,6 +24,8 @@
 //! broker the same way.
 
 use std::collections::HashMap;
+
+use crate::hashing::HashMap as StateMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,11 +59,11 @@ struct Known {
 /// The topics' limits as far as known; see the module doc.
 pub(crate) struct TopicLimits {
     admin: Option<Arc<AdminClient<DefaultClientContext>>>,
-    /// Looked up for every produced record, hence foldhash rather than SipHash. The
-    /// names are the outbox's own topics, written by the application, not by whoever
-    /// could aim collisions at the relay.
-    known: HashMap<String, Known, foldhash::fast::RandomState>,
-    asked: HashMap<String, Instant, foldhash::fast::RandomState>,
+    /// Looked up for every produced record, hence foldhash rather than SipHash
+    /// (`crate::hashing`). The names are the outbox's own topics, written by the
+    /// application, not by whoever could aim collisions at the relay.
+    known: StateMap<String, Known>,
+    asked: StateMap<String, Instant>,
     answers_tx: mpsc::UnboundedSender<(String, Option<usize>)>,
     answers: mpsc::UnboundedReceiver<(String, Option<usize>)>,
 }
@@ -103,8 +105,8 @@ impl TopicLimits {
         let (answers_tx, answers) = mpsc::unbounded_channel();
         TopicLimits {
             admin,
-            known: HashMap::default(),
-            asked: HashMap::default(),
+            known: StateMap::default(),
+            asked: StateMap::default(),
             answers_tx,
             answers,
         }

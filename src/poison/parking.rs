@@ -43,7 +43,9 @@
 //! * A parked event whose insert failed (database unreachable) and that is retried
 //!   after `replay` released its key is produced after the key's released events.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
+
+use crate::hashing::HashSet;
 
 use tokio_postgres::{Client, GenericClient};
 
@@ -225,7 +227,7 @@ where
         tx.execute(&statements.park, &[&topics, &keys]).await?;
     }
     let wanted = keys_of(Parking::Parked);
-    let mut parked: HashSet<ParkedKey> = HashSet::new();
+    let mut parked: HashSet<ParkedKey> = HashSet::default();
     if !wanted.is_empty() {
         let (topics, keys) = columns(&wanted);
         for row in tx

@@ -49,7 +49,7 @@
 //! A poison insert of the killed process that commits after the read is not seen
 //! either, with the same consequence.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 
 use super::table::{PoisonRow, StoredRow, source_table};
 use crate::config::{OutboxConfig, quote_qualified};
@@ -142,7 +142,7 @@ impl RecordedPoison {
         to: Lsn,
     ) -> Result<RecordedPoison, tokio_postgres::Error> {
         let mut recorded = RecordedPoison {
-            rows: HashMap::new(),
+            rows: HashMap::default(),
             copy_limit,
         };
         if to < from {

@@ -23,10 +23,9 @@
 //!   backlog (or by an earlier row of it) is written as parked, never produced, until
 //!   `replay` releases the key.
 
-use std::collections::HashSet;
-
 use crate::config::PoisonKeyMode;
 use crate::delivery::Failure;
+use crate::hashing::HashSet;
 use crate::poison::{ParkedKey, Parking};
 use crate::poller::{BatchRow, Delivery, RowResult};
 
@@ -103,7 +102,7 @@ impl KeyRules {
             mode,
             max_attempts: max_attempts.max(1),
             parked,
-            halted: HashSet::new(),
+            halted: HashSet::default(),
         }
     }
 
@@ -130,7 +129,7 @@ impl KeyRules {
 
     /// The step of each row of `rows` (in commit order) for the next round.
     pub(crate) fn plan<'r>(&self, rows: impl IntoIterator<Item = &'r Unresolved>) -> Vec<Step> {
-        let mut held: HashSet<&ParkedKey> = HashSet::new();
+        let mut held: HashSet<&ParkedKey> = HashSet::default();
         rows.into_iter()
             .map(|r| {
                 let Some(key) = &r.key else {
@@ -270,7 +269,7 @@ mod tests {
 
     #[test]
     fn first_produces_go_out_together() {
-        let rules = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::new());
+        let rules = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::default());
         let rows = vec![
             row("1", Some("a")),
             row("2", Some("a")),
@@ -281,7 +280,7 @@ mod tests {
 
     #[test]
     fn a_failed_row_is_retried_alone_and_its_successors_wait() {
-        let mut rules = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::new());
+        let mut rules = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::default());
         let mut rows = vec![
             row("1", Some("a")),
             row("2", Some("a")),
@@ -302,7 +301,7 @@ mod tests {
 
     #[test]
     fn skip_poisons_the_exhausted_row_and_lets_its_key_go_on() {
-        let mut rules = KeyRules::new(PoisonKeyMode::Skip, 2, HashSet::new());
+        let mut rules = KeyRules::new(PoisonKeyMode::Skip, 2, HashSet::default());
         let mut r = row("1", Some("a"));
         deliver(&mut r, permanent());
         assert_eq!(rules.judge(&mut r), Verdict::Retry);
@@ -316,7 +315,7 @@ mod tests {
 
     #[test]
     fn park_key_parks_every_later_row_of_the_key() {
-        let mut rules = KeyRules::new(PoisonKeyMode::ParkKey, 1, HashSet::new());
+        let mut rules = KeyRules::new(PoisonKeyMode::ParkKey, 1, HashSet::default());
         let mut r = row("1", Some("a"));
         deliver(&mut r, permanent());
         assert_eq!(rules.judge(&mut r), Verdict::Poison(Parking::HoldsKey));
@@ -333,7 +332,7 @@ mod tests {
             PoisonKeyMode::Halt,
             PoisonKeyMode::ParkKey,
         ] {
-            let rules = KeyRules::new(mode, 5, HashSet::from([key("a")]));
+            let rules = KeyRules::new(mode, 5, HashSet::from_iter([key("a")]));
             let rows = vec![row("1", Some("a")), row("2", Some("b"))];
             assert_eq!(
                 rules.plan(&rows),
@@ -345,7 +344,7 @@ mod tests {
 
     #[test]
     fn halt_holds_the_key_and_the_backlog() {
-        let mut rules = KeyRules::new(PoisonKeyMode::Halt, 1, HashSet::new());
+        let mut rules = KeyRules::new(PoisonKeyMode::Halt, 1, HashSet::default());
         let mut r = row("1", Some("a"));
         deliver(&mut r, permanent());
         assert_eq!(rules.judge(&mut r), Verdict::Halt);
@@ -356,17 +355,17 @@ mod tests {
     #[test]
     fn unmappable_rows_are_poisoned_or_halt() {
         let rows = vec![row("1", None)];
-        let skip = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::new());
+        let skip = KeyRules::new(PoisonKeyMode::Skip, 5, HashSet::default());
         assert_eq!(skip.plan(&rows), vec![Step::Poison]);
-        let park = KeyRules::new(PoisonKeyMode::ParkKey, 5, HashSet::new());
+        let park = KeyRules::new(PoisonKeyMode::ParkKey, 5, HashSet::default());
         assert_eq!(park.plan(&rows), vec![Step::Poison]);
-        let halt = KeyRules::new(PoisonKeyMode::Halt, 5, HashSet::new());
+        let halt = KeyRules::new(PoisonKeyMode::Halt, 5, HashSet::default());
         assert_eq!(halt.plan(&rows), vec![Step::Halt]);
     }
 
     #[test]
     fn transient_failures_never_exhaust_a_row() {
-        let mut rules = KeyRules::new(PoisonKeyMode::Halt, 1, HashSet::new());
+        let mut rules = KeyRules::new(PoisonKeyMode::Halt, 1, HashSet::default());
         let mut r = row("1", Some("a"));
         for _ in 0..10 {
             deliver(&mut r, transient());

@@ -17,13 +17,14 @@
 //! entries, however many transactions are read. Actions: at most one live action per
 //! in-flight event, and status updates are coalesced into one.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
 
 use super::config::CoreConfig;
 use super::resend::{Origin, ProgressMark, ResendGuard};
 use super::saving::Saving;
 use crate::delivery::EventId;
+use crate::hashing::HashMap;
 use crate::lsn::Lsn;
 
 /// A standby status update (`'r'`) as the shell must send it.
@@ -235,8 +236,8 @@ impl Core {
             in_flight_bytes: 0,
             retries: BTreeSet::new(),
             actions: VecDeque::new(),
-            blocked_keys: HashMap::new(),
-            held: HashMap::new(),
+            blocked_keys: HashMap::default(),
+            held: HashMap::default(),
             halted: 0,
             resend: ResendGuard::default(),
             saving: Saving::new(confirmed, now),

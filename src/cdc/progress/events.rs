@@ -307,7 +307,7 @@ impl Core {
         if self.halted == 0 {
             return self.events.len();
         }
-        let halted_keys: std::collections::HashSet<u64> = self
+        let halted_keys: crate::hashing::HashSet<u64> = self
             .events
             .values()
             .filter(|e| e.state == EventState::Halted)

@@ -8,7 +8,9 @@
 //! failed events and holds exactly its held events, only the last entry may be open,
 //! and no entry but the open one is left with nothing pending.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::hashing::HashMap;
 
 use super::core::{Core, EventState};
 
@@ -41,7 +43,7 @@ impl Core {
         }
         // Per-key holds: a key is blocked exactly by its failed events, and
         // exactly the held events of blocked keys wait in `held`, in order.
-        let mut failed_per_key: HashMap<u64, u32> = HashMap::new();
+        let mut failed_per_key: HashMap<u64, u32> = HashMap::default();
         for e in self.events.values() {
             if e.failed
                 && let Some(k) = e.key

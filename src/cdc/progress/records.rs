@@ -22,7 +22,7 @@
 //! The simulators keep their records in this same type, so the rule they check is the
 //! one the relay runs.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::time::Instant;
 
 use super::core::Core;
@@ -52,7 +52,7 @@ struct Kept<T> {
 /// The records of the core's in-flight events (see the module documentation).
 #[derive(Debug)]
 pub struct Records<T> {
-    kept: HashMap<EventId, Kept<T>, foldhash::fast::RandomState>,
+    kept: HashMap<EventId, Kept<T>>,
 }
 
 impl<T> Default for Records<T> {

@@ -36,8 +36,9 @@
 //!
 //! [`Core::restart`]: super::Core::restart
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 
+use crate::hashing::{HashMap, HashSet};
 use crate::lsn::Lsn;
 
 /// An event's name that survives a resend: its transaction's commit LSN and its

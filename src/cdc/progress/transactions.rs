@@ -59,7 +59,9 @@
 //! [`Action::CommitTransaction`]: super::Action::CommitTransaction
 //! [`Action::AbortTransaction`]: super::Action::AbortTransaction
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::hashing::HashMap;
 use std::time::Instant;
 
 use super::core::{Action, Core, EventState, Pending, Phase};
@@ -333,7 +335,7 @@ impl Core {
 
     /// The progress record if the open transaction commits: every member resolved.
     fn mark_if_committed(&self) -> ProgressMark {
-        let mut members_per_tx: HashMap<u64, usize> = HashMap::new();
+        let mut members_per_tx: HashMap<u64, usize> = HashMap::default();
         for id in &self.kafka.members {
             if let Some(e) = self.events.get(id)
                 && self.commits_with_transaction(*id)

@@ -250,7 +250,7 @@ pub(crate) async fn run_on_ports(
         &config.relay,
         exactly_once.is_some(),
     );
-    let policy = PoisonPolicy::new(config.relay.on_poison, std::collections::HashSet::new());
+    let policy = PoisonPolicy::new(config.relay.on_poison, crate::hashing::HashSet::default());
     let ports = Ports {
         database: ports.database,
         delivery,

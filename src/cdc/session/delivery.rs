@@ -12,7 +12,7 @@
 //! It owns that state and nothing else: the core, the event records and the
 //! metric handles are passed in by the loop, which decides when each call is made.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::error::RDKafkaErrorCode;
@@ -118,7 +118,7 @@ impl Delivery {
             last_report_at: clock::now(),
             fatal: None,
             alerted: false,
-            blocked_topics: HashMap::new(),
+            blocked_topics: HashMap::default(),
             settings: settings.clone(),
         }
     }

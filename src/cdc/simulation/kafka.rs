@@ -30,6 +30,10 @@ use crate::outbox::OutboxEvent;
 /// Room for every report a schedule can have outstanding.
 const REPORTS: usize = 100_000;
 
+/// The coordinator's `transaction.timeout.ms`, short enough that a transaction
+/// open through an outage or a lost session's drain outlives it.
+const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Makes the simulated producers of one relay process.
 pub(super) struct SimProducers {
     pub(super) shared: Shared,
@@ -171,6 +175,7 @@ impl Producer for SimProducer {
                 row,
                 entity: record.key.to_vec(),
                 txn,
+                read: world.recorded_reads,
             };
             (
                 partition_of(record.entity.as_slice()),
@@ -297,6 +302,7 @@ impl Producer for SimProducer {
                 status: TxnStatus::Open,
                 committing: false,
                 failed: false,
+                began: tokio::time::Instant::now(),
             },
         );
         Ok(())
@@ -381,6 +387,23 @@ async fn commit(
             };
             if let Some(t) = world.txns.get_mut(&txn) {
                 t.committing = true;
+            }
+            // `transaction.timeout.ms` on the coordinator: an old transaction is
+            // aborted there, and the producer learns it as an abortable error.
+            if world
+                .txns
+                .get(&txn)
+                .is_some_and(|t| t.began.elapsed() > TRANSACTION_TIMEOUT)
+            {
+                tracing::debug!(target: "sim", producer, txn, "the coordinator aborted the transaction for its age");
+                world.stats.timeouts += 1;
+                if let Some(t) = world.txns.get_mut(&txn) {
+                    t.failed = true;
+                }
+                return Err(TransactionError::Abortable {
+                    code: RDKafkaErrorCode::InvalidProducerEpoch,
+                    message: "simulated: the transaction timed out on the coordinator".to_owned(),
+                });
             }
             let waiting = world.in_flight.iter().any(|r| r.txn == Some(txn));
             if !waiting {

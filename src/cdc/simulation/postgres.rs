@@ -4,7 +4,6 @@
 //! slot that a status update moves forward and a crash rewinds to its last
 //! checkpoint, the position row, the poison table and its writer.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,6 +19,7 @@ use crate::cdc::start::{self, Remembered, ServerView, SlotView, StartPlan};
 use crate::cdc::wal_identity::{TxNames, Verdict};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::hashing::HashSet;
 use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
 use crate::poison::{
@@ -188,12 +188,13 @@ impl SessionDatabase for SimDatabase {
     }
 
     fn parked_keys(&mut self) -> Boxed<'_, Result<HashSet<ParkedKey>>> {
-        Box::pin(async { Ok(HashSet::new()) })
+        Box::pin(async { Ok(HashSet::default()) })
     }
 
     fn recorded_poison(&mut self, start: Lsn) -> Boxed<'_, RecordedPoison> {
         Box::pin(async move {
-            let world = self.shared.lock();
+            let mut world = self.shared.lock();
+            world.recorded_reads += 1;
             let wal_end = world.wal_end();
             let rows = world
                 .poison
@@ -242,6 +243,10 @@ impl SessionDatabase for SimDatabase {
                 relation_sent: false,
                 broken: false,
                 sent_end: from,
+                cut_after: world
+                    .flaky_until
+                    .is_some_and(|until| tokio::time::Instant::now() < until)
+                    .then(|| 1 + world.rng.below(60)),
             };
             tracing::debug!(target: "sim", pid, %start, %from, next_tx = walsender.next_tx, "start_replication");
             world.walsenders.insert(pid, walsender);
@@ -374,6 +379,17 @@ impl SimStream {
         let Some(walsender) = world.walsenders.get_mut(&self.pid) else {
             return Err(ReplicationError::ConnectionClosed);
         };
+        match &mut walsender.cut_after {
+            Some(0) => {
+                walsender.broken = true;
+                world.stats.cuts += 1;
+                world.stats.flaky_cuts += 1;
+                tracing::debug!(target: "sim", pid = self.pid, "a flaky walsender drops the connection");
+                return Err(ReplicationError::ConnectionClosed);
+            }
+            Some(left) => *left -= 1,
+            None => {}
+        }
         let tx = &world.wal[walsender.next_tx];
         let rows = tx.rows.len();
         let (lsn, message) = if walsender.next_msg == 0 {
@@ -602,21 +618,29 @@ pub(super) async fn poison_writer(
     outcomes: mpsc::Sender<PoisonOutcome>,
 ) {
     while let Some(PoisonRequest { id, row }) = requests.recv().await {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        let named = row.fields.idempotency_key.as_deref().and_then(RowId::parse);
+        let Some(named) = named else {
+            panic!("a poison row without a simulated row's key: {row:?}");
+        };
+        // The insert is on its way to the server until it commits: a kill in
+        // between may leave its backend to commit it later (`Schedule::kill`).
+        let (token, pause) = {
+            let mut world = shared.lock();
+            let token = world.next_poison_token;
+            world.next_poison_token += 1;
+            world.poison_pending.insert(token, (named, row.clone()));
+            (token, Duration::from_millis(1 + world.rng.below(20)))
+        };
+        tokio::time::sleep(pause).await;
         let result = {
             let mut world = shared.lock();
+            world.poison_pending.remove(&token);
             if !world.up || world.rng.percent(3) {
                 Err(PoisonInsertError::Batch(
                     "simulated: the insert failed".to_owned(),
                 ))
             } else {
-                let named = row.fields.idempotency_key.as_deref().and_then(RowId::parse);
-                let Some(named) = named else {
-                    panic!("a poison row without a simulated row's key: {row:?}");
-                };
-                world.poison.push((named, row));
-                world.resolved.insert(named);
-                world.stats.poison_rows += 1;
+                world.poison_committed(named, row, false);
                 Ok(Parked::Recorded)
             }
         };

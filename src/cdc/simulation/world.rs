@@ -101,6 +101,8 @@ pub(super) struct Walsender {
     pub(super) broken: bool,
     /// The end of the last transaction sent (keepalives never pass what is unsent).
     pub(super) sent_end: Lsn,
+    /// Frames left before a flaky walsender drops the connection (`World::flaky_until`).
+    pub(super) cut_after: Option<u64>,
 }
 
 /// One Kafka record in a partition.
@@ -110,6 +112,9 @@ pub(super) struct Record {
     pub(super) entity: Vec<u8>,
     /// The Kafka transaction it was written in.
     pub(super) txn: Option<u64>,
+    /// How many recorded-poison reads had been made when it was sent: the sending
+    /// session's read is the last of them (`World::late_poison`).
+    pub(super) read: u64,
 }
 
 /// One record of the progress topic.
@@ -167,6 +172,9 @@ pub(super) struct Txn {
     pub(super) committing: bool,
     /// One of its records failed: its commit must fail (abortable).
     pub(super) failed: bool,
+    /// When it began: the coordinator aborts it once it is older than
+    /// `kafka::TRANSACTION_TIMEOUT`.
+    pub(super) began: tokio::time::Instant,
 }
 
 /// Counts of what a schedule did, for the report.
@@ -185,6 +193,12 @@ pub(super) struct Stats {
     pub(super) aborts: u64,
     pub(super) poison_rows: u64,
     pub(super) landed_unreported: u64,
+    /// Connections a flaky walsender dropped.
+    pub(super) flaky_cuts: u64,
+    /// Poison rows a killed process's backend committed after the kill.
+    pub(super) late_poison_rows: u64,
+    /// Kafka transactions the coordinator aborted for their age.
+    pub(super) timeouts: u64,
 }
 
 impl Stats {
@@ -203,6 +217,9 @@ impl Stats {
         self.aborts += other.aborts;
         self.poison_rows += other.poison_rows;
         self.landed_unreported += other.landed_unreported;
+        self.flaky_cuts += other.flaky_cuts;
+        self.late_poison_rows += other.late_poison_rows;
+        self.timeouts += other.timeouts;
     }
 }
 
@@ -239,6 +256,22 @@ pub(super) struct World {
     pub(super) resolved: std::collections::HashSet<RowId>,
     /// The rows written in each open Kafka transaction.
     pub(super) txn_rows: BTreeMap<u64, Vec<RowId>>,
+    /// Until then, every new walsender drops its connection after a few frames, as
+    /// one that fails part-way through a large transaction on every reconnect.
+    pub(super) flaky_until: Option<tokio::time::Instant>,
+    /// Recorded-poison reads made so far (one per session start).
+    pub(super) recorded_reads: u64,
+    /// Poison inserts a writer had sent when it was stopped (by token).
+    pub(super) poison_pending: BTreeMap<u64, (RowId, PoisonRow)>,
+    pub(super) next_poison_token: u64,
+    /// Inserts of a killed process's writer that its backend commits after the
+    /// kill, and when.
+    pub(super) late_commits: Vec<(tokio::time::Instant, RowId, PoisonRow)>,
+    /// Events whose first poison row was such a late commit, and how many
+    /// recorded-poison reads had been made by then: a session whose read came
+    /// earlier could not see the row and may publish the event (documented in
+    /// `poison::recorded`: a duplicate, not a broken promise).
+    pub(super) late_poison: BTreeMap<RowId, u64>,
     pub(super) stats: Stats,
 }
 
@@ -267,6 +300,12 @@ impl World {
             topic_missing: false,
             resolved: std::collections::HashSet::new(),
             txn_rows: BTreeMap::new(),
+            flaky_until: None,
+            recorded_reads: 0,
+            poison_pending: BTreeMap::new(),
+            next_poison_token: 0,
+            late_commits: Vec::new(),
+            late_poison: BTreeMap::new(),
             stats: Stats::default(),
         }
     }
@@ -300,6 +339,27 @@ impl World {
             walsender.broken = true;
         }
         self.active = None;
+    }
+
+    /// A poison row commits (`late`: a killed process's insert, after the kill).
+    pub(super) fn poison_committed(&mut self, named: RowId, row: PoisonRow, late: bool) {
+        if late && !self.poison.iter().any(|(r, _)| *r == named) {
+            self.late_poison.insert(named, self.recorded_reads);
+        }
+        if late {
+            self.stats.late_poison_rows += 1;
+        }
+        self.poison.push((named, row));
+        self.resolved.insert(named);
+        self.stats.poison_rows += 1;
+    }
+
+    /// `record` was sent by a session whose recorded-poison read came before its
+    /// event's poison row committed late: it could not know (`late_poison`).
+    pub(super) fn sent_unaware_of_poison(&self, record: &Record) -> bool {
+        self.late_poison
+            .get(&record.row)
+            .is_some_and(|&reads| record.read <= reads)
     }
 
     /// The index of the first transaction committing at or after `lsn` (what a

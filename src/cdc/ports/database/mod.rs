@@ -25,7 +25,6 @@
 
 pub(crate) mod postgres;
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use super::Boxed;
@@ -35,6 +34,7 @@ use crate::cdc::progress::SavePhase;
 use crate::cdc::start::{Remembered, ServerView, StartPlan};
 use crate::cdc::wal_identity::{TxNames, Verdict};
 use crate::error::Result;
+use crate::hashing::HashSet;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 use crate::poison::{ParkedKey, RecordedPoison};

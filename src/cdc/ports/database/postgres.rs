@@ -1,7 +1,6 @@
 //! The real database port: PostgreSQL, the slot's server and, with
 //! `postgres.slot_url`, the primary the writes go to (`ports::database`).
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use tokio_postgres::Client;
@@ -15,6 +14,7 @@ use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartP
 use crate::cdc::wal_identity::{self, TxNames, Verdict};
 use crate::config::{Config, SlotLossMode};
 use crate::error::{Error, Result};
+use crate::hashing::HashSet;
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::poison::{ParkedKey, RecordedPoison};
