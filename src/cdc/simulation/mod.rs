@@ -710,14 +710,20 @@ fn run_schedule(seed: u64, mode: Mode) -> Outcome {
     runtime.block_on(Schedule::new(seed, mode).run())
 }
 
-/// Runs `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` schedules (default `default`), or the
-/// one `OUTBOX_RELAY_WHOLE_SIM_SEED` names.
+/// Runs `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` schedules (default `default`; with
+/// `OUTBOX_RELAY_WHOLE_SIM_SECONDS=S` alone, as many as start within S seconds),
+/// or the one `OUTBOX_RELAY_WHOLE_SIM_SEED` names.
 fn run_many(mode: Mode, default: u64) {
     let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-    let seeds: Vec<u64> = match env("OUTBOX_RELAY_WHOLE_SIM_SEED") {
-        Some(seed) => vec![seed],
+    let budget = env("OUTBOX_RELAY_WHOLE_SIM_SECONDS").map(Duration::from_secs);
+    let (first, count) = match env("OUTBOX_RELAY_WHOLE_SIM_SEED") {
+        Some(seed) => (seed, 1),
         None => {
-            let n = env("OUTBOX_RELAY_WHOLE_SIM_SCHEDULES").unwrap_or(default);
+            let count = env("OUTBOX_RELAY_WHOLE_SIM_SCHEDULES").unwrap_or(if budget.is_some() {
+                u64::from(u32::MAX)
+            } else {
+                default
+            });
             // `OUTBOX_RELAY_WHOLE_SIM_FROM=K`: start at the K-th schedule (to run
             // the ones before a failing seed in one process).
             let from = env("OUTBOX_RELAY_WHOLE_SIM_FROM").unwrap_or(0);
@@ -725,21 +731,26 @@ fn run_many(mode: Mode, default: u64) {
                 Mode::AtLeastOnce => 0x5EED_0000,
                 Mode::ExactlyOnce => 0xE05E_0000,
             };
-            (from..from + n).map(|i| base + i).collect()
+            (base + from, count)
         }
     };
     let mut total = Outcome::default();
     let started = std::time::Instant::now();
-    for seed in &seeds {
-        let outcome = run_schedule(*seed, mode);
+    let mut ran = 0;
+    for seed in first..first + count {
+        if budget.is_some_and(|budget| started.elapsed() >= budget) {
+            break;
+        }
+        ran += 1;
+        let outcome = run_schedule(seed, mode);
         total.events += outcome.events;
         total.poisoned += outcome.poisoned;
         total.duplicates += outcome.duplicates;
         total.stats.add(&outcome.stats);
     }
     eprintln!(
-        "whole-relay simulation, {mode:?}: {} schedules in {:.1} s, 0 violations: {} events, {} poisoned, {} duplicates; {:?}",
-        seeds.len(),
+        "whole-relay simulation, {mode:?}: {ran} schedules (seeds {first}..{}) in {:.1} s, 0 violations: {} events, {} poisoned, {} duplicates; {:?}",
+        first + ran,
         started.elapsed().as_secs_f64(),
         total.events,
         total.poisoned,
