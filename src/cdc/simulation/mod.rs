@@ -126,8 +126,16 @@ impl Schedule {
             Mode::AtLeastOnce => "",
             Mode::ExactlyOnce => "delivery = \"exactly-once\"\ntransaction_max_events = 16\n",
         };
+        // One schedule in three serves two outbox tables through the one slot:
+        // one name per event across them (`Origin`), keys shared by both.
+        let outboxes = if seed % 3 == 2 {
+            "[[outbox]]\ntable = \"public.outbox\"\npoison_table = \"public.poison_outbox\"\n\
+             [[outbox]]\ntable = \"public.outbox_b\"\npoison_table = \"public.poison_b\"\n"
+        } else {
+            ""
+        };
         let config = crate::config::test_config(&format!(
-            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n"
+            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n{outboxes}"
         ));
         Schedule {
             seed,
@@ -424,11 +432,17 @@ impl Schedule {
         } else {
             1 + world.rng.below(4)
         };
+        let tables = if self.config.has_several_outboxes() {
+            2
+        } else {
+            1
+        };
         let rows = (0..n)
             .map(|_| Row {
                 entity: u32::try_from(world.rng.below(5)).unwrap_or(0),
                 unmappable: world.rng.percent(3),
                 refused: world.rng.percent(2),
+                table: u8::try_from(world.rng.below(tables)).unwrap_or(0),
             })
             .collect();
         world.commit(rows);

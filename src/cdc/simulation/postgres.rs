@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::world::{HISTORY, PositionRow, RowId, Shared, Slot, Walsender, World};
+use super::world::{HISTORY, PositionRow, Row, RowId, Shared, Slot, Walsender, World};
 use crate::cdc::metrics::Health;
 use crate::cdc::ports::Boxed;
 use crate::cdc::ports::database::{Opened, PositionWrites, SaveError, SessionDatabase, Start};
@@ -240,7 +240,7 @@ impl SessionDatabase for SimDatabase {
             let walsender = Walsender {
                 next_tx: world.first_tx_from(from),
                 next_msg: 0,
-                relation_sent: false,
+                relations_sent: 0,
                 broken: false,
                 sent_end: from,
                 cut_after: world
@@ -402,11 +402,15 @@ impl SimStream {
                     xid: tx.xid,
                 }),
             )
-        } else if walsender.next_msg <= rows && !walsender.relation_sent {
-            walsender.relation_sent = true;
+        } else if walsender.next_msg <= rows
+            && walsender.relations_sent & (1 << tx.rows[walsender.next_msg - 1].table) == 0
+        {
+            // Before a table's first row in the stream, its Relation.
+            let table = tx.rows[walsender.next_msg - 1].table;
+            walsender.relations_sent |= 1 << table;
             (
                 tx.final_lsn,
-                LogicalReplicationMessage::Relation(relation()),
+                LogicalReplicationMessage::Relation(relation(table)),
             )
         } else if walsender.next_msg <= rows {
             let ordinal = walsender.next_msg - 1;
@@ -415,7 +419,7 @@ impl SimStream {
                 tx: walsender.next_tx,
                 ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             };
-            let insert = insert(row, tx.rows[ordinal].entity, tx.rows[ordinal].unmappable);
+            let insert = insert(row, &tx.rows[ordinal]);
             (tx.final_lsn, LogicalReplicationMessage::Insert(insert))
         } else {
             walsender.next_tx += 1;
@@ -543,8 +547,9 @@ impl Drop for SimStream {
     }
 }
 
-/// The outbox table of `migrations/0001_outbox.sql`.
-fn relation() -> Relation {
+/// The Relation of outbox table `table`: `public.outbox`, or `public.outbox_b`,
+/// both with the columns of `migrations/0001_outbox.sql`.
+fn relation(table: u8) -> Relation {
     let column = |name: &str, type_oid: u32| RelationColumn {
         flags: 0,
         name: name.into(),
@@ -558,9 +563,9 @@ fn relation() -> Relation {
     const INT4: u32 = 23;
     Relation {
         xid: None,
-        id: RELATION_ID,
+        id: RELATION_ID + u32::from(table),
         namespace: "public".into(),
-        name: "outbox".into(),
+        name: if table == 0 { "outbox" } else { "outbox_b" }.into(),
         replica_identity: b'd',
         columns: vec![
             column("id", UUID),
@@ -579,18 +584,19 @@ fn relation() -> Relation {
     }
 }
 
-/// The Insert of outbox row `row` of entity `entity` (a NULL payload when
-/// `unmappable`).
-fn insert(row: RowId, entity: u32, unmappable: bool) -> Insert {
+/// The Insert of outbox row `row`, written as `written` (a NULL payload when
+/// unmappable).
+fn insert(row: RowId, written: &Row) -> Insert {
     let text = |s: String| ColumnValue::Text(Bytes::from(s));
-    let payload = if unmappable {
+    let entity = written.entity;
+    let payload = if written.unmappable {
         ColumnValue::Null
     } else {
         text(format!("{{\"row\":\"{}\"}}", row.key_text()))
     };
     Insert {
         xid: None,
-        relation_id: RELATION_ID,
+        relation_id: RELATION_ID + u32::from(written.table),
         tuple: TupleData {
             columns: vec![
                 text(row.uuid()),

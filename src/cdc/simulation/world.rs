@@ -63,6 +63,8 @@ pub(super) struct Row {
     /// The broker refuses its record every time (a policy violation): the relay
     /// poisons it after `relay.max_attempts`.
     pub(super) refused: bool,
+    /// Its outbox table: 0, or 1 in a schedule with two (`[[outbox]]`).
+    pub(super) table: u8,
 }
 
 /// One committed transaction.
@@ -95,8 +97,8 @@ pub(super) struct Walsender {
     /// The next transaction to send and the next message of it (0: Begin).
     pub(super) next_tx: usize,
     pub(super) next_msg: usize,
-    /// The Relation message went out in this stream.
-    pub(super) relation_sent: bool,
+    /// The Relation messages that went out in this stream (a bit per table).
+    pub(super) relations_sent: u8,
     /// The connection is gone (a cut, a restart, the process killed).
     pub(super) broken: bool,
     /// The end of the last transaction sent (keepalives never pass what is unsent).
