@@ -82,6 +82,9 @@ pub(crate) struct ExactlyOnce {
     begun_at: Option<Instant>,
     /// The start-up transaction that shows the broker can commit succeeded.
     probed: bool,
+    /// `kafka.transaction_timeout_ms`: a fence of a transaction at least this old
+    /// may be the coordinator's own abort, not another relay.
+    timeout: std::time::Duration,
     /// A transactional failure at the start of a session: the producer must be
     /// replaced before the next one (its transaction state is unknown or stuck).
     replace_producer: bool,
@@ -125,6 +128,7 @@ impl ExactlyOnce {
             begun: false,
             begun_at: None,
             probed: false,
+            timeout: std::time::Duration::from_millis(config.kafka.transaction_timeout_ms),
             replace_producer: false,
             call: None,
             outcome: None,
@@ -317,13 +321,33 @@ impl ExactlyOnce {
     }
 
     /// [`probe`] with this session's producer.
+    ///
+    /// A fence of a probe that waited `kafka.transaction_timeout_ms` (a broker
+    /// stall at the start) is the coordinator aborting the probe's transaction on
+    /// its timeout, as `cdc::session` tells a fence in the stream apart: the start
+    /// is retried with a new producer instead of the process exiting as if another
+    /// relay had taken over (the whole-relay simulation found this).
     async fn probe(&mut self, publisher: &dyn Producer) -> Result<()> {
-        probe(publisher, &self.id, &self.topic, &self.slot)
-            .await
-            .map_err(|failed| {
-                self.replace_producer |= failed.producer_unusable;
-                failed.error.into()
-            })
+        let began = clock::now();
+        let Err(failed) = probe(publisher, &self.id, &self.topic, &self.slot).await else {
+            return Ok(());
+        };
+        self.replace_producer |= failed.producer_unusable;
+        let waited = clock::elapsed(began);
+        if !failed.error.is_fenced() || waited < self.timeout {
+            return Err(failed.error.into());
+        }
+        tracing::warn!(error = %failed.error, waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            "the start-up probe's transaction outlived kafka.transaction_timeout_ms and the coordinator fenced it (a broker stall, not another relay): retrying with a new producer");
+        self.replace_producer = true;
+        Err(TransactionError::Abortable {
+            code: rdkafka::error::RDKafkaErrorCode::InvalidProducerEpoch,
+            message: format!(
+                "the coordinator aborted the start-up probe on its timeout ({})",
+                failed.error
+            ),
+        }
+        .into())
     }
 
     async fn init(&mut self, publisher: &dyn Producer) -> Result<()> {

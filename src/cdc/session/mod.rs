@@ -183,6 +183,7 @@ impl Relay {
             };
             let started_at = self.core.confirmed();
             self.telemetry.health.set_streaming(true, clock::now());
+            let walsender = stream.backend_pid();
             let ended = self.stream(stream, &mut shutdown).await;
             self.telemetry.health.set_streaming(false, clock::now());
             let SessionEnd::Lost(reason) = ended? else {
@@ -191,7 +192,7 @@ impl Relay {
             self.telemetry.summary.reconnects += 1;
             self.telemetry.instruments.reconnect();
             tracing::warn!(%reason, confirmed = %self.core.confirmed(), "replication session lost; reconnecting");
-            if self.drain_after_loss(&mut shutdown).await? {
+            if self.drain_after_loss(&mut shutdown, walsender).await? {
                 return Ok(self.telemetry.summary.clone());
             }
             let transaction_unsettled =
@@ -216,8 +217,13 @@ impl Relay {
     /// After a lost session: lets the broker answer for the in-flight events (up to
     /// [`LOSS_DRAIN_TIMEOUT`]), so that completed transactions are confirmed in memory
     /// and not re-sent, then records what the unconfirmed ones had resolved. Returns
-    /// `true` if shutdown came first.
-    async fn drain_after_loss(&mut self, shutdown: &mut Shutdown) -> Result<bool> {
+    /// `true` if shutdown came first. `walsender` was the session's (a fence is told
+    /// apart from a takeover by it).
+    async fn drain_after_loss(
+        &mut self,
+        shutdown: &mut Shutdown,
+        walsender: Option<i32>,
+    ) -> Result<bool> {
         let deadline = tokio::time::Instant::now()
             + if self.transactions.on() {
                 // A commit or an abort may take its own timeout.
@@ -234,7 +240,11 @@ impl Relay {
                 tracing::error!(error = %e, "draining the lost session");
                 break;
             }
-            if let Some(lost) = self.transactions.failure()? {
+            let failure = self
+                .transactions
+                .failure_after_loss(walsender, self.opening.database.as_ref())
+                .await?;
+            if let Some(lost) = failure {
                 tracing::warn!(%lost, "the Kafka transaction could not end; the next producer aborts it");
                 self.delivery.give_up(lost.to_string());
                 break;
@@ -726,7 +736,11 @@ impl Relay {
                 tracing::warn!(%lost, "shutting down: the session ended early; unconfirmed events will be re-sent on the next start");
                 break;
             }
-            if self.transactions.failure()?.is_some() {
+            let failure = self
+                .transactions
+                .failure_in(stream.as_ref(), self.opening.database.as_ref())
+                .await?;
+            if failure.is_some() {
                 tracing::warn!(
                     "the Kafka transaction could not commit; the next start aborts it and sends its events again"
                 );

@@ -166,21 +166,8 @@ impl TransactionDriver {
     }
 
     /// A transactional failure ends the session (the producer is replaced) or,
-    /// fenced or unsupported, the process.
-    ///
-    /// # Errors
-    ///
-    /// A failure that needs the operator.
-    pub(super) fn failure(&mut self) -> Result<Option<Lost>> {
-        self.exactly_once
-            .as_mut()
-            .and_then(ExactlyOnce::take_failure)
-            .map(session_or_process)
-            .transpose()
-    }
-
-    /// [`TransactionDriver::failure`] while `stream` holds the slot (asked of
-    /// `database`). A fence is then told apart from a takeover. The coordinator
+    /// fenced or unsupported, the process; this while `stream` holds the slot (asked
+    /// of `database`). A fence is then told apart from a takeover. The coordinator
     /// fences a producer itself when it aborts its transaction on
     /// `transaction.timeout.ms` (a broker stall, a coordinator that lost the
     /// transaction): the epoch is bumped as for a new producer. It is that, and no
@@ -200,6 +187,32 @@ impl TransactionDriver {
         stream: &dyn WalStream,
         database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
+        self.failure_of(stream.backend_pid(), Held::Now, database)
+            .await
+    }
+
+    /// [`TransactionDriver::failure_in`] once the session whose walsender was
+    /// `last` is lost (its drain): the transaction may then outlive the timeout
+    /// too, and the slot may be free as well as still `last`'s (its walsender not
+    /// gone yet). A slot another backend holds still means a takeover.
+    ///
+    /// # Errors
+    ///
+    /// A failure that needs the operator.
+    pub(super) async fn failure_after_loss(
+        &mut self,
+        last: Option<i32>,
+        database: &dyn SessionDatabase,
+    ) -> Result<Option<Lost>> {
+        self.failure_of(last, Held::Lost, database).await
+    }
+
+    async fn failure_of(
+        &mut self,
+        ours: Option<i32>,
+        held: Held,
+        database: &dyn SessionDatabase,
+    ) -> Result<Option<Lost>> {
         let Some(e) = self
             .exactly_once
             .as_mut()
@@ -207,7 +220,7 @@ impl TransactionDriver {
         else {
             return Ok(None);
         };
-        if e.is_fenced() && self.fenced_by_timeout(&e, stream, database).await {
+        if e.is_fenced() && self.fenced_by_timeout(&e, ours, held, database).await {
             tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
             ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
             return Ok(Some(Lost::CoordinatorAborted(e)));
@@ -217,11 +230,13 @@ impl TransactionDriver {
 
     /// Whether the fence `e` is the coordinator's timeout abort (see
     /// [`TransactionDriver::failure_in`]): the transaction was that old, and the
-    /// slot is this session's. Says why when it is not.
+    /// slot is this session's (`ours`), or, `held` lost, free. Says why when it is
+    /// not.
     async fn fenced_by_timeout(
         &self,
         e: &TransactionError,
-        stream: &dyn WalStream,
+        ours: Option<i32>,
+        held: Held,
         database: &dyn SessionDatabase,
     ) -> bool {
         let age = self
@@ -233,8 +248,9 @@ impl TransactionDriver {
             return false;
         }
         // Boxed: the connection's future is large, and this path is rare.
-        match Box::pin(slot_holder(stream, database)).await {
+        match Box::pin(slot_holder(ours, database)).await {
             SlotHolder::ThisSession => true,
+            SlotHolder::Other(None) if held == Held::Lost => true,
             SlotHolder::Other(pid) => {
                 tracing::error!(error = %e, slot_pid = ?pid, "fenced, and the slot is not this session's: another relay took over");
                 false
@@ -243,10 +259,18 @@ impl TransactionDriver {
     }
 }
 
+/// Whether the session that asks about a fence still streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// Its walsender holds the slot.
+    Now,
+    /// It was lost; its walsender may be gone, leaving the slot free.
+    Lost,
+}
+
 /// Who holds the slot according to the server (any failure to ask answers
 /// "another", the safe side).
-async fn slot_holder(stream: &dyn WalStream, database: &dyn SessionDatabase) -> SlotHolder {
-    let ours = stream.backend_pid();
+async fn slot_holder(ours: Option<i32>, database: &dyn SessionDatabase) -> SlotHolder {
     match database.slot_active_pid().await {
         Some(active) if active.is_some() && active == ours => SlotHolder::ThisSession,
         Some(active) => SlotHolder::Other(active),
