@@ -14,8 +14,11 @@
 //!
 //! The maps of the state the simulation drives are therefore [`HashMap`] and
 //! [`HashSet`] of this module. In the binary they hash with
-//! `foldhash::fast::RandomState`: fast, and keyed at random per map, so that data
-//! (topic names, keys) cannot be chosen to collide. In tests each new map takes
+//! `foldhash::fast::RandomState`: fast, and keyed at random per process and map.
+//! foldhash claims little resistance to collisions chosen on purpose; the keys
+//! here are the application's own (topics, record keys, LSNs), and every map but
+//! the parked keys (the operator's `replay` table) is bounded by the in-flight
+//! window. In tests each new map takes
 //! the next seed of a per-thread sequence that [`seed`] restarts, so a schedule
 //! walks its maps in an order that depends on its seed and nothing else, and two
 //! schedules walk them in different orders.

@@ -30,9 +30,8 @@ use crate::outbox::OutboxEvent;
 /// Room for every report a schedule can have outstanding.
 const REPORTS: usize = 100_000;
 
-/// The coordinator's `transaction.timeout.ms`, short enough that a transaction
-/// open through an outage or a lost session's drain outlives it.
-const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(3);
+/// The producers' `message.max.bytes`: small, so that an oversize row is cheap.
+pub(super) const MAX_MESSAGE_BYTES: usize = 1_000;
 
 /// Makes the simulated producers of one relay process.
 pub(super) struct SimProducers {
@@ -46,7 +45,7 @@ pub(super) struct SimProducers {
 impl Producers for SimProducers {
     fn make(&self) -> Result<Made> {
         let (tx, rx) = mpsc::channel(REPORTS);
-        let id = register(&self.shared, tx, self.transactional);
+        let id = register(&self.shared, tx, self.transactional, false);
         Ok((Box::new(self.producer(id)), rx))
     }
 }
@@ -63,7 +62,12 @@ impl SimProducers {
     }
 }
 
-fn register(shared: &Shared, reports: mpsc::Sender<DeliveryReport>, transactional: bool) -> u64 {
+fn register(
+    shared: &Shared,
+    reports: mpsc::Sender<DeliveryReport>,
+    transactional: bool,
+    alone: bool,
+) -> u64 {
     let mut world = shared.lock();
     let id = world.next_producer;
     world.next_producer += 1;
@@ -75,6 +79,7 @@ fn register(shared: &Shared, reports: mpsc::Sender<DeliveryReport>, transactiona
             fenced: false,
             gone: false,
             open_txn: None,
+            alone,
         },
     );
     id
@@ -137,10 +142,10 @@ impl Producer for SimProducer {
                 "simulated: unknown producer",
             ));
         };
-        if state.fenced {
+        let (fenced, txn) = (state.fenced, state.open_txn);
+        if fenced || (self.transactional && timed_out(world, self.id)) {
             return Err(rejected(RDKafkaErrorCode::Fenced, "simulated: fenced"));
         }
-        let txn = state.open_txn;
         if self.transactional && txn.is_none() {
             return Err(rejected(
                 RDKafkaErrorCode::State,
@@ -206,7 +211,7 @@ impl Producer for SimProducer {
     }
 
     fn max_message_bytes(&self) -> usize {
-        1_000_000
+        MAX_MESSAGE_BYTES
     }
 
     fn compresses(&self) -> bool {
@@ -243,7 +248,7 @@ impl Producer for SimProducer {
                 "simulated: unknown producer".to_owned(),
             ));
         };
-        let id = register(&self.shared, reports, self.transactional);
+        let id = register(&self.shared, reports, self.transactional, true);
         Ok(Box::new(SimProducer {
             shared: self.shared.clone(),
             id,
@@ -388,22 +393,8 @@ async fn commit(
             if let Some(t) = world.txns.get_mut(&txn) {
                 t.committing = true;
             }
-            // `transaction.timeout.ms` on the coordinator: an old transaction is
-            // aborted there, and the producer learns it as an abortable error.
-            if world
-                .txns
-                .get(&txn)
-                .is_some_and(|t| t.began.elapsed() > TRANSACTION_TIMEOUT)
-            {
-                tracing::debug!(target: "sim", producer, txn, "the coordinator aborted the transaction for its age");
-                world.stats.timeouts += 1;
-                if let Some(t) = world.txns.get_mut(&txn) {
-                    t.failed = true;
-                }
-                return Err(TransactionError::Abortable {
-                    code: RDKafkaErrorCode::InvalidProducerEpoch,
-                    message: "simulated: the transaction timed out on the coordinator".to_owned(),
-                });
+            if timed_out(world, producer) {
+                return Err(fenced(&id));
             }
             let waiting = world.in_flight.iter().any(|r| r.txn == Some(txn));
             if !waiting {
@@ -423,6 +414,40 @@ async fn commit(
     }
 }
 
+/// `transaction.timeout.ms` on the coordinator (`World::transaction_timeout`): a
+/// transaction of `producer` open longer is aborted there, and the epoch bumped, so
+/// the producer is fenced. `true` when so.
+fn timed_out(world: &mut World, producer: u64) -> bool {
+    let Some(txn) = world.producers.get(&producer).and_then(|p| p.open_txn) else {
+        return false;
+    };
+    let old = world.txns.get(&txn).is_some_and(|t| {
+        t.status == TxnStatus::Open && t.began.elapsed() > world.transaction_timeout
+    });
+    if !old {
+        return false;
+    }
+    tracing::debug!(target: "sim", producer, txn, "the coordinator aborts the transaction for its age and fences the producer");
+    world.stats.timeouts += 1;
+    purge(world, txn, RDKafkaErrorCode::InvalidProducerEpoch);
+    end(world, producer, txn, TxnStatus::Aborted);
+    if let Some(state) = world.producers.get_mut(&producer) {
+        state.fenced = true;
+    }
+    true
+}
+
+/// Fails the records of `txn` still in flight with `code`.
+fn purge(world: &mut World, txn: u64, code: RDKafkaErrorCode) {
+    let (purged, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut world.in_flight)
+        .into_iter()
+        .partition(|r| r.txn == Some(txn));
+    world.in_flight = kept;
+    for record in purged {
+        report(world, &record, Err((code, format!("simulated: {code:?}"))));
+    }
+}
+
 /// `abort_transaction`: purges what is in flight (reported as purged) and aborts.
 async fn abort(
     shared: Shared,
@@ -435,20 +460,7 @@ async fn abort(
     let Some(txn) = open_transaction(world, producer, &id)? else {
         return Ok(());
     };
-    let (purged, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut world.in_flight)
-        .into_iter()
-        .partition(|r| r.txn == Some(txn));
-    world.in_flight = kept;
-    for record in purged {
-        report(
-            world,
-            &record,
-            Err((
-                RDKafkaErrorCode::PurgeQueue,
-                "simulated: purged by the abort".to_owned(),
-            )),
-        );
-    }
+    purge(world, txn, RDKafkaErrorCode::PurgeQueue);
     end(world, producer, txn, TxnStatus::Aborted);
     Ok(())
 }
@@ -523,6 +535,17 @@ fn resolve(world: &mut World, record: InFlight) {
             _ => None,
         }
     };
+    if world
+        .producers
+        .get(&record.producer)
+        .is_some_and(|p| p.alone)
+        && failure.is_none()
+    {
+        world.stats.alone_acks += 1;
+    }
+    if failure == Some(RDKafkaErrorCode::MessageSizeTooLarge) {
+        world.stats.size_refusals += 1;
+    }
     match failure {
         None => {
             let offset = land(world, &record);
@@ -556,12 +579,24 @@ fn refusal(world: &World, record: &InFlight) -> Option<RDKafkaErrorCode> {
     if world.topic_missing {
         return Some(RDKafkaErrorCode::UnknownTopicOrPartition);
     }
-    let refused = world
+    let row = world
         .wal
         .get(r.row.tx)
-        .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))
-        .is_some_and(|row| row.refused);
-    refused.then_some(RDKafkaErrorCode::PolicyViolation)
+        .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))?;
+    // Its batch is too large when other records of the partition travel with it
+    // (the record resolved is out of `in_flight` already).
+    let alone = world
+        .producers
+        .get(&record.producer)
+        .is_some_and(|p| p.alone);
+    let with_others = world
+        .in_flight
+        .iter()
+        .any(|r| r.producer == record.producer && r.partition == record.partition);
+    if row.big_batch && with_others && !alone {
+        return Some(RDKafkaErrorCode::MessageSizeTooLarge);
+    }
+    row.refused.then_some(RDKafkaErrorCode::PolicyViolation)
 }
 
 fn record_partition(record: &InFlight) -> i32 {

@@ -46,12 +46,14 @@
 //! the read_committed view holds each event not poisoned exactly once and no
 //! poisoned one, in per-key commit order. The duplicates are counted.
 //!
-//! A schedule is meant to be a function of its seed (`OUTBOX_RELAY_WHOLE_SIM_SEED=N`
-//! replays one; `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` runs more): the world draws from
-//! the seed, the shell's reconnect jitter is seeded (`ports::clock::jittered`), a
-//! replaced producer is let go on this thread (`Producer::retire`), and every
-//! `select!` of the shell is `biased`. One seed is known not to replay every time,
-//! which points at an order still taken from a randomly seeded hash map somewhere.
+//! A schedule is a function of its seed (`OUTBOX_RELAY_WHOLE_SIM_SEED=N` replays
+//! one; `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` runs more): the world draws from the
+//! seed, the shell's reconnect jitter is seeded (`ports::clock::jittered`), a
+//! replaced producer is let go on this thread (`Producer::retire`), every
+//! `select!` of the shell is `biased`, and the state's hash maps hash with seeds
+//! the schedule sets (`crate::hashing`; before, their order came from the process
+//! and from the maps earlier schedules had built, and two long-run failures did not
+//! replay alone). `a_schedule_is_a_function_of_its_seed` checks it.
 
 mod kafka;
 mod postgres;
@@ -124,7 +126,11 @@ impl Schedule {
     fn new(seed: u64, mode: Mode) -> Schedule {
         let delivery = match mode {
             Mode::AtLeastOnce => "",
-            Mode::ExactlyOnce => "delivery = \"exactly-once\"\ntransaction_max_events = 16\n",
+            // A transaction timeout short enough that one open through an outage
+            // or a lost session's drain outlives it: the coordinator fences.
+            Mode::ExactlyOnce => {
+                "delivery = \"exactly-once\"\ntransaction_max_events = 16\ntransaction_timeout_ms = 3000\n"
+            }
         };
         // One schedule in three serves two outbox tables through the one slot:
         // one name per event across them (`Origin`), keys shared by both.
@@ -137,10 +143,13 @@ impl Schedule {
         let config = crate::config::test_config(&format!(
             "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n{outboxes}"
         ));
+        let shared = Shared::new(seed);
+        shared.lock().transaction_timeout =
+            Duration::from_millis(config.kafka.transaction_timeout_ms);
         Schedule {
             seed,
             mode,
-            shared: Shared::new(seed),
+            shared,
             config,
             process: None,
             down_until: None,
@@ -287,12 +296,14 @@ impl Schedule {
     fn abandon_poison_inserts(&mut self) {
         let mut world = self.shared.lock();
         let world = &mut *world;
+        let gone = world.recorded_reads;
         for (_, (named, row)) in std::mem::take(&mut world.poison_pending) {
-            if world.rng.percent(50) {
+            // A server that is down has no backend to commit it.
+            if world.up && world.rng.percent(50) {
                 let at =
                     tokio::time::Instant::now() + Duration::from_millis(world.rng.below(2_000));
                 tracing::debug!(target: "sim", row = %named.key_text(), "an abandoned poison insert commits later");
-                world.late_commits.push((at, named, row));
+                world.late_commits.push((at, gone, named, row));
             }
         }
     }
@@ -306,11 +317,11 @@ impl Schedule {
         let now = tokio::time::Instant::now();
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut world.late_commits)
             .into_iter()
-            .partition(|(at, _, _)| *at <= now);
+            .partition(|(at, _, _, _)| *at <= now);
         world.late_commits = later;
-        for (_, named, row) in due {
+        for (_, gone, named, row) in due {
             tracing::debug!(target: "sim", row = %named.key_text(), "a killed process's poison insert commits");
-            world.poison_committed(named, row, true);
+            world.poison_committed(named, row, Some(gone));
         }
     }
 
@@ -327,8 +338,9 @@ impl Schedule {
         }
         world.server_started += 1;
         world.up = false;
-        // Their backends are gone with the server.
+        // Their backends are gone with the server, and so are the inserts under way.
         world.late_commits.clear();
+        world.poison_pending.clear();
         tracing::debug!(target: "sim", crash, slot = ?world.slot, "PostgreSQL restarts");
         if crash {
             world.stats.crashes += 1;
@@ -443,6 +455,8 @@ impl Schedule {
                 unmappable: world.rng.percent(3),
                 refused: world.rng.percent(2),
                 table: u8::try_from(world.rng.below(tables)).unwrap_or(0),
+                oversize: world.rng.percent(1),
+                big_batch: world.rng.percent(2),
             })
             .collect();
         world.commit(rows);
@@ -565,9 +579,9 @@ impl Schedule {
                 if poisoned.contains_key(&row) {
                     outcome.poisoned += 1;
                 }
-                if (r.unmappable || r.refused) && times > 0 {
+                if (r.unmappable || r.refused || r.oversize) && times > 0 {
                     self.fail(&format!(
-                        "event {}, unmappable or refused by the broker, was published",
+                        "event {}, unmappable, refused by the broker or too large, was published",
                         row.key_text()
                     ));
                 }

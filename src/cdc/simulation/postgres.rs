@@ -591,6 +591,12 @@ fn insert(row: RowId, written: &Row) -> Insert {
     let entity = written.entity;
     let payload = if written.unmappable {
         ColumnValue::Null
+    } else if written.oversize {
+        let pad = "x".repeat(super::kafka::MAX_MESSAGE_BYTES);
+        text(format!(
+            "{{\"row\":\"{}\",\"pad\":\"{pad}\"}}",
+            row.key_text()
+        ))
     } else {
         text(format!("{{\"row\":\"{}\"}}", row.key_text()))
     };
@@ -646,7 +652,7 @@ pub(super) async fn poison_writer(
                     "simulated: the insert failed".to_owned(),
                 ))
             } else {
-                world.poison_committed(named, row, false);
+                world.poison_committed(named, row, None);
                 Ok(Parked::Recorded)
             }
         };

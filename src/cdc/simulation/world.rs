@@ -65,6 +65,12 @@ pub(super) struct Row {
     pub(super) refused: bool,
     /// Its outbox table: 0, or 1 in a schedule with two (`[[outbox]]`).
     pub(super) table: u8,
+    /// Larger than the producer's `message.max.bytes`: the relay must poison it
+    /// without sending it.
+    pub(super) oversize: bool,
+    /// The broker refuses the batch it travels in for its size when other records
+    /// of its partition travel with it; alone (or by a producer of its own) it fits.
+    pub(super) big_batch: bool,
 }
 
 /// One committed transaction.
@@ -154,6 +160,8 @@ pub(super) struct ProducerState {
     /// Dropped by the relay or killed with the process: no more reports.
     pub(super) gone: bool,
     pub(super) open_txn: Option<u64>,
+    /// Made to retry a record alone (`Producer::alone`).
+    pub(super) alone: bool,
 }
 
 /// A Kafka transaction.
@@ -175,7 +183,7 @@ pub(super) struct Txn {
     /// One of its records failed: its commit must fail (abortable).
     pub(super) failed: bool,
     /// When it began: the coordinator aborts it once it is older than
-    /// `kafka::TRANSACTION_TIMEOUT`.
+    /// `World::transaction_timeout`.
     pub(super) began: tokio::time::Instant,
 }
 
@@ -195,12 +203,16 @@ pub(super) struct Stats {
     pub(super) aborts: u64,
     pub(super) poison_rows: u64,
     pub(super) landed_unreported: u64,
-    /// Connections a flaky walsender dropped.
+    /// Connections a flaky walsender dropped (counted in `cuts` too).
     pub(super) flaky_cuts: u64,
     /// Poison rows a killed process's backend committed after the kill.
     pub(super) late_poison_rows: u64,
     /// Kafka transactions the coordinator aborted for their age.
     pub(super) timeouts: u64,
+    /// Records refused with their batch for its size, and records acked from a
+    /// producer that retries them alone.
+    pub(super) size_refusals: u64,
+    pub(super) alone_acks: u64,
 }
 
 impl Stats {
@@ -222,6 +234,8 @@ impl Stats {
         self.flaky_cuts += other.flaky_cuts;
         self.late_poison_rows += other.late_poison_rows;
         self.timeouts += other.timeouts;
+        self.size_refusals += other.size_refusals;
+        self.alone_acks += other.alone_acks;
     }
 }
 
@@ -261,19 +275,21 @@ pub(super) struct World {
     /// Until then, every new walsender drops its connection after a few frames, as
     /// one that fails part-way through a large transaction on every reconnect.
     pub(super) flaky_until: Option<tokio::time::Instant>,
+    /// The producers' `transaction.timeout.ms` (`kafka.transaction_timeout_ms`).
+    pub(super) transaction_timeout: std::time::Duration,
     /// Recorded-poison reads made so far (one per session start).
     pub(super) recorded_reads: u64,
     /// Poison inserts a writer had sent when it was stopped (by token).
     pub(super) poison_pending: BTreeMap<u64, (RowId, PoisonRow)>,
     pub(super) next_poison_token: u64,
     /// Inserts of a killed process's writer that its backend commits after the
-    /// kill, and when.
-    pub(super) late_commits: Vec<(tokio::time::Instant, RowId, PoisonRow)>,
-    /// Events whose first poison row was such a late commit, and how many
-    /// recorded-poison reads had been made by then: a session whose read came
-    /// earlier could not see the row and may publish the event (documented in
-    /// `poison::recorded`: a duplicate, not a broken promise).
-    pub(super) late_poison: BTreeMap<RowId, u64>,
+    /// kill: when, the recorded-poison reads made when the process went, the row.
+    pub(super) late_commits: Vec<(tokio::time::Instant, u64, RowId, PoisonRow)>,
+    /// Events whose only poison rows are such late commits: the reads made when
+    /// the poisoning process went, and by the commit. A later process's session
+    /// whose read came before the commit could not see the row and may publish the
+    /// event (documented in `poison::recorded`: a duplicate, not a broken promise).
+    pub(super) late_poison: BTreeMap<RowId, (u64, u64)>,
     pub(super) stats: Stats,
 }
 
@@ -303,6 +319,7 @@ impl World {
             resolved: std::collections::HashSet::new(),
             txn_rows: BTreeMap::new(),
             flaky_until: None,
+            transaction_timeout: std::time::Duration::from_secs(60),
             recorded_reads: 0,
             poison_pending: BTreeMap::new(),
             next_poison_token: 0,
@@ -343,25 +360,33 @@ impl World {
         self.active = None;
     }
 
-    /// A poison row commits (`late`: a killed process's insert, after the kill).
-    pub(super) fn poison_committed(&mut self, named: RowId, row: PoisonRow, late: bool) {
-        if late && !self.poison.iter().any(|(r, _)| *r == named) {
-            self.late_poison.insert(named, self.recorded_reads);
-        }
-        if late {
-            self.stats.late_poison_rows += 1;
+    /// A poison row commits (`late`: the insert of a process gone when the reads
+    /// made were `late`, committed after it went).
+    pub(super) fn poison_committed(&mut self, named: RowId, row: PoisonRow, late: Option<u64>) {
+        match late {
+            Some(gone) => {
+                if !self.poison.iter().any(|(r, _)| *r == named) {
+                    self.late_poison.insert(named, (gone, self.recorded_reads));
+                }
+                self.stats.late_poison_rows += 1;
+            }
+            // A row a live session wrote: nothing is excused any more.
+            None => {
+                self.late_poison.remove(&named);
+            }
         }
         self.poison.push((named, row));
         self.resolved.insert(named);
         self.stats.poison_rows += 1;
     }
 
-    /// `record` was sent by a session whose recorded-poison read came before its
-    /// event's poison row committed late: it could not know (`late_poison`).
+    /// `record` was sent by a session of a later process than the one that
+    /// poisoned its event, whose recorded-poison read came before the poison row
+    /// committed late: it could not know (`late_poison`).
     pub(super) fn sent_unaware_of_poison(&self, record: &Record) -> bool {
         self.late_poison
             .get(&record.row)
-            .is_some_and(|&reads| record.read <= reads)
+            .is_some_and(|&(gone, committed)| gone < record.read && record.read <= committed)
     }
 
     /// The index of the first transaction committing at or after `lsn` (what a
