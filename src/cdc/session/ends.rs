@@ -86,7 +86,9 @@ pub(super) enum Lost {
 pub(super) enum SlotHolder {
     /// This session's walsender.
     ThisSession,
-    /// Another backend (its pid), none, or the server could not say.
+    /// No walsender holds it.
+    Free,
+    /// Another backend (its pid), or the server could not say (`None`).
     Other(Option<i32>),
 }
 

@@ -172,9 +172,12 @@ impl TransactionDriver {
     /// `transaction.timeout.ms` (a broker stall, a coordinator that lost the
     /// transaction): the epoch is bumped as for a new producer. It is that, and no
     /// takeover, when both hold: the transaction had been open for at least the
-    /// timeout, and this session's walsender is still the slot's active one (relays
-    /// initialise the slot's `transactional.id` only once they hold the slot, so no
-    /// other relay can have fenced this one). The producer is then replaced and the
+    /// timeout, and no other walsender holds the slot (this session's does, none
+    /// does, or the server cannot be asked, as while it restarts). Relays initialise
+    /// the slot's `transactional.id` only once they hold the slot, so a relay that
+    /// fenced this one holds it, unless it lost it again; and this relay's next
+    /// producer is initialised only once its next session holds the slot, which
+    /// waits for a holder as any start does (`relay.slot_busy_timeout_secs`). The producer is then replaced and the
     /// events are sent again; anything else, a producer of another process with the
     /// same id included, ends the process (exit 3) as before, so two processes never
     /// fence each other in turn.
@@ -187,14 +190,12 @@ impl TransactionDriver {
         stream: &dyn WalStream,
         database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
-        self.failure_of(stream.backend_pid(), Held::Now, database)
-            .await
+        self.failure_of(stream.backend_pid(), database).await
     }
 
     /// [`TransactionDriver::failure_in`] once the session whose walsender was
-    /// `last` is lost (its drain): the transaction may then outlive the timeout
-    /// too, and the slot may be free as well as still `last`'s (its walsender not
-    /// gone yet). A slot another backend holds still means a takeover.
+    /// `last` is lost (its drain, or a graceful shutdown's): the transaction may
+    /// outlive the timeout then too.
     ///
     /// # Errors
     ///
@@ -204,13 +205,12 @@ impl TransactionDriver {
         last: Option<i32>,
         database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
-        self.failure_of(last, Held::Lost, database).await
+        self.failure_of(last, database).await
     }
 
     async fn failure_of(
         &mut self,
         ours: Option<i32>,
-        held: Held,
         database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
         let Some(e) = self
@@ -220,7 +220,7 @@ impl TransactionDriver {
         else {
             return Ok(None);
         };
-        if e.is_fenced() && self.fenced_by_timeout(&e, ours, held, database).await {
+        if e.is_fenced() && self.fenced_by_timeout(&e, ours, database).await {
             tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
             ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
             return Ok(Some(Lost::CoordinatorAborted(e)));
@@ -229,14 +229,13 @@ impl TransactionDriver {
     }
 
     /// Whether the fence `e` is the coordinator's timeout abort (see
-    /// [`TransactionDriver::failure_in`]): the transaction was that old, and the
-    /// slot is this session's (`ours`), or, `held` lost, free. Says why when it is
-    /// not.
+    /// [`TransactionDriver::failure_in`]): the transaction was that old, and no
+    /// walsender but this session's (`ours`) is known to hold the slot. Says why
+    /// when it is not.
     async fn fenced_by_timeout(
         &self,
         e: &TransactionError,
         ours: Option<i32>,
-        held: Held,
         database: &dyn SessionDatabase,
     ) -> bool {
         let age = self
@@ -249,23 +248,13 @@ impl TransactionDriver {
         }
         // Boxed: the connection's future is large, and this path is rare.
         match Box::pin(slot_holder(ours, database)).await {
-            SlotHolder::ThisSession => true,
-            SlotHolder::Other(None) if held == Held::Lost => true,
-            SlotHolder::Other(pid) => {
-                tracing::error!(error = %e, slot_pid = ?pid, "fenced, and the slot is not this session's: another relay took over");
+            SlotHolder::Other(Some(pid)) => {
+                tracing::error!(error = %e, slot_pid = pid, "fenced, and another walsender holds the slot: another relay took over");
                 false
             }
+            SlotHolder::ThisSession | SlotHolder::Free | SlotHolder::Other(None) => true,
         }
     }
-}
-
-/// Whether the session that asks about a fence still streams.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Held {
-    /// Its walsender holds the slot.
-    Now,
-    /// It was lost; its walsender may be gone, leaving the slot free.
-    Lost,
 }
 
 /// Who holds the slot according to the server (any failure to ask answers
@@ -273,6 +262,7 @@ enum Held {
 async fn slot_holder(ours: Option<i32>, database: &dyn SessionDatabase) -> SlotHolder {
     match database.slot_active_pid().await {
         Some(active) if active.is_some() && active == ours => SlotHolder::ThisSession,
+        Some(None) => SlotHolder::Free,
         Some(active) => SlotHolder::Other(active),
         None => SlotHolder::Other(None),
     }
