@@ -8,9 +8,9 @@
 //! seed. A hash map's iteration order is not: `std`'s `RandomState` takes its keys
 //! from the operating system once per thread and then counts up one per map, and
 //! foldhash's mixes in a per-process seed and a per-thread counter. So where the
-//! relay walks a map (the events it drains, the keys it releases) the order came
-//! from the process and from how many maps earlier schedules had built on the
-//! thread: a failing seed of a long run did not fail when replayed alone.
+//! relay walks a map (the events it drains, the keys it releases) the order would
+//! come from the process and from how many maps earlier schedules had built on the
+//! thread, and a seed would not name one schedule.
 //!
 //! The maps of the state the simulation drives are therefore [`HashMap`] and
 //! [`HashSet`] of this module. In the binary they hash with

@@ -51,9 +51,8 @@
 //! seed, the shell's reconnect jitter is seeded (`ports::clock::jittered`), a
 //! replaced producer is let go on this thread (`Producer::retire`), every
 //! `select!` of the shell is `biased`, and the state's hash maps hash with seeds
-//! the schedule sets (`crate::hashing`; before, their order came from the process
-//! and from the maps earlier schedules had built, and two long-run failures did not
-//! replay alone). `a_schedule_is_a_function_of_its_seed` checks it.
+//! the schedule sets (`crate::hashing`). `a_schedule_is_a_function_of_its_seed`
+//! checks it.
 
 mod kafka;
 mod postgres;
