@@ -21,8 +21,10 @@
 //!   transaction was (librdkafka's in-flight count is zero and the report channel is
 //!   empty): the core's contract. A retriable failure repeats the call; a commit that
 //!   must be aborted is aborted; a fenced producer ends the process (exit 3: another
-//!   relay holds the stream); any other fatal failure ends the session, and the
-//!   replaced producer's `init_transactions` aborts what this one left open.
+//!   relay holds the stream), unless the fence is the coordinator's own abort of a
+//!   transaction older than its timeout (`cdc::session::transaction_driver`); any
+//!   other fatal failure ends the session, and the replaced producer's
+//!   `init_transactions` aborts what this one left open.
 
 use std::time::Instant;
 

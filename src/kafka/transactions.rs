@@ -25,7 +25,9 @@
 //! # Error classes (librdkafka's transactional API)
 //!
 //! * fatal, and `PRODUCER_FENCED` among them: the producer is unusable. Fenced means
-//!   another process holds the stream: this one stops producing at once and exits.
+//!   another process holds the stream (this one stops producing at once and exits),
+//!   or the coordinator aborted a transaction older than `transaction.timeout.ms`
+//!   (the session tells the two apart and replaces the producer).
 //!   Any other fatal error replaces the producer, and the next `init_transactions`
 //!   aborts what it left open.
 //! * abortable (`txn_requires_abort`): the transaction is aborted and its events are

@@ -72,11 +72,11 @@ pub(super) enum Lost {
     /// event's transaction again, instead of the event being resolved unsent.
     #[error(transparent)]
     MissingRecord(#[from] MissingRecord),
-    /// The coordinator fenced the producer while this session held the slot: it
+    /// The coordinator fenced the producer while no other relay held the slot: it
     /// aborted the transaction itself on its timeout (`TransactionDriver::failure_in`).
     #[error(
         "the Kafka transaction coordinator aborted the open transaction on its timeout and \
-         fenced the producer ({0}); this relay still holds the slot: replacing the producer"
+         fenced the producer ({0}); no other relay holds the slot: replacing the producer"
     )]
     CoordinatorAborted(crate::kafka::TransactionError),
 }

@@ -194,8 +194,7 @@ impl TransactionDriver {
     }
 
     /// [`TransactionDriver::failure_in`] once the session whose walsender was
-    /// `last` is lost (its drain, or a graceful shutdown's): the transaction may
-    /// outlive the timeout then too.
+    /// `last` is lost (its drain): the transaction may outlive the timeout then too.
     ///
     /// # Errors
     ///
@@ -257,8 +256,8 @@ impl TransactionDriver {
     }
 }
 
-/// Who holds the slot according to the server (any failure to ask answers
-/// "another", the safe side).
+/// Who holds the slot according to the server (a failure to ask, or a slot that
+/// is gone, answers `Other(None)`: not known to be another relay's).
 async fn slot_holder(ours: Option<i32>, database: &dyn SessionDatabase) -> SlotHolder {
     match database.slot_active_pid().await {
         Some(active) if active.is_some() && active == ours => SlotHolder::ThisSession,
