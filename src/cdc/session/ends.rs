@@ -73,7 +73,7 @@ pub(super) enum Lost {
     #[error(transparent)]
     MissingRecord(#[from] MissingRecord),
     /// The coordinator fenced the producer while no other relay held the slot: it
-    /// aborted the transaction itself on its timeout (`TransactionDriver::failure_in`).
+    /// aborted the transaction itself on its timeout (`TransactionDriver::failure`).
     #[error(
         "the Kafka transaction coordinator aborted the open transaction on its timeout and \
          fenced the producer ({0}); no other relay holds the slot: replacing the producer"
@@ -81,7 +81,7 @@ pub(super) enum Lost {
     CoordinatorAborted(crate::kafka::TransactionError),
 }
 
-/// Who holds the slot, as the server says (`TransactionDriver::failure_in`).
+/// Who holds the slot, as the server says (`TransactionDriver::failure`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum SlotHolder {
     /// This session's walsender.

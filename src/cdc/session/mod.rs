@@ -242,7 +242,7 @@ impl Relay {
             }
             let failure = self
                 .transactions
-                .failure_after_loss(walsender, self.opening.database.as_ref())
+                .failure(walsender, self.opening.database.as_ref())
                 .await?;
             if let Some(lost) = failure {
                 tracing::warn!(%lost, "the Kafka transaction could not end; the next producer aborts it");
@@ -536,7 +536,7 @@ impl Relay {
             }
             if let Some(lost) = self
                 .transactions
-                .failure_in(stream.as_ref(), self.opening.database.as_ref())
+                .failure(stream.backend_pid(), self.opening.database.as_ref())
                 .await?
             {
                 return Ok(SessionEnd::Lost(lost));
@@ -738,7 +738,7 @@ impl Relay {
             }
             let failure = self
                 .transactions
-                .failure_in(stream.as_ref(), self.opening.database.as_ref())
+                .failure(stream.backend_pid(), self.opening.database.as_ref())
                 .await?;
             if failure.is_some() {
                 tracing::warn!(

@@ -19,7 +19,6 @@ use crate::cdc::metrics as m;
 use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
 use crate::cdc::ports::producer::Producer;
-use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::Core;
 use crate::error::Result;
 use crate::kafka::TransactionError;
@@ -32,7 +31,7 @@ pub(super) struct TransactionDriver {
     /// The Kafka transactions; `None` in at-least-once mode.
     exactly_once: Option<ExactlyOnce>,
     /// `kafka.transaction_timeout_ms`: a fence after a transaction this old may be
-    /// the coordinator's own abort ([`TransactionDriver::failure_in`]).
+    /// the coordinator's own abort ([`TransactionDriver::failure`]).
     timeout: Duration,
 }
 
@@ -166,50 +165,29 @@ impl TransactionDriver {
     }
 
     /// A transactional failure ends the session (the producer is replaced) or,
-    /// fenced or unsupported, the process; this while `stream` holds the slot (asked
-    /// of `database`). A fence is then told apart from a takeover. The coordinator
-    /// fences a producer itself when it aborts its transaction on
-    /// `transaction.timeout.ms` (a broker stall, a coordinator that lost the
-    /// transaction): the epoch is bumped as for a new producer. It is that, and no
-    /// takeover, when both hold: the transaction had been open for at least the
-    /// timeout, and no other walsender holds the slot (this session's does, none
-    /// does, or the server cannot be asked, as while it restarts). Relays initialise
-    /// the slot's `transactional.id` only once they hold the slot, so a relay that
-    /// fenced this one holds it, unless it lost it again; and this relay's next
-    /// producer is initialised only once its next session holds the slot, which
-    /// waits for a holder as any start does (`relay.slot_busy_timeout_secs`). The producer is then replaced and the
-    /// events are sent again; anything else, a producer of another process with the
-    /// same id included, ends the process (exit 3) as before, so two processes never
-    /// fence each other in turn.
+    /// fenced or unsupported, the process. `walsender` is the session's (streaming,
+    /// or lost and draining); the slot's holder is asked of `database`, so that a
+    /// fence is told apart from a takeover. The coordinator fences a producer itself
+    /// when it aborts its transaction on `transaction.timeout.ms` (a broker stall, a
+    /// coordinator that lost the transaction): the epoch is bumped as for a new
+    /// producer. It is that, and no takeover, when both hold: the transaction had
+    /// been open for at least the timeout, and no other walsender holds the slot
+    /// (this session's does, none does, or the server cannot be asked, as while it
+    /// restarts). Relays initialise the slot's `transactional.id` only once they hold
+    /// the slot, so a relay that fenced this one holds it, unless it lost it again;
+    /// and this relay's next producer is initialised only once its next session
+    /// holds the slot, which waits for a holder as any start does
+    /// (`relay.slot_busy_timeout_secs`). The producer is then replaced and the events
+    /// are sent again; anything else, a producer of another process with the same id
+    /// included, ends the process (exit 3) as before, so two processes never fence
+    /// each other in turn.
     ///
     /// # Errors
     ///
     /// A failure that needs the operator.
-    pub(super) async fn failure_in(
+    pub(super) async fn failure(
         &mut self,
-        stream: &dyn WalStream,
-        database: &dyn SessionDatabase,
-    ) -> Result<Option<Lost>> {
-        self.failure_of(stream.backend_pid(), database).await
-    }
-
-    /// [`TransactionDriver::failure_in`] once the session whose walsender was
-    /// `last` is lost (its drain): the transaction may outlive the timeout then too.
-    ///
-    /// # Errors
-    ///
-    /// A failure that needs the operator.
-    pub(super) async fn failure_after_loss(
-        &mut self,
-        last: Option<i32>,
-        database: &dyn SessionDatabase,
-    ) -> Result<Option<Lost>> {
-        self.failure_of(last, database).await
-    }
-
-    async fn failure_of(
-        &mut self,
-        ours: Option<i32>,
+        walsender: Option<i32>,
         database: &dyn SessionDatabase,
     ) -> Result<Option<Lost>> {
         let Some(e) = self
@@ -219,7 +197,7 @@ impl TransactionDriver {
         else {
             return Ok(None);
         };
-        if e.is_fenced() && self.fenced_by_timeout(&e, ours, database).await {
+        if e.is_fenced() && self.fenced_by_timeout(&e, walsender, database).await {
             tracing::warn!(error = %e, "the transaction coordinator fenced this producer while this relay holds the slot: it aborted the transaction itself (kafka.transaction_timeout_ms passed, e.g. in a broker stall), no other relay took over");
             ::metrics::counter!(m::KAFKA_TRANSACTIONS, "outcome" => "timed_out").increment(1);
             return Ok(Some(Lost::CoordinatorAborted(e)));
@@ -228,7 +206,7 @@ impl TransactionDriver {
     }
 
     /// Whether the fence `e` is the coordinator's timeout abort (see
-    /// [`TransactionDriver::failure_in`]): the transaction was that old, and no
+    /// [`TransactionDriver::failure`]): the transaction was that old, and no
     /// walsender but this session's (`ours`) is known to hold the slot. Says why
     /// when it is not.
     async fn fenced_by_timeout(
