@@ -85,6 +85,14 @@ pub enum Command {
         #[command(flatten)]
         args: crate::ops::replay::ReplayArgs,
     },
+    /// Send chosen outbox rows again (by id or time range, aggregate, event type or
+    /// topic), with the original idempotency key; only rows the relay has delivered.
+    Republish {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        args: crate::ops::republish::RepublishArgs,
+    },
     /// Delete outbox rows (or drop partitions) the relay has confirmed and that are
     /// older than retention.period; never touches a row not yet confirmed.
     Retention {

@@ -192,6 +192,16 @@ pub enum Error {
     /// `replay`: the producer's delivery-report channel closed with records in flight.
     #[error("the Kafka delivery-report channel closed during replay")]
     ReplayReportsClosed,
+    /// `republish`: another republish holds the advisory lock of the outbox.
+    #[error("another outbox-relay republish is running on {table}; wait for it to finish")]
+    RepublishLocked { table: String },
+    /// `republish`, exactly-once: a window's Kafka transaction failed to commit this
+    /// many times in a row.
+    #[error(
+        "republish: a window's Kafka transaction could not be committed after {attempts} \
+         attempts; the rows reported published before it were committed"
+    )]
+    RepublishGaveUp { attempts: u32 },
     /// `retention --json`: a cycle report could not be serialised.
     #[error("{0}")]
     RetentionReportJson(#[source] serde_json::Error),
@@ -288,6 +298,8 @@ impl Error {
             | Error::MigrationFailed { .. }
             | Error::ReplayLocked { .. }
             | Error::ReplayReportsClosed
+            | Error::RepublishLocked { .. }
+            | Error::RepublishGaveUp { .. }
             | Error::RetentionReportJson(_)
             | Error::StatusQuery { .. } => 1,
         })

@@ -7,7 +7,7 @@ use clap::Parser;
 use outbox_relay::cdc::{self, cutover};
 use outbox_relay::cli::{Cli, Command};
 use outbox_relay::config::{LogConfig, LogFormat};
-use outbox_relay::ops::{audit, check, health, migrate, replay};
+use outbox_relay::ops::{audit, check, health, migrate, replay, republish};
 #[cfg(feature = "tools")]
 use outbox_relay::tools::bench::BenchError;
 #[cfg(feature = "tools")]
@@ -287,6 +287,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             let config = config.load()?;
             init_tracing(&config.log);
             let report = replay::run(&config, &args).await?;
+            println!("{}", report.render(args.json));
+            Ok(report.exit_code())
+        }
+        Command::Republish { config, args } => {
+            let config = config.load()?;
+            init_tracing(&config.log);
+            let report = republish::run(&config, &args).await?;
             println!("{}", report.render(args.json));
             Ok(report.exit_code())
         }

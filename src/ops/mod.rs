@@ -1,5 +1,6 @@
 //! Operator commands beside `run`: [`check`] (is this deploy ready?), [`migrate`] (schema), [`status`] (slot and
-//! backlog), [`replay`] (poisoned events back to Kafka), [`retention`] (deleting
+//! backlog), [`replay`] (poisoned events back to Kafka), [`republish`] (chosen outbox
+//! rows sent again), [`retention`] (deleting
 //! delivered rows), [`audit`] (what reached the topic, compared with the outbox) and
 //! [`health`] (a container's probe of a running relay).
 
@@ -9,5 +10,48 @@ pub mod health;
 pub(crate) mod meter;
 pub mod migrate;
 pub mod replay;
+pub mod republish;
 pub mod retention;
 pub mod status;
+
+use crate::config::{Config, ConfigError, same_table};
+
+/// The config of the one outbox a command works on: the only one, or the one
+/// `--outbox TABLE` names. `what` completes "say which one's …" (e.g. "poison rows
+/// to replay").
+///
+/// # Errors
+///
+/// [`ConfigError::Invalid`] (exit code 2) when several outboxes leave it open or
+/// `--outbox` names none of them.
+pub(crate) fn chosen_outbox(
+    config: &Config,
+    outbox: Option<&str>,
+    what: &str,
+) -> Result<Config, ConfigError> {
+    let tables = || {
+        config
+            .outboxes()
+            .map(|o| o.table.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match outbox {
+        None if config.has_several_outboxes() => Err(ConfigError::Invalid(format!(
+            "the config has several outboxes: say which one's {what} with --outbox TABLE \
+             (one of {})",
+            tables()
+        ))),
+        None => Ok(config.clone()),
+        Some(name) => config
+            .per_outbox()
+            .into_iter()
+            .find(|view| same_table(&view.outbox.table, name))
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "--outbox {name:?} is not an outbox of the config (one of {})",
+                    tables()
+                ))
+            }),
+    }
+}

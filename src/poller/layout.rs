@@ -25,13 +25,40 @@ pub(crate) struct Layout {
     /// SQL type of the id column (`format_type`), for `text[]::type[]` casts.
     pub(super) id_type: String,
     pub(crate) payload_format: PayloadFormat,
+    /// The table has the poller's own columns (`sent_at`, `attempts`,
+    /// `last_error`): always for the poller; a table read only to publish again
+    /// (`republish`, which also reads tables adopted from Debezium) may lack them.
+    pub(crate) poller_columns: bool,
 }
 
 pub(super) const FIELDS: usize = 9;
-pub(super) const ID: usize = 0;
-pub(super) const IDEMPOTENCY_KEY: usize = 1;
+pub(crate) const ID: usize = 0;
+pub(crate) const IDEMPOTENCY_KEY: usize = 1;
+pub(crate) const AGGREGATE_TYPE: usize = 2;
+pub(crate) const AGGREGATE_ID: usize = 3;
+pub(crate) const EVENT_TYPE: usize = 4;
 const PAYLOAD: usize = 7;
-pub(super) const CREATED_AT: usize = 8;
+pub(crate) const CREATED_AT: usize = 8;
+
+/// What the outbox table is read for: the poller and a backlog mark rows, so they
+/// need the poller's columns; reading rows to publish them again does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reading {
+    ToMark,
+    Only,
+}
+
+impl Layout {
+    /// The table's column for field `field` (`ID`, `AGGREGATE_TYPE`, …), when it has one.
+    pub(crate) fn column(&self, field: usize) -> Option<&str> {
+        self.fields.get(field).and_then(|c| c.as_deref())
+    }
+
+    /// SQL type of the id column (`format_type`).
+    pub(crate) fn id_type(&self) -> &str {
+        &self.id_type
+    }
+}
 
 /// Fields without which the poller cannot work (or every row would be poisoned).
 const REQUIRED_FIELDS: [&str; 4] = ["id", "aggregate_id", "payload", "created_at"];
@@ -46,10 +73,20 @@ pub(super) struct TableColumn {
     pub(super) type_name: String,
 }
 
+#[cfg(test)]
 pub(super) fn resolve_layout(
     table: &str,
     outbox: &OutboxConfig,
     columns: &[TableColumn],
+) -> std::result::Result<Layout, Prerequisite> {
+    resolve_layout_for(table, outbox, columns, Reading::ToMark)
+}
+
+fn resolve_layout_for(
+    table: &str,
+    outbox: &OutboxConfig,
+    columns: &[TableColumn],
+    reading: Reading,
 ) -> std::result::Result<Layout, Prerequisite> {
     let find = |name: &str| columns.iter().find(|c| c.name == name);
     let mut missing = Vec::new();
@@ -66,9 +103,12 @@ pub(super) fn resolve_layout(
             None => {}
         }
     }
-    for name in POLLER_COLUMNS {
-        if find(name).is_none() {
-            missing.push(format!("{name:?}"));
+    let poller_columns = POLLER_COLUMNS.iter().all(|name| find(name).is_some());
+    if reading == Reading::ToMark {
+        for name in POLLER_COLUMNS {
+            if find(name).is_none() {
+                missing.push(format!("{name:?}"));
+            }
         }
     }
     for placement in outbox.placements().unwrap_or_default() {
@@ -96,12 +136,22 @@ pub(super) fn resolve_layout(
         fields,
         id_type,
         payload_format,
+        poller_columns,
     })
 }
 
 /// Reads the outbox table's columns; a missing table or column is a prerequisite
 /// error (exit code 3).
 pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Result<Layout> {
+    inspect_tables_for(client, outbox, Reading::ToMark).await
+}
+
+/// [`inspect_tables`], for a reader that may not need the poller's columns.
+pub(crate) async fn inspect_tables_for(
+    client: &Client,
+    outbox: &OutboxConfig,
+    reading: Reading,
+) -> Result<Layout> {
     let table = quote_qualified(&outbox.table);
     let poison = quote_qualified(&outbox.poison_table);
     let exists = client
@@ -154,7 +204,31 @@ pub(crate) async fn inspect_tables(client: &Client, outbox: &OutboxConfig) -> Re
         })
         .collect::<std::result::Result<Vec<_>, tokio_postgres::Error>>()
         .map_err(pg_error)?;
-    Ok(resolve_layout(&outbox.table, outbox, &columns)?)
+    Ok(resolve_layout_for(
+        &outbox.table,
+        outbox,
+        &columns,
+        reading,
+    )?)
+}
+
+/// The layout of the table `migrate` creates (tests of the statements built on it).
+#[cfg(test)]
+pub(crate) fn migrated_layout_for_tests() -> Layout {
+    let layout = resolve_layout(
+        "outbox",
+        &OutboxConfig::default(),
+        &tests::migrated_columns(),
+    );
+    layout.expect("the migrated table has every column")
+}
+
+#[cfg(test)]
+impl Layout {
+    /// As if the table had no column for `field`.
+    pub(crate) fn forget_column_for_tests(&mut self, field: usize) {
+        self.fields[field] = None;
+    }
 }
 
 #[cfg(test)]
@@ -190,6 +264,24 @@ pub(super) mod tests {
             column("attempts", "integer", "int4"),
             column("last_error", "text", "text"),
         ]
+    }
+
+    #[test]
+    fn a_table_read_only_to_publish_again_needs_no_poller_columns() {
+        let columns: Vec<TableColumn> = migrated_columns()
+            .into_iter()
+            .filter(|c| !POLLER_COLUMNS.contains(&c.name.as_str()))
+            .collect();
+        let outbox = OutboxConfig::default();
+        assert!(resolve_layout("outbox", &outbox, &columns).is_err());
+        let layout = resolve_layout_for("outbox", &outbox, &columns, Reading::Only).unwrap();
+        assert!(!layout.poller_columns);
+        assert_eq!(layout.column(AGGREGATE_ID), Some("aggregate_id"));
+        assert!(
+            resolve_layout("outbox", &outbox, &migrated_columns())
+                .unwrap()
+                .poller_columns
+        );
     }
 
     #[test]

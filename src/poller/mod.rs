@@ -82,13 +82,18 @@ mod worker;
 
 pub use args::PollArgs;
 pub use batch::{ATTEMPTS_EXHAUSTED, Poller, PublishedBatch};
-pub(crate) use layout::{Layout, inspect_tables};
+#[cfg(test)]
+pub(crate) use layout::migrated_layout_for_tests;
+pub(crate) use layout::{
+    AGGREGATE_ID, AGGREGATE_TYPE, CREATED_AT as CREATED_AT_FIELD, EVENT_TYPE, ID as ID_FIELD,
+    IDEMPOTENCY_KEY as IDEMPOTENCY_KEY_FIELD, Layout, Reading, inspect_tables, inspect_tables_for,
+};
 pub use marks::BatchOutcome;
 pub(crate) use marks::{mark_unsent_sent, write_marks};
 pub(crate) use pg_error::pg_error;
 pub(crate) use publish::publish_holding;
 pub(crate) use row::{
-    BatchRow, CommitRank, Delivery, Polled, RowResult, read_ranked_row, read_row,
+    BatchRow, CommitRank, Delivery, Polled, RowResult, read_ranked_row, read_row, read_row_before,
 };
-pub(crate) use sql::{Prepared, Sql, session};
+pub(crate) use sql::{Prepared, Sql, commit_order, select_list, session};
 pub use worker::{PollSummary, run};

@@ -127,6 +127,16 @@ pub(crate) fn read_row(row: &Row, payload_format: PayloadFormat) -> Result<(Poll
     read_columns(row, payload_format, row.len())
 }
 
+/// A row of [`crate::poller::select_list`] followed by `trailing` columns of the
+/// caller's own (read by the caller).
+pub(crate) fn read_row_before(
+    row: &Row,
+    payload_format: PayloadFormat,
+    trailing: usize,
+) -> Result<(Polled, OutboxRow)> {
+    read_columns(row, payload_format, row.len().saturating_sub(trailing))
+}
+
 /// A row whose columns before `end` are the poller's select list.
 fn read_columns(
     row: &Row,

@@ -106,32 +106,15 @@ impl Sql {
             "(p.source_table IS NULL OR p.source_table = '{}')",
             crate::poison::source_table(outbox).replace('\'', "''")
         );
-        let col = |field: usize| match &layout.fields[field] {
-            Some(name) => format!("o.{}::text", quote_ident(name)),
-            None => "NULL::text".to_owned(),
-        };
+        let col = |field: usize| field_text(layout, field);
         // Layout guarantees the required columns; the fallback only keeps this total.
         let name = |field: usize| quote_ident(layout.fields[field].as_deref().unwrap_or("id"));
         let (id, created_at) = (name(ID), name(CREATED_AT));
         let id_type = &layout.id_type;
-        let list = (0..FIELDS).map(col).collect::<Vec<_>>().join(", ");
         // `sent_at IS NULL` is the partial index's predicate and (created_at, id) its
         // key, so the scan walks the index in order and stops after the batch.
         let order = format!("ORDER BY o.{created_at}, o.{id} LIMIT $2 FOR UPDATE SKIP LOCKED");
-        // The `outbox.additional_placement` columns follow the bookkeeping ones
-        // (`read_row` takes every column after them as one, in order).
-        let placed: String = outbox
-            .placements()
-            .unwrap_or_default()
-            .iter()
-            // The type's output function, as pgoutput sends it (`::text` differs for
-            // a few types: bool, char(n), inet); format('%s', NULL) would be ''.
-            .map(|p| {
-                let c = quote_ident(&p.column);
-                format!(", CASE WHEN o.{c} IS NULL THEN NULL ELSE format('%s', o.{c}) END")
-            })
-            .collect();
-        let columns = format!("{list}, o.attempts::int4, o.last_error::text{placed}");
+        let columns = select_list(outbox, layout);
         let select = format!("SELECT {columns} FROM {table} o");
         // A backlog's rows end with their rank (`read_ranked_row`).
         let ranked = format!(
@@ -188,6 +171,43 @@ impl Sql {
     }
 }
 
+/// Field `field` of the layout as the select list reads it: the column as text, or
+/// NULL when the table has none.
+fn field_text(layout: &Layout, field: usize) -> String {
+    match &layout.fields[field] {
+        Some(name) => format!("o.{}::text", quote_ident(name)),
+        None => "NULL::text".to_owned(),
+    }
+}
+
+/// The columns `read_row` reads, from table alias `o`: the fields as text, the
+/// poller's `attempts` and `last_error` (0 and NULL for a table without them, read
+/// only to publish again), then the `outbox.additional_placement` columns, which
+/// `read_row` takes in order after the bookkeeping ones.
+pub(crate) fn select_list(outbox: &OutboxConfig, layout: &Layout) -> String {
+    let list = (0..FIELDS)
+        .map(|f| field_text(layout, f))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let placed: String = outbox
+        .placements()
+        .unwrap_or_default()
+        .iter()
+        // The type's output function, as pgoutput sends it (`::text` differs for
+        // a few types: bool, char(n), inet); format('%s', NULL) would be ''.
+        .map(|p| {
+            let c = quote_ident(&p.column);
+            format!(", CASE WHEN o.{c} IS NULL THEN NULL ELSE format('%s', o.{c}) END")
+        })
+        .collect();
+    let bookkeeping = if layout.poller_columns {
+        "o.attempts::int4, o.last_error::text"
+    } else {
+        "0::int4, NULL::text"
+    };
+    format!("{list}, {bookkeeping}{placed}")
+}
+
 /// The `ORDER BY` of a backlog (a cutover's, a resync's): the order the stream would
 /// have read the rows in, as near as a table can tell.
 ///
@@ -205,7 +225,7 @@ impl Sql {
 /// updated). `created_at` does not move when a row is marked, so a backlog read again
 /// (a resync started over) reads in the same order, and it is the rank `audit`
 /// compares rows of one `source_lsn` by.
-fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
+pub(crate) fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
     format!(
         "ORDER BY CASE WHEN current_setting('track_commit_timestamp')::bool \
              THEN pg_xact_commit_timestamp({alias}.xmin) END NULLS FIRST, \
@@ -219,7 +239,7 @@ fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
 /// `created_at` of `±infinity` or beyond `bigint` microseconds is clamped (in the
 /// order SQL sorts it, below NULL) rather than failing the statement: the row is
 /// poisoned by the mapper as before.
-fn commit_rank(alias: &str, created_at: &str) -> String {
+pub(crate) fn commit_rank(alias: &str, created_at: &str) -> String {
     let micros = |ts: &str| {
         format!(
             "CASE WHEN {ts} IS NULL THEN NULL ELSE least(greatest(extract(epoch FROM {ts}) * 1000000, \

@@ -39,6 +39,7 @@ mod progress;
 mod relay;
 mod replay;
 mod replication_connection;
+mod republish;
 mod resync;
 mod retention;
 mod secrets;

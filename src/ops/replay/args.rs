@@ -17,7 +17,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::{Config, ConfigError, same_table};
+use crate::config::{Config, ConfigError};
 
 /// Arguments of `outbox-relay replay` (the config file comes from the CLI wiring).
 #[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
@@ -49,31 +49,7 @@ pub struct ReplayArgs {
 /// [`ConfigError::Invalid`] when several outboxes leave it open or `--outbox` names
 /// none of them.
 pub(super) fn replayed_outbox(config: &Config, args: &ReplayArgs) -> Result<Config, ConfigError> {
-    let tables = || {
-        config
-            .outboxes()
-            .map(|o| o.table.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    match &args.outbox {
-        None if config.has_several_outboxes() => Err(ConfigError::Invalid(format!(
-            "the config has several outboxes: say which one's poison rows to replay with \
-             --outbox TABLE (one of {})",
-            tables()
-        ))),
-        None => Ok(config.clone()),
-        Some(name) => config
-            .per_outbox()
-            .into_iter()
-            .find(|view| same_table(&view.outbox.table, name))
-            .ok_or_else(|| {
-                ConfigError::Invalid(format!(
-                    "--outbox {name:?} is not an outbox of the config (one of {})",
-                    tables()
-                ))
-            }),
-    }
+    crate::ops::chosen_outbox(config, args.outbox.as_deref(), "poison rows to replay")
 }
 
 /// Which rows to replay, checked.
