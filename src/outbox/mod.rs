@@ -47,8 +47,8 @@ pub use crate::config::EnvelopeConfig;
 pub use mapper::OutboxMapper;
 pub use record::{
     HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_IDEMPOTENCY_KEY, HEADER_OCCURRED_AT,
-    HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow, PayloadFormat,
-    PoisonFields, RelationStatus, UnmappableRow, error_kind,
+    HEADER_REPUBLISH, HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow,
+    PayloadFormat, PoisonFields, RelationStatus, UnmappableRow, error_kind,
 };
 pub(crate) use relation::reads_binary;
 pub use topic::{TopicNameError, validate_topic_name};

@@ -63,6 +63,10 @@ pub const HEADER_OCCURRED_AT: &str = "occurred_at";
 /// Header carrying the commit LSN (`X/Y`) of the row's transaction (CDC only).
 pub const HEADER_SOURCE_LSN: &str = "source_lsn";
 
+/// Header marking a record `republish` sent again (value: the run's id); last, after
+/// the row's own headers. Never on a first delivery.
+pub const HEADER_REPUBLISH: &str = "outbox_relay_republish";
+
 /// Header names the relay sets itself; a row's `headers` object may not use them,
 /// because consumers reading the last header of a name would get the row's value.
 pub(super) const RESERVED_HEADERS: [&str; 5] = [

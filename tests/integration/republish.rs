@@ -49,6 +49,10 @@ async fn insert(
     }
 }
 
+/// The relay records what it delivered at each position save, and an idle one
+/// saves at its heartbeats: a short interval keeps the tests' waits short.
+const FAST_HEARTBEAT: [(&str, &str); 1] = [("OUTBOX_RELAY__RELAY__HEARTBEAT_INTERVAL_SECS", "1")];
+
 fn args() -> RepublishArgs {
     RepublishArgs {
         no_progress: true,
@@ -123,13 +127,13 @@ fn assert_same_record(stream: &Record, again: &Record) {
 
 /// Runs `args`, then checks that the run published exactly `expected` (by
 /// idempotency key, in the order given per key), each once and equal to the
-/// stream's record. Returns every record of the topic so far.
+/// stream's record; `on_topic` counts the records of each topic so far.
 async fn republish_expecting(
     db: &TestDb,
     args: &RepublishArgs,
     expected: &[&Row],
-    topics: &[&str],
-    total_before: &mut usize,
+    topic: &str,
+    on_topic: &mut HashMap<String, usize>,
 ) {
     let report = republish::run(&db.config(), args).await.unwrap();
     assert_eq!(
@@ -137,12 +141,11 @@ async fn republish_expecting(
         (expected.len() as u64, 0, 0, 0),
         "{args:?}: {report}"
     );
-    *total_before += expected.len();
-    let mut records = Vec::new();
-    for topic in topics {
-        records.extend(consume(topic, usize::MAX, Duration::from_secs(3)).await);
-    }
-    assert_eq!(records.len(), *total_before, "records on the topics");
+    let total = on_topic.entry(topic.to_owned()).or_default();
+    *total += expected.len();
+    // One more than expected: waits a little for a record that must not be there.
+    let records = consume(topic, *total + 1, Duration::from_secs(2)).await;
+    assert_eq!(records.len(), *total, "records on {topic}");
     let again = of_run(&records, &report);
     let keys: Vec<&str> = again
         .iter()
@@ -162,7 +165,7 @@ async fn republish_expecting(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_selector_republishes_its_rows_as_the_stream_sent_them() {
     let db = TestDb::create("republish_sel").await;
-    let relay = RelayProcess::start(&db.config_path, &[]);
+    let relay = RelayProcess::start(&db.config_path, &FAST_HEARTBEAT);
     db.wait_streaming(&relay).await;
     let mut rows = Vec::new();
     // Two aggregate types, two event types, three entities, and fixed times.
@@ -191,12 +194,12 @@ async fn each_selector_republishes_its_rows_as_the_stream_sent_them() {
         id: own_topic.get(0),
         key: own_topic.get(1),
     };
-    let mut seen = 13;
     let mut records = consume(&db.topic, 12, Duration::from_secs(60)).await;
     records.extend(consume(&invoices, 1, Duration::from_secs(60)).await);
-    assert_eq!(records.len(), seen, "the stream delivered every row");
+    assert_eq!(records.len(), 13, "the stream delivered every row");
     wait_reached(&db).await;
-    let topics = [db.topic.as_str(), invoices.as_str()];
+    let mut on_topic = HashMap::from([(db.topic.clone(), 12), (invoices.clone(), 1)]);
+    let topic = db.topic.as_str();
     let pick = |f: &dyn Fn(usize) -> bool| -> Vec<&Row> {
         rows.iter()
             .enumerate()
@@ -205,48 +208,53 @@ async fn each_selector_republishes_its_rows_as_the_stream_sent_them() {
             .collect()
     };
 
-    // Ids are UUID v7, increasing in insert order.
+    // Ids are UUIDs, compared as PostgreSQL does (bytes: their lowercase text).
+    let mut sorted: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+    sorted.sort_unstable();
+    let (low, high) = (sorted[3], sorted[7]);
     let by_id = RepublishArgs {
-        from_id: Some(rows[3].id.clone()),
-        to_id: Some(rows[7].id.clone()),
+        from_id: Some(low.to_owned()),
+        to_id: Some(high.to_owned()),
         ..args()
     };
-    republish_expecting(
-        &db,
-        &by_id,
-        &pick(&|i| (3..=7).contains(&i)),
-        &topics,
-        &mut seen,
-    )
-    .await;
+    let in_range = pick(&|i| (low..=high).contains(&rows[i].id.as_str()));
+    assert_eq!(in_range.len(), 5);
+    republish_expecting(&db, &by_id, &in_range, topic, &mut on_topic).await;
     let by_time = RepublishArgs {
         since: Some("2026-12-02T00:00:00Z".parse().unwrap()),
         until: Some("2026-12-03T00:00:00Z".parse().unwrap()),
         ..args()
     };
-    republish_expecting(&db, &by_time, &pick(&|i| i / 4 == 1), &topics, &mut seen).await;
+    republish_expecting(&db, &by_time, &pick(&|i| i / 4 == 1), topic, &mut on_topic).await;
     let by_type = RepublishArgs {
         aggregate_type: Some("invoice".into()),
         ..args()
     };
-    republish_expecting(&db, &by_type, &pick(&|i| i % 3 == 2), &topics, &mut seen).await;
+    republish_expecting(&db, &by_type, &pick(&|i| i % 3 == 2), topic, &mut on_topic).await;
     let by_entity = RepublishArgs {
         aggregate_id: Some("o-2".into()),
         ..args()
     };
-    republish_expecting(&db, &by_entity, &pick(&|i| i % 3 == 1), &topics, &mut seen).await;
+    republish_expecting(
+        &db,
+        &by_entity,
+        &pick(&|i| i % 3 == 1),
+        topic,
+        &mut on_topic,
+    )
+    .await;
     let by_event = RepublishArgs {
         event_type: Some("Paid".into()),
         aggregate_type: Some("order".into()),
         ..args()
     };
     let paid_orders = pick(&|i| i % 2 == 1 && i % 3 != 2);
-    republish_expecting(&db, &by_event, &paid_orders, &topics, &mut seen).await;
+    republish_expecting(&db, &by_event, &paid_orders, topic, &mut on_topic).await;
     let by_topic = RepublishArgs {
         topic: Some(invoices.clone()),
         ..args()
     };
-    republish_expecting(&db, &by_topic, &[&routed], &topics, &mut seen).await;
+    republish_expecting(&db, &by_topic, &[&routed], &invoices, &mut on_topic).await;
 
     // A dry run counts and lists, and sends nothing.
     let dry = RepublishArgs {
@@ -258,16 +266,29 @@ async fn each_selector_republishes_its_rows_as_the_stream_sent_them() {
     assert_eq!((report.selected, report.published), (13, 13));
     assert_eq!(report.rows.len(), 2);
     assert!(report.message_outbox, "migrate installs outbox_emit");
-    let after: usize = {
-        let mut n = consume(&db.topic, usize::MAX, Duration::from_secs(3))
-            .await
-            .len();
-        n += consume(&invoices, usize::MAX, Duration::from_secs(3))
-            .await
-            .len();
-        n
-    };
-    assert_eq!(after, seen, "a dry run publishes nothing");
+    for (topic, total) in &on_topic {
+        let after = consume(topic, total + 1, Duration::from_secs(2)).await;
+        assert_eq!(after.len(), *total, "a dry run publishes nothing");
+    }
+    // `audit` leaves republished records out: no duplicates, every row delivered.
+    let audit = outbox_relay::ops::audit::run(
+        &db.config(),
+        &outbox_relay::ops::audit::AuditArgs {
+            no_progress: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (
+            audit.expected,
+            audit.delivered,
+            audit.duplicates,
+            audit.lost
+        ),
+        (13, 13, 0, 0)
+    );
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
@@ -319,7 +340,7 @@ async fn rows_the_relay_has_not_delivered_are_refused_and_a_second_run_waits_its
         .unwrap();
 
     // Once the relay delivered them, they are published again.
-    let relay = RelayProcess::start(&db.config_path, &[]);
+    let relay = RelayProcess::start(&db.config_path, &FAST_HEARTBEAT);
     let records = consume(&db.topic, 6, Duration::from_secs(60)).await;
     assert_eq!(records.len(), 6);
     wait_reached(&db).await;
@@ -353,7 +374,7 @@ async fn rows_the_relay_has_not_delivered_are_refused_and_a_second_run_waits_its
 async fn a_range_across_a_kill_9_of_the_relay_republishes_only_delivered_rows() {
     let _heavy = harness::heavy().await;
     let db = TestDb::create("republish_kill").await;
-    let relay = RelayProcess::start(&db.config_path, &[]);
+    let relay = RelayProcess::start(&db.config_path, &FAST_HEARTBEAT);
     db.wait_streaming(&relay).await;
     // Writers keep going while the relay is killed, restarted and republished beside.
     let writer = {
@@ -399,7 +420,7 @@ async fn a_range_across_a_kill_9_of_the_relay_republishes_only_delivered_rows() 
     assert_per_key_order(&again.into_iter().cloned().collect::<Vec<_>>());
 
     // The relay comes back and a run beside it, while rows are still written.
-    let relay = RelayProcess::start(&db.config_path, &[]);
+    let relay = RelayProcess::start(&db.config_path, &FAST_HEARTBEAT);
     let beside = republish::run(&db.config(), &all()).await.unwrap();
     assert_eq!(beside.failed + beside.held, 0, "{beside}");
     writer.await.unwrap();
@@ -448,6 +469,7 @@ async fn exactly_once_runs_are_read_once_per_run_by_read_committed_readers() {
     let env = [
         ("OUTBOX_RELAY__KAFKA__BROKERS", brokers.as_str()),
         ("OUTBOX_RELAY__KAFKA__DELIVERY", "exactly-once"),
+        FAST_HEARTBEAT[0],
     ];
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .args(["migrate", "--config", db.config_path.to_str().unwrap()])

@@ -39,7 +39,7 @@ use crate::error::Error;
 use crate::kafka::{Isolation, ReaderContext, reader_config};
 use crate::lsn::Lsn;
 use crate::ops::meter::{self, Meter};
-use crate::outbox::{HEADER_IDEMPOTENCY_KEY, HEADER_SOURCE_LSN};
+use crate::outbox::{HEADER_IDEMPOTENCY_KEY, HEADER_REPUBLISH, HEADER_SOURCE_LSN};
 
 /// How long a partition is still read after passing the end offset captured at
 /// start without reaching its end (see `PartitionEnds`).
@@ -92,6 +92,13 @@ fn audit_headers<M: Message>(m: &M) -> (Option<&[u8]>, Option<Lsn>) {
         }
     }
     (key, lsn)
+}
+
+/// Whether `republish` sent the record (an operator's request, not a duplicate of
+/// the relay's: the audit leaves it out and says how many it left out).
+fn republished<M: Message>(m: &M) -> bool {
+    m.headers()
+        .is_some_and(|headers| headers.iter().any(|h| h.key == HEADER_REPUBLISH))
 }
 
 /// Start offset per partition for `created_at >= since`, or `None` when the broker
@@ -254,11 +261,16 @@ pub(super) fn read_topic(
     let mut last_activity = Instant::now();
     let mut last_error: Option<KafkaError> = None;
     let mut read = 0u64;
+    let mut republished_records = 0u64;
     while !ends.is_empty() {
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => {
-                let (idempotency_key, lsn) = audit_headers(&m);
-                ledger.observe(topic, m.partition(), m.key(), idempotency_key, lsn);
+                if republished(&m) {
+                    republished_records += 1;
+                } else {
+                    let (idempotency_key, lsn) = audit_headers(&m);
+                    ledger.observe(topic, m.partition(), m.key(), idempotency_key, lsn);
+                }
                 read += 1;
                 bar.inc(1);
                 last_activity = Instant::now();
@@ -298,6 +310,12 @@ pub(super) fn read_topic(
         }
     }
     bar.finish();
+    if republished_records > 0 {
+        outcome.notes.push(format!(
+            "{republished_records} record(s) of {topic} were sent again by `republish` \
+             (header {HEADER_REPUBLISH}): not counted as deliveries or duplicates"
+        ));
+    }
     ledger.end_topic();
     Ok(outcome)
 }

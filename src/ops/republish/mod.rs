@@ -72,7 +72,7 @@ use read::{Reader, SelectedRow, Statements};
 use send::{KeyOf, Sender};
 
 /// The header that marks a re-published record; its value is the run's id.
-pub const REPUBLISH_HEADER: &str = "outbox_relay_republish";
+pub const REPUBLISH_HEADER: &str = crate::outbox::HEADER_REPUBLISH;
 
 /// Most rows read and in flight per window.
 const WINDOW_ROWS: usize = 1000;
