@@ -199,9 +199,16 @@ pub enum Error {
     /// many times in a row.
     #[error(
         "republish: a window's Kafka transaction could not be committed after {attempts} \
-         attempts; the rows reported published before it were committed"
+         attempts in a row; the rows reported published were committed"
     )]
     RepublishGaveUp { attempts: u32 },
+    /// `republish`: a window's record failed for a reason every later window would
+    /// meet too (a timeout: the broker is down or too slow); the run stops.
+    #[error(
+        "republish: the broker did not take a record ({reason}); stopped, run again when \
+         it is back"
+    )]
+    RepublishStalled { reason: String },
     /// `retention --json`: a cycle report could not be serialised.
     #[error("{0}")]
     RetentionReportJson(#[source] serde_json::Error),
@@ -300,6 +307,7 @@ impl Error {
             | Error::ReplayReportsClosed
             | Error::RepublishLocked { .. }
             | Error::RepublishGaveUp { .. }
+            | Error::RepublishStalled { .. }
             | Error::RetentionReportJson(_)
             | Error::StatusQuery { .. } => 1,
         })

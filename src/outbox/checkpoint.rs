@@ -131,12 +131,14 @@ fn table(cfg: &Config) -> Result<String> {
 
 /// SQL condition: the row aliased `alias` was inserted by a transaction that precedes
 /// the checkpoint whose 64-bit `snapshot_xmin` is parameter `$n` (a bigint; NULL
-/// makes the condition NULL, i.e. false). See the module doc.
+/// makes the condition NULL, i.e. false). See the module doc. A checkpoint *ahead*
+/// of the horizon cannot be this cluster's (a logical copy of the tables carried it
+/// over): nothing precedes it.
 #[must_use]
 pub fn precedes_sql(alias: &str, param: usize) -> String {
     format!(
         "(({HORIZON} - {alias}.xmin::text::bigint) % {XID_MODULUS} + {XID_MODULUS}) % {XID_MODULUS} \
-         > {HORIZON} - ${param} AND {HORIZON} - ${param} < {MAX_CHECKPOINT_AGE}"
+         > {HORIZON} - ${param} AND {HORIZON} - ${param} BETWEEN 0 AND {MAX_CHECKPOINT_AGE} - 1"
     )
 }
 
@@ -146,7 +148,7 @@ pub fn precedes_sql(alias: &str, param: usize) -> String {
 pub fn precedes(row_xmin: u32, horizon: i64, checkpoint_xmin: i64) -> bool {
     let row_age = (horizon - i64::from(row_xmin)).rem_euclid(XID_MODULUS);
     let checkpoint_age = horizon - checkpoint_xmin;
-    row_age > checkpoint_age && checkpoint_age < MAX_CHECKPOINT_AGE
+    row_age > checkpoint_age && (0..MAX_CHECKPOINT_AGE).contains(&checkpoint_age)
 }
 
 /// Takes a checkpoint for the configured slot, unless `MAX_PENDING` (64) checkpoints
@@ -420,6 +422,19 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_ahead_of_the_horizon_is_another_clusters_and_covers_nothing() {
+        // A logical copy of the tables carried a position from a cluster whose xids
+        // ran ahead of this one's.
+        let horizon = 2_000;
+        let ckpt = 9_000_000;
+        for xmin in [3u32, 1_000, 1_999] {
+            assert!(!precedes(xmin, horizon, ckpt));
+        }
+        assert!(precedes(1_000, horizon, horizon));
+        assert!(!precedes(1_000, horizon, horizon + 1));
+    }
+
+    #[test]
     fn very_old_rows_are_never_taken_for_young_ones_the_other_way_round() {
         let ckpt = 10 * EPOCH;
         let horizon = ckpt + 1000;
@@ -448,7 +463,7 @@ mod tests {
             "{sql}"
         );
         assert!(sql.contains("o.xmin::text::bigint"), "{sql}");
-        assert!(sql.contains("- $3 < 2147483648"), "{sql}");
+        assert!(sql.contains("- $3 BETWEEN 0 AND 2147483648 - 1"), "{sql}");
         assert!(sql.contains("% 4294967296"), "{sql}");
     }
 

@@ -19,7 +19,7 @@ use std::string::FromUtf8Error;
 
 use bytes::Bytes;
 
-use super::record::{HeaderName, RESERVED_HEADERS};
+use super::record::{HEADER_REPUBLISH, HeaderName, RESERVED_HEADERS, is_reserved_header};
 
 /// Why the `headers` column cannot become Kafka headers.
 #[derive(Debug, thiserror::Error)]
@@ -35,8 +35,9 @@ pub(super) enum HeadersError {
     KeyNotUtf8(#[source] FromUtf8Error),
     /// A key the relay sets itself.
     #[error(
-        "key {0:?} is a header the relay sets itself (reserved: {reserved})",
-        reserved = RESERVED_HEADERS.join(", ")
+        "key {0:?} is a header the relay sets itself (reserved: {reserved}, {republish})",
+        reserved = RESERVED_HEADERS.join(", "),
+        republish = HEADER_REPUBLISH
     )]
     Reserved(String),
     /// No `:` after a key.
@@ -99,7 +100,7 @@ pub(super) fn parse_header_object(
         let (key_end, key_escaped) = scan_string(b, i)?;
         let name = json_string_value(text, i, key_end, key_escaped)?;
         let name = String::from_utf8(name.to_vec()).map_err(HeadersError::KeyNotUtf8)?;
-        if RESERVED_HEADERS.contains(&name.as_str()) {
+        if is_reserved_header(&name) {
             return Err(HeadersError::Reserved(name));
         }
         i = skip_ws(b, key_end);
@@ -209,6 +210,21 @@ fn skip_value(b: &[u8], start: usize) -> Result<(usize, usize), HeadersError> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_relays_own_header_names_are_refused_the_republish_mark_too() {
+        for name in RESERVED_HEADERS.iter().chain([&HEADER_REPUBLISH]) {
+            let text = Bytes::from(format!(r#"{{"{name}": "x"}}"#));
+            let err = parse_header_object(&text, &mut Vec::new()).unwrap_err();
+            assert!(
+                matches!(err, HeadersError::Reserved(ref n) if n == name),
+                "{err}"
+            );
+        }
+        let mut out = Vec::new();
+        parse_header_object(&Bytes::from_static(br#"{"republish": "x"}"#), &mut out).unwrap();
+        assert_eq!(out.len(), 1);
+    }
 
     #[test]
     fn unescaped_header_strings_are_slices() {

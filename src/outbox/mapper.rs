@@ -37,7 +37,7 @@ use super::record::{
     EventSource, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_IDEMPOTENCY_KEY,
     HEADER_OCCURRED_AT, HEADER_SOURCE_LSN, HeaderName, MapError, Mapped, OutboxEvent, OutboxRow,
     PayloadFormat, PoisonFields, RESERVED_HEADERS, Reject, RelationStatus, UnmappableRow,
-    error_kind, lossy, payload_text, poison_timestamp, put_lsn,
+    error_kind, is_reserved_header, lossy, payload_text, poison_timestamp, put_lsn,
 };
 use super::relation::{
     OutboxRelation, RelationCache, RelationEntry, RowRef, extract_row, poison_from_tuple, status_of,
@@ -98,9 +98,10 @@ impl Binding {
             outbox: index,
         });
         let placements = outbox.placements()?;
-        if let Some(p) = placements.iter().find(|p| {
-            p.target == PlacementTarget::Header && RESERVED_HEADERS.contains(&p.name.as_str())
-        }) {
+        if let Some(p) = placements
+            .iter()
+            .find(|p| p.target == PlacementTarget::Header && is_reserved_header(&p.name))
+        {
             return Err(ConfigError::Invalid(format!(
                 "outbox.additional_placement: header {:?} is one of the relay's own",
                 p.name

@@ -77,6 +77,13 @@ pub(super) const RESERVED_HEADERS: [&str; 5] = [
     HEADER_SOURCE_LSN,
 ];
 
+/// Whether a row's `headers` object or a placement may not use `name`: the relay's
+/// own headers, and [`HEADER_REPUBLISH`], which marks only records `republish` sent
+/// (a first delivery carrying it would be left out by `audit` and a resync).
+pub(super) fn is_reserved_header(name: &str) -> bool {
+    RESERVED_HEADERS.contains(&name) || name == HEADER_REPUBLISH
+}
+
 /// Values of [`UnmappableRow::error_kind`] (the `poison_outbox.error_kind` column).
 pub mod error_kind {
     /// `aggregate_id` is NULL: the record would have no key.

@@ -94,6 +94,9 @@ fn resolve_layout_for(
     for (slot, (key, name)) in fields.iter_mut().zip(outbox.columns.by_key()) {
         match find(name) {
             Some(column) => *slot = Some(column.name.clone()),
+            // Read only to publish again, rows without a creation time are ordered
+            // by id (Debezium's layout has none).
+            None if reading == Reading::Only && key == "created_at" => {}
             None if REQUIRED_FIELDS.contains(&key) && name.is_empty() => {
                 missing.push(format!("for outbox.columns.{key} (configured as none)"));
             }

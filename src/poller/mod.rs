@@ -95,5 +95,5 @@ pub(crate) use publish::publish_holding;
 pub(crate) use row::{
     BatchRow, CommitRank, Delivery, Polled, RowResult, read_ranked_row, read_row, read_row_before,
 };
-pub(crate) use sql::{Prepared, Sql, commit_order, select_list, session};
+pub(crate) use sql::{Prepared, Sql, select_list, session};
 pub use worker::{PollSummary, run};

@@ -225,7 +225,7 @@ pub(crate) fn select_list(outbox: &OutboxConfig, layout: &Layout) -> String {
 /// updated). `created_at` does not move when a row is marked, so a backlog read again
 /// (a resync started over) reads in the same order, and it is the rank `audit`
 /// compares rows of one `source_lsn` by.
-pub(crate) fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
+fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
     format!(
         "ORDER BY CASE WHEN current_setting('track_commit_timestamp')::bool \
              THEN pg_xact_commit_timestamp({alias}.xmin) END NULLS FIRST, \
@@ -239,7 +239,7 @@ pub(crate) fn commit_order(alias: &str, id: &str, created_at: &str) -> String {
 /// `created_at` of `±infinity` or beyond `bigint` microseconds is clamped (in the
 /// order SQL sorts it, below NULL) rather than failing the statement: the row is
 /// poisoned by the mapper as before.
-pub(crate) fn commit_rank(alias: &str, created_at: &str) -> String {
+fn commit_rank(alias: &str, created_at: &str) -> String {
     let micros = |ts: &str| {
         format!(
             "CASE WHEN {ts} IS NULL THEN NULL ELSE least(greatest(extract(epoch FROM {ts}) * 1000000, \

@@ -349,6 +349,23 @@ async fn rows_the_relay_has_not_delivered_are_refused_and_a_second_run_waits_its
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 
+    // A row with a poison row is `replay`'s: counted, not published.
+    db.client
+        .execute(
+            "INSERT INTO poison_outbox (outbox_id, idempotency_key, aggregate_type, aggregate_id,
+                 event_type, payload, created_at, error, error_kind, attempts)
+             VALUES ($1, $2, 'order', 'o-0', 'Created', '{}', now(), 'test', 'test', 1)",
+            &[&rows[2].id, &rows[2].key],
+        )
+        .await
+        .unwrap();
+    let report = republish::run(&db.config(), &all()).await.unwrap();
+    assert_eq!(
+        (report.selected, report.published, report.poisoned),
+        (5, 5, 1),
+        "{report}"
+    );
+
     // The command line: a selection is required (exit 2); --json is one object.
     let config = db.config_path.to_str().unwrap();
     let out = harness::run_cli(&["republish", "--config", config]);
@@ -368,6 +385,10 @@ async fn rows_the_relay_has_not_delivered_are_refused_and_a_second_run_waits_its
     assert_eq!(json["published"], 3);
     assert_eq!(json["dry_run"], true);
     assert_eq!(json["rows"][0]["outcome"], "would_publish");
+    // An id that is not of the column's type is a usage error, said before reading.
+    let out = harness::run_cli(&["republish", "--config", config, "--from-id", "12"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--from-id"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,8 +21,11 @@
 //! a restore or a failover a sequence may hand a delivered row's id (the default
 //! idempotency key) to a new row, which must not be taken for the old one. A record's timestamp
 //! is its row's `created_at` (`outbox::record`), so every record of the window's
-//! rows lies at or after that offset. Nothing else writes to the topics of a slot
-//! during its resync, so what was read stays the truth while the window is published.
+//! rows lies at or after that offset. Nothing else writes the slot's deliveries to its
+//! topics during its resync, so what was read stays the truth while the window is
+//! published. Records `republish` sent (header `outbox_relay_republish`) are not
+//! deliveries of the relay: a copy of a row sent again by an operator says nothing
+//! of whether the stream delivered it, and they are not read.
 //!
 //! # Order: a key published again publishes the rest of its rows
 //!
@@ -77,7 +80,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::config::Config;
 use crate::kafka::ReaderContext;
-use crate::outbox::{HEADER_IDEMPOTENCY_KEY, OutboxEvent};
+use crate::outbox::{HEADER_IDEMPOTENCY_KEY, HEADER_REPUBLISH, OutboxEvent};
 use crate::poison::ParkedKey;
 
 /// `client.id` of the reader.
@@ -444,11 +447,16 @@ fn read_keys(reader: &ClientConfig, topic: &str, since_ms: i64) -> Result<Read, 
     while !ends.is_empty() && Instant::now() < deadline && keys.len() < MAX_KEYS {
         match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(m)) => {
-                if let Some(idempotency_key) = m.headers().and_then(|h| {
-                    h.iter()
-                        .find(|h| h.key == HEADER_IDEMPOTENCY_KEY)
-                        .and_then(|h| h.value)
-                }) {
+                let republished = m
+                    .headers()
+                    .is_some_and(|h| h.iter().any(|h| h.key == HEADER_REPUBLISH));
+                if !republished
+                    && let Some(idempotency_key) = m.headers().and_then(|h| {
+                        h.iter()
+                            .find(|h| h.key == HEADER_IDEMPOTENCY_KEY)
+                            .and_then(|h| h.value)
+                    })
+                {
                     keys.push((
                         m.key().map(Bytes::copy_from_slice),
                         Placed {

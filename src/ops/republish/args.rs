@@ -178,6 +178,7 @@ impl Selection {
             params.push(value);
             first + params.len() - 1
         };
+        // The layout always has an id column.
         let id = quote_ident(layout.column(crate::poller::ID_FIELD).unwrap_or("id"));
         let id_type = layout.id_type();
         if let Some(v) = &self.from_id {
@@ -188,21 +189,24 @@ impl Selection {
             let n = next(v.clone());
             sql.push(format!("o.{id} <= ${n}::text::{id_type}"));
         }
-        let created_at = quote_ident(
-            layout
-                .column(crate::poller::CREATED_AT_FIELD)
-                .unwrap_or("created_at"),
-        );
         // Compared as timestamptz: a `timestamp` column is read in the session's
         // UTC, as the mapper reads it.
         let stamp = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        if let Some(t) = &self.since {
+        for (time, flag, op) in [
+            (&self.since, "--since", ">="),
+            (&self.until, "--until", "<"),
+        ] {
+            let Some(t) = time else { continue };
+            let Some(column) = layout.column(crate::poller::CREATED_AT_FIELD) else {
+                return Err(ConfigError::Invalid(format!(
+                    "{flag}: the outbox table has no created_at column (see [outbox.columns])"
+                )));
+            };
             let n = next(stamp(t));
-            sql.push(format!("o.{created_at} >= ${n}::text::timestamptz"));
-        }
-        if let Some(t) = &self.until {
-            let n = next(stamp(t));
-            sql.push(format!("o.{created_at} < ${n}::text::timestamptz"));
+            sql.push(format!(
+                "o.{} {op} ${n}::text::timestamptz",
+                quote_ident(column)
+            ));
         }
         for (field, flag, value) in &self.equal {
             let Some(column) = layout.column(*field) else {

@@ -22,14 +22,20 @@
 //!
 //! # Order and keys
 //!
-//! Rows are read in commit order as near as the table tells it (the backlog's
-//! `ORDER BY`: commit timestamps when `track_commit_timestamp` is on, else
-//! `created_at`, then id) and published one window at a time; a window is resolved
-//! (every report in) before the next is read. Within a key (topic and record key)
-//! the stream's rule holds: a row that fails holds the later rows of its key
-//! (reported `held`), and a row the relay has not delivered yet is refused together
-//! with the later rows of its key (`read.rs` explains "reached"). Exactly-once
-//! publishes each window in a Kafka transaction (`send.rs`).
+//! Rows are read in `created_at` order, then id (`read.rs` says why not the
+//! backlog's commit timestamps), and published one window at a time; a window is
+//! resolved (every report in) before the next is read. Within a key (topic and
+//! record key):
+//!
+//! * a row the relay has not delivered yet is refused together with the later rows
+//!   of its key (`read.rs` explains "reached");
+//! * a row that fails holds the later rows of its key in the later windows
+//!   (reported `held`). At-least-once, rows of its key already in flight in its own
+//!   window may have been acked: the failed one is then missing between them, as a
+//!   poisoned event is in the stream. Exactly-once aborts the window, so nothing of
+//!   the key after it is published (`send.rs`);
+//! * a failure every later window would meet too (a timeout: the broker is down)
+//!   stops the run (`aborted` in the report) instead of waiting out each window.
 //!
 //! # Concurrency, dry run, exit codes
 //!
@@ -40,8 +46,8 @@
 //! lock, connects to no broker and publishes nothing: it counts and lists a sample.
 //! Exit codes: 2 for a bad selection (or a selector on a column the table lacks),
 //! 3 when the outbox or poison table is missing, 4 when the broker does not answer,
-//! else the report's: 0, or 1 when a row failed or was held behind a failure.
-//! Refused rows are not a failure: they are on their way.
+//! else the report's: 0, or 1 when a row failed or was held behind a failure or
+//! the run stopped early. Refused rows are not a failure: they are on their way.
 //!
 //! The message outbox (`outbox_emit`) writes no rows: its events are in the WAL
 //! only, and the report says so when it is installed.
@@ -57,6 +63,7 @@ use bytes::Bytes;
 use tokio_postgres::Client;
 
 use crate::config::{Config, DeliveryMode, quote_qualified};
+use crate::delivery::Failure;
 use crate::error::{Error, Result};
 use crate::hashing::HashSet;
 use crate::ops::meter::Meter;
@@ -97,6 +104,7 @@ pub async fn run(config: &Config, args: &RepublishArgs) -> Result<RepublishRepor
     let layout = poller::inspect_tables_for(&client, &config.outbox, Reading::Only).await?;
     // $1 is the delivered checkpoint (`read.rs`).
     let filter = selection.filter(&layout, 2)?;
+    check_ids(&client, &layout, args).await?;
     let lock = format!(
         "outbox-relay republish {}",
         quote_qualified(&config.outbox.table)
@@ -106,6 +114,7 @@ pub async fn run(config: &Config, args: &RepublishArgs) -> Result<RepublishRepor
     }
     let run = Run {
         config,
+        database: conninfo.dbname(),
         args,
         selection: &selection,
         mapper: &mapper,
@@ -120,6 +129,26 @@ pub async fn run(config: &Config, args: &RepublishArgs) -> Result<RepublishRepor
             .await;
     }
     result
+}
+
+/// `--from-id` and `--to-id` must be values of the id column's type (exit code 2,
+/// not a failed statement later).
+async fn check_ids(client: &Client, layout: &Layout, args: &RepublishArgs) -> Result<()> {
+    for (flag, value) in [("--from-id", &args.from_id), ("--to-id", &args.to_id)] {
+        let Some(value) = value else { continue };
+        let sql = format!("SELECT $1::text::{}", layout.id_type());
+        if let Err(e) = client.query_one(&sql, &[value]).await {
+            let reason = e
+                .as_db_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+            return Err(crate::config::ConfigError::Invalid(format!(
+                "{flag} {value:?} is not a value of the id column's type {}: {reason}",
+                layout.id_type()
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 async fn take_lock(client: &Client, lock: &str, table: &str) -> Result<()> {
@@ -152,6 +181,8 @@ async fn message_outbox_installed(client: &Client, config: &Config) -> Result<bo
 /// One run's inputs.
 struct Run<'a> {
     config: &'a Config,
+    /// The database's name (in the exactly-once `transactional.id`).
+    database: &'a str,
     args: &'a RepublishArgs,
     selection: &'a Selection,
     mapper: &'a OutboxMapper,
@@ -180,6 +211,7 @@ impl Run<'_> {
             dry_run: self.args.dry_run,
             exactly_once: self.config.kafka.delivery == DeliveryMode::ExactlyOnce,
             selected: counted.rows,
+            poisoned: counted.poisoned,
             message_outbox,
             ..RepublishReport::default()
         };
@@ -189,7 +221,7 @@ impl Run<'_> {
         let mut sender = if self.args.dry_run || counted.reached == 0 {
             None
         } else {
-            Some(Sender::connect(self.config, window).await?)
+            Some(Sender::connect(self.config, self.database, window).await?)
         };
         let what = if self.args.dry_run {
             "rows (dry run)"
@@ -203,21 +235,21 @@ impl Run<'_> {
             !self.args.no_progress && counted.rows >= PROGRESS_MIN_ROWS,
         );
         let mut holds = Holds::default();
-        loop {
-            let rows = reader.next(window).await?;
-            if rows.is_empty() {
-                break;
-            }
-            meter.inc(rows.len() as u64);
-            let run_id = report.run_id.clone();
-            let batch = self.admit(rows, &run_id, &mut holds, &mut report);
-            let batch = match sender.as_mut() {
-                Some(sender) => sender.publish(batch).await?,
-                None => batch,
-            };
-            self.settle(batch, &mut holds, &mut report);
-        }
+        let windows = self
+            .windows(
+                &mut reader,
+                window,
+                sender.as_mut(),
+                &mut holds,
+                &mut meter,
+                &mut report,
+            )
+            .await;
         meter.finish();
+        if let Err(e) = windows {
+            // What was published stays reported: the run stops, exit code 1.
+            report.aborted = Some(e.to_string());
+        }
         transaction.commit().await?;
         report.transactions = sender.as_ref().map_or(0, |s| s.transactions);
         tracing::info!(
@@ -228,6 +260,34 @@ impl Run<'_> {
             "republish finished"
         );
         Ok(report)
+    }
+
+    /// Reads, admits, publishes and settles one window after the other.
+    async fn windows(
+        &self,
+        reader: &mut Reader<'_>,
+        window: usize,
+        mut sender: Option<&mut Sender>,
+        holds: &mut Holds,
+        meter: &mut Meter,
+        report: &mut RepublishReport,
+    ) -> Result<()> {
+        let run_id = report.run_id.clone();
+        loop {
+            let rows = reader.next(window).await?;
+            if rows.is_empty() {
+                return Ok(());
+            }
+            meter.inc(rows.len() as u64);
+            let batch = self.admit(rows, &run_id, holds, report);
+            let batch = match sender.as_deref_mut() {
+                Some(sender) => sender.publish(batch).await?,
+                None => batch,
+            };
+            if let Some(stalled) = self.settle(batch, holds, report) {
+                return Err(Error::RepublishStalled { reason: stalled });
+            }
+        }
     }
 
     /// Maps a window's rows; returns the ones to publish, with the run's header.
@@ -293,8 +353,16 @@ impl Run<'_> {
     }
 
     /// Reports a published (or dry-run) window's rows; a failed or held row holds
-    /// its key for the rest of the run.
-    fn settle(&self, batch: Vec<BatchRow>, holds: &mut Holds, report: &mut RepublishReport) {
+    /// its key for the rest of the run. Returns why the run should stop: a transient
+    /// failure (a timeout: the broker is down or too slow), which every later window
+    /// would wait for too.
+    fn settle(
+        &self,
+        batch: Vec<BatchRow>,
+        holds: &mut Holds,
+        report: &mut RepublishReport,
+    ) -> Option<String> {
+        let mut stalled = None;
         for row in batch {
             let RowResult::Event { event, delivery } = row.result else {
                 continue;
@@ -306,7 +374,14 @@ impl Run<'_> {
                 }
                 Delivery::Acked => RepublishedRow::of_event(id, RowOutcome::Published, &event),
                 Delivery::Pending => RepublishedRow::of_event(id, RowOutcome::Held, &event),
-                Delivery::Failed { kind, message, .. } => {
+                Delivery::Failed {
+                    failure,
+                    kind,
+                    message,
+                } => {
+                    if failure == Failure::Transient && stalled.is_none() {
+                        stalled = Some(format!("{kind}: {message}"));
+                    }
                     RepublishedRow::of_event(id, RowOutcome::Published, &event)
                         .failed(kind, message)
                 }
@@ -318,6 +393,7 @@ impl Run<'_> {
             }
             report.add(listed, self.args.sample);
         }
+        stalled
     }
 }
 

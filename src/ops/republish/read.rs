@@ -21,15 +21,25 @@
 //! of their key (topic and record key) in this run: a key's re-published events
 //! stay in commit order with nothing of the key missing before them.
 //!
-//! Rows with a `poison_outbox` row (of this outbox) are not read: they go through
-//! `replay`, which marks them.
+//! Rows with a `poison_outbox` row (of this outbox) are not read, only counted:
+//! they go through `replay`, which marks them.
+//!
+//! A position saved on another cluster (a logical copy of the tables carried it) is
+//! not used: its xids say nothing here. A checkpoint ahead of this cluster's xid
+//! horizon covers nothing either (`checkpoint::precedes_sql`).
 //!
 //! # One snapshot
 //!
-//! The count, the delivered checkpoint and the rows are read in one
+//! The delivered checkpoint is read first; the count and the rows then in one
 //! `REPEATABLE READ READ ONLY` transaction, through a cursor one window at a time
-//! (bounded memory). Like a cutover's backlog, the open transaction holds back
+//! (bounded memory). A checkpoint read before the snapshot is an older bound, so
+//! the rule stays safe. Like a cutover's backlog, the open transaction holds back
 //! vacuum's horizon while the run lasts.
+//!
+//! # Order
+//!
+//! `created_at`, then id (`order`): the backlog's commit timestamps would put a
+//! row at the time it was marked `sent_at`.
 
 use tokio_postgres::{Client, Portal, Row, Transaction};
 
@@ -39,8 +49,7 @@ use crate::outbox::OutboxRow;
 use crate::outbox::checkpoint::precedes_sql;
 use crate::outbox::position::PositionTable;
 use crate::poller::{
-    CREATED_AT_FIELD, ID_FIELD, Layout, Polled, commit_order, pg_error, read_row_before,
-    select_list,
+    CREATED_AT_FIELD, ID_FIELD, Layout, Polled, pg_error, read_row_before, select_list,
 };
 
 use super::args::Filter;
@@ -66,13 +75,8 @@ impl Statements {
         let outbox = &config.outbox;
         let table = quote_qualified(&outbox.table);
         let poison = quote_qualified(&outbox.poison_table);
-        let column = |field: usize, fallback: &str| {
-            format!(
-                "o.{}",
-                quote_ident(layout.column(field).unwrap_or(fallback))
-            )
-        };
-        let id = column(ID_FIELD, "id");
+        // The layout always has an id column.
+        let id = format!("o.{}", quote_ident(layout.column(ID_FIELD).unwrap_or("id")));
         let key = match layout.column(crate::poller::IDEMPOTENCY_KEY_FIELD) {
             Some(c) => format!("COALESCE(o.{}::text, {id}::text)", quote_ident(c)),
             None => format!("{id}::text"),
@@ -81,47 +85,90 @@ impl Statements {
             "(p.source_table IS NULL OR p.source_table = '{}')",
             crate::poison::source_table(outbox).replace('\'', "''")
         );
+        let poisoned = format!(
+            "EXISTS (SELECT 1 FROM {poison} p WHERE p.idempotency_key = {key} AND {own_poison})"
+        );
         let sent = if layout.poller_columns {
             "o.sent_at IS NOT NULL OR "
         } else {
             ""
         };
         let reached = format!("({sent}COALESCE({}, false))", precedes_sql("o", 1));
-        let selected = format!(
-            "FROM {table} o WHERE ({}) AND NOT EXISTS (
-                 SELECT 1 FROM {poison} p WHERE p.idempotency_key = {key} AND {own_poison})",
-            filter.sql
-        );
-        let order = commit_order(
-            "o",
-            &quote_ident(layout.column(ID_FIELD).unwrap_or("id")),
-            &quote_ident(layout.column(CREATED_AT_FIELD).unwrap_or("created_at")),
-        );
+        let selected = format!("FROM {table} o WHERE ({})", filter.sql);
         Statements {
-            count: format!("SELECT count(*), count(*) FILTER (WHERE {reached}) {selected}"),
+            count: format!(
+                "SELECT count(*) FILTER (WHERE NOT poisoned),
+                        count(*) FILTER (WHERE NOT poisoned AND reached),
+                        count(*) FILTER (WHERE poisoned)
+                 FROM (SELECT {poisoned} AS poisoned, {reached} AS reached {selected}) s"
+            ),
             rows: format!(
-                "SELECT {}, {reached} {selected} {order}",
-                select_list(outbox, layout)
+                "SELECT {}, {reached} {selected} AND NOT {poisoned} {}",
+                select_list(outbox, layout),
+                order(layout, &id)
             ),
         }
     }
 }
 
+/// The order rows are read in: `created_at`, then id. Not the backlog's commit
+/// timestamps: a row the poller, a cutover or a resync marked `sent_at` has the
+/// commit time of its mark, not of its insert. A table without `created_at` is read
+/// in id order.
+fn order(layout: &Layout, id: &str) -> String {
+    match layout.column(CREATED_AT_FIELD) {
+        Some(created_at) => format!("ORDER BY o.{}, {id}", quote_ident(created_at)),
+        None => format!("ORDER BY {id}"),
+    }
+}
+
 /// The lowest delivered checkpoint of the relay's slots (every shard's): `None`
-/// when one of them has none yet, or the position table does not exist.
+/// when one of them has none yet, when the position table does not exist, or when a
+/// position was saved on another cluster (a logical copy of the tables brought it;
+/// its xids say nothing here).
 pub(super) async fn delivered_xmin(client: &Client, config: &Config) -> Result<Option<i64>> {
     if !PositionTable::new(config)?.exists(client).await? {
         return Ok(None);
     }
+    let Some(system) = system_identifier(client).await else {
+        return Ok(None);
+    };
     let mut lowest: Option<i64> = None;
     for slot in config.postgres.all_slot_names() {
-        let position = PositionTable::for_slot(config, slot)?.load(client).await?;
-        let Some(xmin) = position.and_then(|p| p.delivered_xmin) else {
+        let position = PositionTable::for_slot(config, slot.clone())?
+            .load(client)
+            .await?;
+        let Some(position) = position else {
+            return Ok(None);
+        };
+        if position.history.system_identifier != system {
+            tracing::warn!(%slot, saved_on = position.history.system_identifier, here = system,
+                "the relay's position was saved on another cluster: only rows marked sent count as delivered");
+            return Ok(None);
+        }
+        let Some(xmin) = position.delivered_xmin else {
             return Ok(None);
         };
         lowest = Some(lowest.map_or(xmin, |l| l.min(xmin)));
     }
     Ok(lowest)
+}
+
+/// This cluster's system identifier, `None` when the role may not read it.
+async fn system_identifier(client: &Client) -> Option<u64> {
+    let row = client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await;
+    match row.map(|r| r.try_get::<_, String>(0)) {
+        Ok(Ok(text)) => text.parse().ok(),
+        Ok(Err(e)) | Err(e) => {
+            tracing::warn!(error = %e, "cannot read the system identifier: only rows marked sent count as delivered");
+            None
+        }
+    }
 }
 
 /// The selection's size, before mapping (the topic selector is not applied yet).
@@ -131,6 +178,8 @@ pub(super) struct Counted {
     pub(super) rows: u64,
     /// Of those, the rows the relay has delivered.
     pub(super) reached: u64,
+    /// Rows of the selection with a poison row (`replay`'s business).
+    pub(super) poisoned: u64,
 }
 
 /// The rows of one run, read through a cursor.
@@ -177,6 +226,7 @@ impl<'t> Reader<'t> {
         let counted = Counted {
             rows: count(0)?,
             reached: count(1)?,
+            poisoned: count(2)?,
         };
         let portal = transaction
             .bind(&statements.rows, &params)
@@ -240,7 +290,7 @@ mod tests {
     }
 
     #[test]
-    fn the_rows_statement_reads_the_selection_in_commit_order_with_its_reach() {
+    fn the_rows_statement_reads_the_selection_in_creation_order_with_its_reach() {
         let layout = crate::poller::migrated_layout_for_tests();
         let args = RepublishArgs {
             aggregate_id: Some("a".into()),
@@ -257,14 +307,16 @@ mod tests {
             s.rows
                 .contains("p.idempotency_key = COALESCE(o.\"idempotency_key\"::text")
         );
-        assert!(s.rows.ends_with(
-            "ORDER BY CASE WHEN current_setting('track_commit_timestamp')::bool \
-             THEN pg_xact_commit_timestamp(o.xmin) END NULLS FIRST, o.\"created_at\", o.\"id\""
-        ));
+        assert!(s.rows.ends_with("ORDER BY o.\"created_at\", o.\"id\""));
         assert!(
-            s.count
-                .starts_with("SELECT count(*), count(*) FILTER (WHERE (o.sent_at")
+            s.rows
+                .contains("AND NOT EXISTS (SELECT 1 FROM \"public\".\"poison_outbox\"")
         );
+        assert!(s.count.contains("count(*) FILTER (WHERE poisoned)"));
+        let mut no_time = layout.clone();
+        no_time.forget_column_for_tests(CREATED_AT_FIELD);
+        let by_id = Statements::new(&config(), &no_time, &filter);
+        assert!(by_id.rows.ends_with("ORDER BY o.\"id\""));
     }
 
     #[test]

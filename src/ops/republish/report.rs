@@ -101,6 +101,8 @@ pub struct RepublishReport {
     pub refused: u64,
     /// Rows whose record goes to another topic than `--topic`.
     pub other_topic: u64,
+    /// Rows of the selection with a poison row: left to `replay`.
+    pub poisoned: u64,
     /// Kafka transactions committed (exactly-once).
     pub transactions: u64,
     /// The first refused rows' ids.
@@ -110,6 +112,9 @@ pub struct RepublishReport {
     pub message_outbox: bool,
     /// The first `--sample` published rows, then every failed one (up to 100).
     pub rows: Vec<RepublishedRow>,
+    /// Why the run stopped before the end of the selection (the rows reported
+    /// published were published).
+    pub aborted: Option<String>,
 }
 
 impl RepublishReport {
@@ -143,10 +148,11 @@ impl RepublishReport {
         }
     }
 
-    /// No row failed or was held behind a failure: 0, else 1.
+    /// No row failed or was held behind a failure and the run went to the end: 0,
+    /// else 1.
     #[must_use]
     pub fn exit_code(&self) -> ExitCode {
-        if self.failed == 0 && self.held == 0 {
+        if self.failed == 0 && self.held == 0 && self.aborted.is_none() {
             ExitCode::SUCCESS
         } else {
             ExitCode::from(1)
@@ -204,6 +210,9 @@ impl fmt::Display for RepublishReport {
         if self.other_topic > 0 {
             write!(f, ", {} for other topics", self.other_topic)?;
         }
+        if self.poisoned > 0 {
+            write!(f, ", {} with a poison row (use replay)", self.poisoned)?;
+        }
         if self.refused > 0 {
             write!(
                 f,
@@ -212,6 +221,9 @@ impl fmt::Display for RepublishReport {
                 self.refused,
                 self.refused_ids.join(", ")
             )?;
+        }
+        if let Some(reason) = &self.aborted {
+            write!(f, "\nSTOPPED before the end of the selection: {reason}")?;
         }
         if self.message_outbox {
             write!(

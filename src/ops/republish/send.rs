@@ -15,16 +15,21 @@
 //! # A window's transaction
 //!
 //! A window commits only when every record of it was acked; a failed record aborts
-//! it (a `read_committed` reader sees nothing of it), its row is reported, and the
-//! window is produced again without that row and the later rows of its key. An
-//! abortable commit is tried again whole, at most [`TRANSACTION_ATTEMPTS`] times.
-//! Each event a run reports as published was committed exactly once by that run.
+//! it (a `read_committed` reader sees nothing of it). A record the broker refused
+//! for itself (too large, an unknown topic: not [`Failure::Transient`]) is reported
+//! failed, and the window is produced again without its row and the later rows of
+//! its key. A transient failure (a timeout, and the `_STATE` refusals librdkafka
+//! gives every produce after a transaction turned abortable) keeps its row in the
+//! window. A window is produced again at most [`TRANSACTION_ATTEMPTS`] times in a
+//! row without a row leaving it, then the run stops. Each event a run reports as
+//! published was committed exactly once by that run.
 
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use crate::config::{Config, DeliveryMode};
+use crate::delivery::Failure;
 use crate::error::{Error, Result};
 use crate::kafka::{self, DeliveryReport, Publisher, TransactionError};
 use crate::poller::{BatchRow, Delivery, RowResult, publish_holding};
@@ -42,13 +47,14 @@ pub(super) const TRANSACTION_ATTEMPTS: u32 = 5;
 const CALL_ATTEMPTS: u32 = 3;
 const CALL_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
-/// The `transactional.id` of `republish` on outbox `table`: its own, so that a run
-/// and the relay (whose id is the slot's) never fence each other, and one per
-/// outbox, like the run's lock. A slot name cannot contain a dot, so it cannot
-/// collide with a relay's.
+/// The `transactional.id` of `republish` on outbox `table` (`schema.table`) of
+/// `database`: its own, so that a run and the relay (whose id is the slot's) never
+/// fence each other, and one per outbox, like the run's lock, so that a run's start
+/// aborts what a killed run of the same outbox left open. A slot name cannot contain
+/// a dot, so it cannot collide with a relay's.
 #[must_use]
-pub(super) fn transactional_id(table: &str) -> String {
-    format!("outbox-relay.republish.{table}")
+pub(super) fn transactional_id(database: &str, table: &str) -> String {
+    format!("outbox-relay.republish.{database}.{table}")
 }
 
 /// The `(topic, key)` a record's order is kept per.
@@ -76,10 +82,10 @@ pub(super) struct Sender {
 impl Sender {
     /// Connects and checks the broker (exit code 4 when it does not answer); under
     /// exactly-once, initialises the transactions.
-    pub(super) async fn connect(config: &Config, window: usize) -> Result<Sender> {
+    pub(super) async fn connect(config: &Config, database: &str, window: usize) -> Result<Sender> {
         let mut cfg = kafka::producer_config(&config.kafka, &config.relay)?;
         let transactional = if config.kafka.delivery == DeliveryMode::ExactlyOnce {
-            let id = transactional_id(&config.outbox.table);
+            let id = transactional_id(database, &crate::poison::source_table(&config.outbox));
             kafka::transactional_config(
                 &mut cfg,
                 &id,
@@ -174,45 +180,51 @@ impl Sender {
                 }
             }
             retrying(|| async { kafka::joined(self.publisher.start_abort(id).await) }).await?;
-            if attempts >= TRANSACTION_ATTEMPTS {
+            let before = positions.len();
+            window = after_abort(positions, batch, &mut done);
+            if window.len() < before {
+                // Rows left: the next attempt is another window.
+                attempts = 0;
+            } else if attempts >= TRANSACTION_ATTEMPTS {
                 return Err(Error::RepublishGaveUp {
                     attempts: TRANSACTION_ATTEMPTS,
                 });
             }
-            window = self.after_abort(positions, batch, &mut done);
         }
         Ok(done.into_iter().flatten().collect())
     }
+}
 
-    /// After an aborted window: its failed rows, and the later rows of their keys
-    /// (held, `Pending`), leave it; the others are produced again.
-    fn after_abort(
-        &self,
-        positions: Vec<usize>,
-        batch: Vec<BatchRow>,
-        done: &mut [Option<BatchRow>],
-    ) -> Vec<(usize, BatchRow)> {
-        let mut holding: crate::hashing::HashSet<KeyOf> = Default::default();
-        let mut again = Vec::with_capacity(batch.len());
-        for (i, mut row) in positions.into_iter().zip(batch) {
-            let key = key_of(&row);
-            let failed = matches!(delivery(&row), Some(Delivery::Failed { .. }));
-            let held = key.as_ref().is_some_and(|k| holding.contains(k));
-            if failed || held {
-                holding.extend(key);
-                if held && let RowResult::Event { delivery, .. } = &mut row.result {
-                    *delivery = Delivery::Pending;
-                }
-                done[i] = Some(row);
-            } else {
-                if let RowResult::Event { delivery, .. } = &mut row.result {
-                    *delivery = Delivery::Pending;
-                }
-                again.push((i, row));
+/// After an aborted window: the rows that failed for themselves, and the later rows
+/// of their keys (held, `Pending`), leave it; the others are produced again.
+fn after_abort(
+    positions: Vec<usize>,
+    batch: Vec<BatchRow>,
+    done: &mut [Option<BatchRow>],
+) -> Vec<(usize, BatchRow)> {
+    let mut holding: crate::hashing::HashSet<KeyOf> = Default::default();
+    let mut again = Vec::with_capacity(batch.len());
+    for (i, mut row) in positions.into_iter().zip(batch) {
+        let key = key_of(&row);
+        let failed = matches!(
+            delivery(&row),
+            Some(Delivery::Failed { failure, .. }) if *failure != Failure::Transient
+        );
+        let held = key.as_ref().is_some_and(|k| holding.contains(k));
+        if failed || held {
+            holding.extend(key);
+            if held && let RowResult::Event { delivery, .. } = &mut row.result {
+                *delivery = Delivery::Pending;
             }
+            done[i] = Some(row);
+        } else {
+            if let RowResult::Event { delivery, .. } = &mut row.result {
+                *delivery = Delivery::Pending;
+            }
+            again.push((i, row));
         }
-        again
     }
+    again
 }
 
 fn delivery(row: &BatchRow) -> Option<&Delivery> {
@@ -242,12 +254,85 @@ where
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
+    use crate::config::{KafkaConfig, OutboxConfig};
+    use crate::outbox::{OutboxMapper, OutboxRow, PayloadFormat};
+    use crate::poller::Polled;
+
+    fn row(id: &str, entity: &str, delivery: Delivery) -> BatchRow {
+        let mut kafka = toml::Table::new();
+        kafka.insert("brokers".into(), "k:9092".into());
+        let kafka: KafkaConfig = kafka.try_into().unwrap();
+        let mapper = OutboxMapper::new(&OutboxConfig::default(), &kafka, None).unwrap();
+        let text = |s: &str| Some(Bytes::copy_from_slice(s.as_bytes()));
+        let outbox_row = OutboxRow {
+            id: text(id),
+            idempotency_key: text(id),
+            aggregate_type: text("order"),
+            aggregate_id: text(entity),
+            event_type: text("Created"),
+            topic: None,
+            headers: None,
+            payload: text("{}"),
+            payload_format: PayloadFormat::Json,
+            created_at: text("2026-12-07 10:00:00+00"),
+            extra: Vec::new(),
+        };
+        let event = mapper.map_row(&outbox_row, None).unwrap();
+        BatchRow {
+            polled: Polled {
+                id: id.into(),
+                attempts: 0,
+                last_error: None,
+            },
+            result: RowResult::Event { event, delivery },
+        }
+    }
+
+    fn failed(failure: Failure) -> Delivery {
+        Delivery::Failed {
+            failure,
+            kind: "x",
+            message: String::new(),
+        }
+    }
+
+    #[test]
+    fn after_an_abort_only_rows_refused_for_themselves_leave_with_their_keys_later_rows() {
+        let batch = vec![
+            row("a", "k1", failed(Failure::Permanent)),
+            row("b", "k1", Delivery::Acked),
+            // librdkafka refuses every produce after the transaction turned abortable.
+            row("c", "k2", failed(Failure::Transient)),
+            row("d", "k2", Delivery::Acked),
+            row("e", "k3", Delivery::Acked),
+        ];
+        let mut done: Vec<Option<BatchRow>> = (0..5).map(|_| None).collect();
+        let again = after_abort((0..5).collect(), batch, &mut done);
+        let ids: Vec<&str> = again.iter().map(|(_, r)| r.polled.id.as_str()).collect();
+        assert_eq!(ids, ["c", "d", "e"]);
+        assert!(
+            again
+                .iter()
+                .all(|(_, r)| matches!(delivery(r), Some(Delivery::Pending)))
+        );
+        assert!(matches!(
+            done[0].as_ref().and_then(delivery),
+            Some(Delivery::Failed { .. })
+        ));
+        assert!(matches!(
+            done[1].as_ref().and_then(delivery),
+            Some(Delivery::Pending)
+        ));
+        assert!(done[2..].iter().all(Option::is_none));
+    }
 
     #[test]
     fn the_transactional_id_is_the_outboxs_and_never_a_slots() {
-        let id = transactional_id("public.outbox");
-        assert_eq!(id, "outbox-relay.republish.public.outbox");
+        let id = transactional_id("app", "public.outbox");
+        assert_eq!(id, "outbox-relay.republish.app.public.outbox");
         // A relay's id is the slot's name, which has no dot.
         assert_ne!(id, kafka::transactional_id("republish"));
         assert!(!kafka::transactional_id("outbox_relay").contains("republish."));
