@@ -41,6 +41,8 @@ pub(crate) enum InFlight {
         /// A size error may have been another record's: the next produce sends it
         /// in a batch of its own.
         alone: bool,
+        /// Partition and offset of its last ack (its trace span's attributes).
+        delivered: Option<(i32, i64)>,
     },
     Unmappable {
         fields: Box<PoisonFields>,

@@ -34,6 +34,7 @@ pub mod session;
 mod simulation;
 pub mod start;
 pub mod start_checks;
+pub(crate) mod traces;
 pub mod wal_identity;
 
 pub use session::{RunSummary, run, run_checked, run_with_health};

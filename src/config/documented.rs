@@ -374,6 +374,7 @@ fn every_section_refuses_an_unknown_key() {
         "kafka.envelope",
         "kafka.cloudevents",
         "metrics",
+        "traces",
         "retention",
     ] {
         assert!(checked.contains(section), "[{section}] was not checked");

@@ -74,6 +74,8 @@ pub struct Config {
     #[serde(default)]
     pub metrics: MetricsConfig,
     #[serde(default)]
+    pub traces: TracesConfig,
+    #[serde(default)]
     pub retention: RetentionConfig,
 }
 
@@ -530,6 +532,28 @@ pub struct MetricsConfig {
     /// `/readyz` turns not-ready when events are pending and the confirmed LSN has
     /// not advanced for this many seconds.
     pub ready_stall_secs: u64,
+}
+
+/// OpenTelemetry traces of each event's trip (`run`), exported over OTLP; where
+/// and how is the standard `OTEL_*` variables' business (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER`, …).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracesConfig {
+    /// Export a span per sampled event. Off by default.
+    pub enabled: bool,
+    /// Share of the events without a sampled parent (`traceparent`) that are traced,
+    /// 0.0 to 1.0, unless `OTEL_TRACES_SAMPLER` chooses the sampler.
+    pub sample_ratio: f64,
+}
+
+impl Default for TracesConfig {
+    fn default() -> Self {
+        TracesConfig {
+            enabled: false,
+            sample_ratio: 0.01,
+        }
+    }
 }
 
 /// The optional JSON envelope around the payload.
@@ -1078,6 +1102,12 @@ impl Config {
         {
             return invalid(format!(
                 "metrics.listen = {listen:?}: use host:port, e.g. \"127.0.0.1:9187\" (or \"\" for off)"
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.traces.sample_ratio) {
+            return invalid(format!(
+                "traces.sample_ratio must be between 0.0 and 1.0, not {}",
+                self.traces.sample_ratio
             ));
         }
         if self.metrics.ready_stall_secs == 0 {

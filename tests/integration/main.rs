@@ -48,3 +48,4 @@ mod shards;
 mod sizes;
 mod standby_decoding;
 mod tls_proxy;
+mod traces;

@@ -106,10 +106,10 @@ impl<T> Records<T> {
 
     /// The broker acked the record of `id` at `at`. The record stays: in a Kafka
     /// transaction the ack is not a resolution, and only the core knows.
-    pub fn acked(&mut self, id: EventId, at: Instant) -> Option<&T> {
+    pub fn acked(&mut self, id: EventId, at: Instant) -> Option<&mut T> {
         let kept = self.kept.get_mut(&id)?;
         kept.acked_at = Some(at);
-        Some(&kept.record)
+        Some(&mut kept.record)
     }
 
     /// Drops the record of `id` now, for a resolution the caller handles itself (a

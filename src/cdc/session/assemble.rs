@@ -23,6 +23,7 @@ use crate::cdc::ports::database::postgres::Postgres;
 use crate::cdc::ports::producer::librdkafka::KafkaProducers;
 use crate::cdc::progress::{Core, CoreConfig, Records, TransactionLimits};
 use crate::cdc::start_checks::{Prerequisites as StartPrerequisites, StartChecks};
+use crate::cdc::traces::EventTraces;
 use crate::config::Config;
 use crate::delivery::ErrorClass;
 use crate::error::Result;
@@ -207,6 +208,9 @@ fn assemble(
         Duration::from_millis(config.kafka.transaction_timeout_ms),
     );
     let (poison_tx, outcomes) = ports.poison;
+    // Bad `OTEL_*` settings are a configuration error (exit code 2).
+    let traces = EventTraces::start(&config.traces)
+        .map_err(|e| crate::config::ConfigError::Invalid(e.to_string()))?;
     Ok(Relay {
         core: Core::new(core_config, Lsn::ZERO, clock::now()),
         records: Records::default(),
@@ -216,7 +220,7 @@ fn assemble(
         delivery: ports.delivery,
         transactions,
         poison: PoisonPath::new(policy, poison_tx, outcomes),
-        telemetry: Telemetry::new(health),
+        telemetry: Telemetry::new(health, traces),
         config,
     })
 }

@@ -209,12 +209,15 @@ impl Delivery {
                 tracing::trace!(id = %report.id, partition, offset, "delivered");
                 // The record stays until the core resolves the event: in a Kafka
                 // transaction an ack is a write, and an abort asks for it again.
-                if let Some(InFlight::Event { event, .. }) =
-                    records.acked(report.id, report.reported_at)
-                    && self.blocked_topics.contains_key(&event.topic)
+                if let Some(InFlight::Event {
+                    event, delivered, ..
+                }) = records.acked(report.id, report.reported_at)
                 {
-                    let topic = event.topic.clone();
-                    self.topic_accepts(&topic, health);
+                    *delivered = Some((partition, offset));
+                    if self.blocked_topics.contains_key(&event.topic) {
+                        let topic = event.topic.clone();
+                        self.topic_accepts(&topic, health);
+                    }
                 }
                 if self.alerted {
                     self.alerted = false;

@@ -317,6 +317,7 @@ impl StreamReader {
                         parked: false,
                         recorded_before: false,
                         alone: false,
+                        delivered: None,
                     },
                 );
                 Ok(())

@@ -13,6 +13,7 @@ use crate::cdc::in_flight::InFlight;
 use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::progress::{Core, Records};
+use crate::cdc::traces::{EventTraces, Trip};
 use crate::lsn::Lsn;
 
 /// Sessions in a row ending at one confirmed position before it is reported.
@@ -24,15 +25,18 @@ pub(super) struct Telemetry {
     pub(super) instruments: Instruments,
     pub(super) summary: RunSummary,
     streak: FailureStreak,
+    /// A span per sampled delivered event (`[traces]`), when on.
+    traces: Option<EventTraces>,
 }
 
 impl Telemetry {
-    pub(super) fn new(health: Health) -> Telemetry {
+    pub(super) fn new(health: Health, traces: Option<EventTraces>) -> Telemetry {
         Telemetry {
             health,
             instruments: Instruments::new(),
             summary: RunSummary::default(),
             streak: FailureStreak::default(),
+            traces,
         }
     }
 
@@ -76,22 +80,30 @@ impl Telemetry {
         now: Instant,
     ) {
         let (instruments, summary) = (&mut self.instruments, &mut self.summary);
+        let traces = self.traces.as_ref();
         records.forget_resolved(core, |record, acked_at| {
             if let InFlight::Event {
                 event,
                 committed_at,
+                received_at,
                 produced_at,
+                delivered,
                 ..
             } = record
             {
                 summary.delivered += 1;
-                instruments.delivered(
-                    &event.topic,
-                    committed_at,
-                    produced_at,
-                    acked_at.unwrap_or(now),
-                    now,
-                );
+                let acked_at = acked_at.unwrap_or(now);
+                instruments.delivered(&event.topic, committed_at, produced_at, acked_at, now);
+                if let Some(traces) = traces {
+                    traces.delivered(&Trip {
+                        event: &event,
+                        committed_at,
+                        received_at,
+                        produced_at,
+                        acked_at,
+                        delivered,
+                    });
+                }
             }
         });
     }
