@@ -32,6 +32,9 @@ pub enum ModeGroup {
     /// The real `outbox-relay run` in pgoutput text format
     /// (`postgres.binary_decoding = false`), beside `cdc`'s binary.
     CdcText,
+    /// The real `outbox-relay run` with `[traces]` on, every event traced, spans
+    /// exported over OTLP/HTTP to a sink in the bench: the cost of tracing.
+    CdcTraced,
     /// The message outbox (`outbox_emit`): `pg_recvlogical` with `messages 'true'`
     /// and the real `outbox-relay run` on messages alone, and the relay on
     /// messages counted in the message ledger (what `audit` needs).
@@ -186,6 +189,9 @@ impl BenchArgs {
         }
         if has(ModeGroup::CdcText) {
             modes.push(Mode::CdcText);
+        }
+        if has(ModeGroup::CdcTraced) {
+            modes.push(Mode::CdcTraced);
         }
         if has(ModeGroup::CdcMessage) {
             modes.extend([

@@ -79,6 +79,8 @@ pub(crate) enum Mode {
     CdcExactlyOnce,
     /// `Cdc` with `postgres.binary_decoding = false` (pgoutput text format).
     CdcText,
+    /// `Cdc` with every event traced (`[traces]`, OTLP/HTTP to the bench's sink).
+    CdcTraced,
     /// `RecvLogical` on a backlog of message-outbox events.
     RecvLogicalMessage,
     /// `Cdc` on a backlog of message-outbox events.
@@ -95,6 +97,8 @@ pub(crate) enum Mode {
 pub(crate) const CDC_EXACTLY_ONCE: &str = "cdc-exactly-once";
 /// The label of [`Mode::CdcText`].
 pub(crate) const CDC_TEXT: &str = "cdc-text";
+/// The label of [`Mode::CdcTraced`].
+pub(crate) const CDC_TRACED: &str = "cdc-traced";
 /// The label of [`Mode::CdcMessage`].
 pub(crate) const CDC_MESSAGE: &str = "cdc-message";
 /// The label of [`Mode::CdcMessageUnaudited`].
@@ -114,6 +118,7 @@ impl Mode {
             Mode::Cdc => "cdc".into(),
             Mode::CdcExactlyOnce => CDC_EXACTLY_ONCE.into(),
             Mode::CdcText => CDC_TEXT.into(),
+            Mode::CdcTraced => CDC_TRACED.into(),
             Mode::RecvLogicalMessage => PG_CEILING_MESSAGE.into(),
             Mode::CdcMessage => CDC_MESSAGE.into(),
             Mode::CdcMessageUnaudited => CDC_MESSAGE_UNAUDITED.into(),
@@ -134,6 +139,9 @@ impl Mode {
             Mode::Cdc => "outbox-relay run".into(),
             Mode::CdcExactlyOnce => "outbox-relay run, kafka.delivery = exactly-once".into(),
             Mode::CdcText => "outbox-relay run, postgres.binary_decoding = false".into(),
+            Mode::CdcTraced => {
+                "outbox-relay run, [traces] every event, OTLP/HTTP protobuf to a local sink".into()
+            }
             Mode::RecvLogicalMessage => {
                 "pg_recvlogical, pgoutput v1 messages on, message outbox, to /dev/null".into()
             }
@@ -158,6 +166,7 @@ impl Mode {
                 | Mode::Cdc
                 | Mode::CdcExactlyOnce
                 | Mode::CdcText
+                | Mode::CdcTraced
                 | Mode::RecvLogicalMessage
                 | Mode::CdcMessage
                 | Mode::CdcMessageUnaudited
@@ -172,6 +181,7 @@ impl Mode {
             Mode::Cdc
                 | Mode::CdcExactlyOnce
                 | Mode::CdcText
+                | Mode::CdcTraced
                 | Mode::CdcMessage
                 | Mode::CdcMessageUnaudited
                 | Mode::Poll { .. }
@@ -231,6 +241,12 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
         }
         Mode::CdcExactlyOnce => cdc(fixture, target, Variant::ExactlyOnce).await,
         Mode::CdcText => cdc(fixture, target, Variant::Text).await,
+        Mode::CdcTraced => {
+            let sink = super::otlp_sink::OtlpSink::start().await?;
+            let drained = cdc(fixture, target, Variant::Traced(&sink.endpoint)).await;
+            sink.report(target.events);
+            drained
+        }
         Mode::Poll { batch, workers } => {
             let (batch, workers) = (batch.to_string(), workers.to_string());
             let args = ["poll", "--batch-size", &batch, "--workers", &workers];
@@ -248,14 +264,16 @@ pub(crate) async fn drain(mode: Mode, fixture: &Fixture, target: Target) -> Resu
 /// slot confirms the backlog's end.
 /// What a `cdc` mode changes in the relay's config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Variant {
+enum Variant<'a> {
     AtLeastOnce,
     ExactlyOnce,
     /// `postgres.binary_decoding = false`.
     Text,
+    /// `[traces]` on, every event sampled, exported to this OTLP/HTTP endpoint.
+    Traced(&'a str),
 }
 
-async fn cdc(fixture: &Fixture, target: Target, variant: Variant) -> Result<Drained> {
+async fn cdc(fixture: &Fixture, target: Target, variant: Variant<'_>) -> Result<Drained> {
     let exactly_once = variant == Variant::ExactlyOnce;
     if exactly_once {
         fixture.create_progress_topic().await?;
@@ -275,6 +293,14 @@ async fn cdc(fixture: &Fixture, target: Target, variant: Variant) -> Result<Drai
                 format!("{}POSTGRES__BINARY_DECODING", crate::config::ENV_PREFIX),
                 "false",
             );
+        }
+        if let Variant::Traced(endpoint) = variant {
+            let prefix = crate::config::ENV_PREFIX;
+            cmd.env(format!("{prefix}TRACES__ENABLED"), "true")
+                .env(format!("{prefix}TRACES__SAMPLE_RATIO"), "1")
+                .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+                .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+                .env_remove("OTEL_TRACES_SAMPLER");
         }
         children.push(RelayChild::start(
             cmd,

@@ -44,6 +44,7 @@ mod args;
 mod drain;
 mod error;
 mod fixture;
+mod otlp_sink;
 mod plot;
 mod processes;
 mod progress;

@@ -7,7 +7,9 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use super::args::{BenchArgs, Rate};
-use super::drain::{CDC_EXACTLY_ONCE, CDC_MESSAGE, CDC_MESSAGE_UNAUDITED, CDC_TEXT, Mode};
+use super::drain::{
+    CDC_EXACTLY_ONCE, CDC_MESSAGE, CDC_MESSAGE_UNAUDITED, CDC_TEXT, CDC_TRACED, Mode,
+};
 use super::stats::{LatencySpread, Spread, spread};
 use super::steady_report::{SteadyResult, render_steady, steady_json};
 use crate::tools::workload::Workload;
@@ -146,6 +148,11 @@ pub struct Ratios {
     /// Walsender CPU per event in binary over text format (`cdc` / `cdc-text`;
     /// lower is better).
     pub binary_walsender_vs_text: Option<f64>,
+    /// Drain rate with every event traced over without (`cdc-traced` / `cdc`).
+    pub traced_vs_cdc: Option<f64>,
+    /// The relay's extra CPU per event with every event traced, in microseconds
+    /// (`cdc-traced` − `cdc`, medians).
+    pub traced_cpu_us_per_event: Option<f64>,
 }
 
 impl Report {
@@ -191,6 +198,13 @@ impl Report {
         )
     }
 
+    /// The relay's CPU seconds per million events (= µs per event), median.
+    fn cpu_median(&self, label: &str) -> Option<f64> {
+        self.result(label)
+            .and_then(|r| r.cpu_s_per_1m.as_ref())
+            .map(|s| s.median)
+    }
+
     fn walsender_median(&self, label: &str) -> Option<f64> {
         self.result(label)
             .and_then(|r| r.walsender_cpu_s_per_1m.as_ref())
@@ -219,6 +233,11 @@ impl Report {
                 self.walsender_median("cdc"),
                 self.walsender_median(CDC_TEXT),
             ),
+            traced_vs_cdc: over(self.median(CDC_TRACED), cdc),
+            traced_cpu_us_per_event: self
+                .cpu_median(CDC_TRACED)
+                .zip(self.cpu_median("cdc"))
+                .map(|(traced, plain)| traced - plain),
         }
     }
 
@@ -266,6 +285,8 @@ impl Report {
                 "unaudited_message_vs_cdc": r.unaudited_message_vs_cdc,
                 "unaudited_message_walsender_vs_cdc": r.unaudited_message_walsender_vs_cdc,
                 "binary_vs_text": r.binary_vs_text,
+                "traced_vs_cdc": r.traced_vs_cdc,
+                "traced_cpu_us_per_event": r.traced_cpu_us_per_event,
                 "binary_walsender_vs_text": r.binary_walsender_vs_text,
             },
             "steady": self.steady.iter().map(steady_json).collect::<Vec<_>>(),
@@ -369,6 +390,15 @@ impl Report {
                 out,
                 "cdc-exactly-once vs cdc {} (drain rate; CPU per event in the table)",
                 ratio(r.exactly_once_vs_cdc),
+            );
+        }
+        if r.traced_vs_cdc.is_some() {
+            let _ = writeln!(
+                out,
+                "cdc-traced vs cdc {} (drain rate, every event traced) · relay CPU per event {}",
+                ratio(r.traced_vs_cdc),
+                r.traced_cpu_us_per_event
+                    .map_or("-".into(), |us| format!("{us:+.1} µs")),
             );
         }
         if r.binary_vs_text.is_some() {
