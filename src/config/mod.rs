@@ -542,8 +542,9 @@ pub struct MetricsConfig {
 pub struct TracesConfig {
     /// Export a span per sampled event. Off by default.
     pub enabled: bool,
-    /// Share of the events without a sampled parent (`traceparent`) that are traced,
-    /// 0.0 to 1.0, unless `OTEL_TRACES_SAMPLER` chooses the sampler.
+    /// Share of the events whose row has no `traceparent` that are traced, 0.0 to
+    /// 1.0 (a sampled parent is always followed, an unsampled one never), unless
+    /// `OTEL_TRACES_SAMPLER` chooses the sampler.
     pub sample_ratio: f64,
 }
 

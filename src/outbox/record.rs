@@ -268,6 +268,12 @@ pub(super) struct EventSource {
 }
 
 impl OutboxEvent {
+    /// The row's `created_at` in Unix microseconds (`None` without one).
+    #[must_use]
+    pub fn created_at_micros(&self) -> Option<i64> {
+        self.source.created_at_micros
+    }
+
     /// Bytes counted against the in-flight window: key, value and headers.
     #[must_use]
     pub fn byte_size(&self) -> usize {

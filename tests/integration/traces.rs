@@ -189,3 +189,45 @@ async fn an_events_span_joins_its_writers_trace_and_lasts_its_whole_wait() {
     relay.terminate(Duration::from_secs(30)).await;
     db.drop_slot().await;
 }
+
+/// The gRPC transport with no collector listening: the exports fail on their own
+/// threads, and the relay delivers every event and stops promptly on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_exporter_without_a_collector_neither_slows_nor_wedges_the_relay() {
+    let closed = format!("http://127.0.0.1:{}", harness::free_port());
+    let db = TestDb::create("traces_grpc").await;
+    let env = [
+        ("OUTBOX_RELAY__TRACES__ENABLED", "true"),
+        ("OUTBOX_RELAY__TRACES__SAMPLE_RATIO", "1"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", closed.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let relay = RelayProcess::start(&db.config_path, &env);
+    db.wait_streaming(&relay).await;
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'o-' || (g % 5), 'Created', jsonb_build_object('seq', g)
+             FROM generate_series(1, 500) g",
+        )
+        .await
+        .unwrap();
+    let records = consume(&db.topic, 500, Duration::from_secs(60)).await;
+    assert_eq!(records.len(), 500, "log:\n{}", relay.log());
+    assert!(
+        relay
+            .log()
+            .contains("exporting a trace span per sampled event")
+    );
+    let stopping = std::time::Instant::now();
+    let status = relay.terminate(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status:?}");
+    // The last export may wait out its 5 s bound; nothing more.
+    assert!(
+        stopping.elapsed() < Duration::from_secs(12),
+        "stopping took {:?}",
+        stopping.elapsed()
+    );
+    db.drop_slot().await;
+}

@@ -316,6 +316,7 @@ impl Delivery {
             event,
             received_at,
             produced_at,
+            delivered,
             ..
         }) = records.get_mut(id)
         else {
@@ -323,6 +324,9 @@ impl Delivery {
         };
         let sent = publisher.send_event(id, event);
         if sent.is_ok() {
+            // An earlier attempt's ack (in a Kafka transaction since aborted) is
+            // not this record's place.
+            *delivered = None;
             core.produce_sent(id);
             self.idle_gate.produced();
             // The instant before the send: a clock read less per event, for a

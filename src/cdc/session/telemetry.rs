@@ -92,8 +92,13 @@ impl Telemetry {
             } = record
             {
                 summary.delivered += 1;
-                let acked_at = acked_at.unwrap_or(now);
-                instruments.delivered(&event.topic, committed_at, produced_at, acked_at, now);
+                instruments.delivered(
+                    &event.topic,
+                    committed_at,
+                    produced_at,
+                    acked_at.unwrap_or(now),
+                    now,
+                );
                 if let Some(traces) = traces {
                     traces.delivered(&Trip {
                         event: &event,
@@ -101,6 +106,7 @@ impl Telemetry {
                         received_at,
                         produced_at,
                         acked_at,
+                        resolved_at: now,
                         delivered,
                     });
                 }
