@@ -78,5 +78,5 @@ pub(crate) use publisher::{PRODUCE_REQUESTS, RECORDS_TRANSMITTED};
 pub(crate) use topic_limits::{TopicLimits, read_limits};
 pub use transactions::{
     TRANSACTION_CALL_TIMEOUT, TRANSACTION_TIMEOUT, TransactionCall, TransactionError, joined,
-    transactional_config, transactional_id,
+    retrying, transactional_config, transactional_id,
 };

@@ -332,6 +332,34 @@ pub fn joined(
     })
 }
 
+/// Tries of a retriable transactional call ([`retrying`]).
+const CALL_ATTEMPTS: u32 = 3;
+const CALL_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Makes a transactional call (`init_transactions`, a commit, an abort) again while
+/// it fails as retriable, three times at most, half a second apart; any
+/// other outcome is returned as it is.
+///
+/// # Errors
+///
+/// The call's last error.
+pub async fn retrying<F, Fut>(mut call: F) -> Result<(), TransactionError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), TransactionError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(TransactionError::Retriable { .. }) if attempt < CALL_ATTEMPTS => {
+                attempt += 1;
+                tokio::time::sleep(CALL_RETRY_PAUSE).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

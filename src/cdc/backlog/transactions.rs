@@ -46,8 +46,6 @@
 //! budget is halved for the next round (down to one row), so the backlog goes on
 //! in smaller transactions instead of retrying the same one forever.
 
-use std::time::Duration;
-
 use tokio_postgres::Client;
 
 use crate::cdc::exactly_once::{MAX_RECORD_BYTES, probe, progress_reader_config, send_progress};
@@ -69,12 +67,6 @@ const SENT_IDS_BUDGET: usize = MAX_RECORD_BYTES / 2;
 
 /// The smallest budget a refused record halves it to (a round always lists a row).
 const MIN_SENT_IDS_BUDGET: usize = 256;
-
-/// Times a retriable transactional call is made again before the backlog fails.
-const CALL_ATTEMPTS: u32 = 3;
-
-/// Pause before a retriable call is made again.
-const CALL_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// See the module documentation.
 pub(super) struct BacklogTransactions {
@@ -103,7 +95,7 @@ pub(super) struct BacklogTransactions {
 /// A transactional failure (fenced or a broker without transactions: exit 3), a
 /// missing progress topic (exit 3).
 pub(super) async fn fence(config: &Config, id: &str, publisher: &Publisher) -> Result<()> {
-    retrying(|| publisher.init_transactions(id)).await?;
+    kafka::retrying(|| publisher.init_transactions(id)).await?;
     probe(
         publisher,
         id,
@@ -217,7 +209,9 @@ impl BacklogTransactions {
             self.abort(publisher).await?;
             return Ok(false);
         }
-        match retrying(|| async { kafka::joined(publisher.start_commit(&self.id).await) }).await {
+        match kafka::retrying(|| async { kafka::joined(publisher.start_commit(&self.id).await) })
+            .await
+        {
             Ok(()) => Ok(true),
             Err(TransactionError::Abortable { code, message }) => {
                 tracing::warn!(?code, %message, record_bytes = value.len(),
@@ -239,7 +233,7 @@ impl BacklogTransactions {
 
     /// Aborts the round's transaction (a record of it failed).
     pub(super) async fn abort(&self, publisher: &Publisher) -> Result<()> {
-        retrying(|| async { kafka::joined(publisher.start_abort(&self.id).await) }).await?;
+        kafka::retrying(|| async { kafka::joined(publisher.start_abort(&self.id).await) }).await?;
         Ok(())
     }
 }
@@ -290,24 +284,6 @@ fn fitting<'i>(ids: impl IntoIterator<Item = &'i str>, budget: usize) -> usize {
         n += 1;
     }
     n
-}
-
-/// Makes a transactional call, again while it fails retriably.
-async fn retrying<F, Fut>(mut call: F) -> std::result::Result<(), TransactionError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = std::result::Result<(), TransactionError>>,
-{
-    let mut attempt = 1;
-    loop {
-        match call().await {
-            Err(TransactionError::Retriable { .. }) if attempt < CALL_ATTEMPTS => {
-                attempt += 1;
-                tokio::time::sleep(CALL_RETRY_PAUSE).await;
-            }
-            outcome => return outcome,
-        }
-    }
 }
 
 #[cfg(test)]

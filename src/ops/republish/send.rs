@@ -43,10 +43,6 @@ const BROKER_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tries of one window's transaction before the run gives up on it.
 pub(super) const TRANSACTION_ATTEMPTS: u32 = 5;
 
-/// Tries of a retriable transactional call.
-const CALL_ATTEMPTS: u32 = 3;
-const CALL_RETRY_PAUSE: Duration = Duration::from_millis(500);
-
 /// The `transactional.id` of `republish` on outbox `table` (`schema.table`) of
 /// `database`: its own, so that a run and the relay (whose id is the slot's) never
 /// fence each other, and one per outbox, like the run's lock, so that a run's start
@@ -104,7 +100,7 @@ impl Sender {
         let (publisher, reports) = Publisher::new(cfg, capacity)?;
         publisher.check_broker(BROKER_CHECK_TIMEOUT).await?;
         if let Some(id) = &transactional {
-            retrying(|| publisher.init_transactions(id)).await?;
+            kafka::retrying(|| publisher.init_transactions(id)).await?;
         }
         Ok(Sender {
             publisher,
@@ -160,8 +156,10 @@ impl Sender {
                 .iter()
                 .all(|r| matches!(delivery(r), Some(Delivery::Acked)));
             if clean {
-                match retrying(|| async { kafka::joined(self.publisher.start_commit(id).await) })
-                    .await
+                match kafka::retrying(|| async {
+                    kafka::joined(self.publisher.start_commit(id).await)
+                })
+                .await
                 {
                     Ok(()) => {
                         self.transactions += 1;
@@ -179,7 +177,8 @@ impl Sender {
                     Err(e) => return Err(e.into()),
                 }
             }
-            retrying(|| async { kafka::joined(self.publisher.start_abort(id).await) }).await?;
+            kafka::retrying(|| async { kafka::joined(self.publisher.start_abort(id).await) })
+                .await?;
             let before = positions.len();
             window = after_abort(positions, batch, &mut done);
             if window.len() < before {
@@ -231,24 +230,6 @@ fn delivery(row: &BatchRow) -> Option<&Delivery> {
     match &row.result {
         RowResult::Event { delivery, .. } => Some(delivery),
         RowResult::Unmappable { .. } => None,
-    }
-}
-
-/// Makes a transactional call again while it is retriable.
-async fn retrying<F, Fut>(mut call: F) -> std::result::Result<(), TransactionError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = std::result::Result<(), TransactionError>>,
-{
-    let mut attempt = 1;
-    loop {
-        match call().await {
-            Err(TransactionError::Retriable { .. }) if attempt < CALL_ATTEMPTS => {
-                attempt += 1;
-                tokio::time::sleep(CALL_RETRY_PAUSE).await;
-            }
-            outcome => return outcome,
-        }
     }
 }
 
