@@ -73,13 +73,66 @@ use crate::lsn::Lsn;
 use crate::outbox::position::{Position, ServerHistory};
 use crate::postgres::replication::TimelineSwitch;
 
+/// Why PostgreSQL invalidated a slot: `pg_replication_slots.invalidation_reason`
+/// (PostgreSQL 17+), or `conflicting` (16). A slot on a standby is invalidated by a
+/// conflict with recovery: the primary removed catalog rows it needs
+/// (`hot_standby_feedback` off, or no physical slot for the standby), or the
+/// primary's `wal_level` went below `logical`. See the PostgreSQL docs,
+/// "pg_replication_slots" and "Logical Decoding on a Standby".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Invalidation {
+    /// `wal_removed`, or a server that does not say: the WAL it needed was removed.
+    WalRemoved,
+    /// `rows_removed`: catalog rows it needed were removed.
+    RowsRemoved,
+    /// `wal_level_insufficient`: the primary's `wal_level` is below `logical`.
+    WalLevel,
+    /// PostgreSQL 16's `conflicting`: one of the two conflicts above.
+    Conflict,
+    /// `idle_timeout` (PostgreSQL 18): unused longer than
+    /// `idle_replication_slot_timeout`.
+    IdleTimeout,
+}
+
+impl Invalidation {
+    /// From `invalidation_reason` (`conflicting` reads as `"conflicting"`).
+    #[must_use]
+    pub fn from_reason(reason: Option<&str>) -> Invalidation {
+        match reason {
+            Some("rows_removed") => Invalidation::RowsRemoved,
+            Some("wal_level_insufficient") => Invalidation::WalLevel,
+            Some("conflicting") => Invalidation::Conflict,
+            Some("idle_timeout") => Invalidation::IdleTimeout,
+            _ => Invalidation::WalRemoved,
+        }
+    }
+}
+
+impl std::fmt::Display for Invalidation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Invalidation::WalRemoved => "the WAL it needed was removed, see max_slot_wal_keep_size",
+            Invalidation::RowsRemoved => {
+                "the catalog rows it needed were removed: on a standby, hot_standby_feedback \
+                 is off or the standby has no physical slot on the primary"
+            }
+            Invalidation::WalLevel => "the primary's wal_level went below logical",
+            Invalidation::Conflict => {
+                "a conflict with recovery on the standby: the primary removed catalog rows it \
+                 needed (hot_standby_feedback, a physical slot) or its wal_level went below logical"
+            }
+            Invalidation::IdleTimeout => "unused longer than idle_replication_slot_timeout",
+        })
+    }
+}
+
 /// What the slot looks like, as far as the start is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SlotView {
     /// Its `confirmed_flush_lsn`.
     pub(crate) confirmed: Lsn,
-    /// `wal_status = 'lost'`: the WAL it needs is gone.
-    pub(crate) invalidated: bool,
+    /// `wal_status = 'lost'`: it can no longer be streamed from, and why.
+    pub(crate) invalidated: Option<Invalidation>,
     /// The process streaming from it (`active_pid`), if any.
     pub(crate) active_pid: Option<i32>,
 }
@@ -91,10 +144,8 @@ pub enum SlotLoss {
     #[error("replication slot {slot} is missing (dropped, or not on this server after a failover)")]
     Missing { slot: String },
     /// `wal_status = 'lost'`.
-    #[error(
-        "replication slot {slot} was invalidated (the WAL it needed was removed, see max_slot_wal_keep_size)"
-    )]
-    Invalidated { slot: String },
+    #[error("replication slot {slot} was invalidated ({cause})")]
+    Invalidated { slot: String, cause: Invalidation },
     /// Ahead of anything the relay recorded.
     #[error(
         "replication slot {slot} confirms {slot_confirmed}, ahead of the relay's recorded position \
@@ -268,9 +319,10 @@ pub(crate) fn plan(
             slot: slot_name.to_owned(),
         });
     };
-    if slot.invalidated {
+    if let Some(cause) = slot.invalidated {
         return lost(SlotLoss::Invalidated {
             slot: slot_name.to_owned(),
+            cause,
         });
     }
     if !same_history {
@@ -349,7 +401,7 @@ mod tests {
     fn slot(confirmed: u64) -> Option<SlotView> {
         Some(SlotView {
             confirmed: lsn(confirmed),
-            invalidated: false,
+            invalidated: None,
             active_pid: None,
         })
     }
@@ -422,16 +474,29 @@ mod tests {
         );
         let invalid = Some(SlotView {
             confirmed: lsn(900),
-            invalidated: true,
+            invalidated: Some(Invalidation::RowsRemoved),
             active_pid: None,
         });
+        let planned = plan("s", &on(H), Some(&p), invalid, None);
         assert!(matches!(
-            plan("s", &on(H), Some(&p), invalid, None),
+            planned,
             StartPlan::Lost {
-                loss: SlotLoss::Invalidated { .. },
+                loss: SlotLoss::Invalidated {
+                    cause: Invalidation::RowsRemoved,
+                    ..
+                },
                 ..
             }
         ));
+        let StartPlan::Lost { loss, .. } = planned else {
+            unreachable!()
+        };
+        assert!(loss.to_string().contains("hot_standby_feedback"), "{loss}");
+        assert_eq!(
+            Invalidation::from_reason(Some("wal_level_insufficient")),
+            Invalidation::WalLevel
+        );
+        assert_eq!(Invalidation::from_reason(None), Invalidation::WalRemoved);
     }
 
     #[test]
@@ -482,7 +547,7 @@ mod tests {
         let p = position(H, 900);
         let active = Some(SlotView {
             confirmed: lsn(950),
-            invalidated: false,
+            invalidated: None,
             active_pid: Some(4242),
         });
         assert_eq!(

@@ -141,7 +141,7 @@ impl PgError {
 #[must_use]
 pub fn process_error(e: ReplicationError, context: &str) -> PgError {
     use ReplicationError as R;
-    if e.is_transient() {
+    if e.is_transient() || waits_for_the_primary(&e) {
         return PgError::Unavailable {
             context: context.to_owned(),
             source: Box::new(e),
@@ -167,6 +167,17 @@ pub fn process_error(e: ReplicationError, context: &str) -> PgError {
             source: Box::new(e),
         },
     }
+}
+
+/// A standby refusing logical decoding because its primary's `wal_level` is below
+/// `logical` (SQLSTATE 55000, "logical decoding on standby requires wal_level >=
+/// logical on the primary"): a state of the primary an operator puts back, not a
+/// setting of this relay's. It is waited out like an unavailable server, so that a
+/// relay decoding on the standby heals its invalidated slot once the primary is
+/// back at `logical`, instead of exiting.
+fn waits_for_the_primary(e: &ReplicationError) -> bool {
+    let message = e.to_string();
+    e.code() == Some("55000") && message.contains("wal_level") && message.contains("primary")
 }
 
 /// The server's message (with its SQLSTATE) when there is one, else the error text.

@@ -257,14 +257,20 @@ pub struct SlotInfo {
     pub active_pid: Option<i32>,
     pub confirmed_flush: Option<Lsn>,
     pub wal_status: Option<String>,
+    /// `invalidation_reason` (PostgreSQL 17+), or `"conflicting"` when PostgreSQL 16
+    /// says the slot conflicted with recovery; `None` when valid or not said.
+    pub invalidation_reason: Option<String>,
 }
 
 /// Reads the slot's row, `None` when it does not exist.
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, PgError> {
     let row = client
         .query_opt(
-            "SELECT plugin::text, database::text, active_pid, confirmed_flush_lsn::text, wal_status
-             FROM pg_replication_slots WHERE slot_name = $1",
+            // Columns of some versions only, read through jsonb (NULL when absent).
+            "SELECT plugin::text, database::text, active_pid, confirmed_flush_lsn::text, wal_status,
+                    COALESCE(to_jsonb(s) ->> 'invalidation_reason',
+                             CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'conflicting' END)
+             FROM pg_replication_slots s WHERE slot_name = $1",
             &[&slot],
         )
         .await
@@ -280,6 +286,7 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         active_pid: row.get(2),
         confirmed_flush: confirmed.and_then(|s| s.parse().ok()),
         wal_status: row.get(4),
+        invalidation_reason: row.get(5),
     }))
 }
 

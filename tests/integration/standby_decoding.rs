@@ -517,3 +517,90 @@ async fn the_message_outbox_decodes_on_a_standby_across_a_kill() {
         .await
         .expect("drop the slot on the standby");
 }
+
+/// The primary's `wal_level` lowered under a relay decoding on its standby: the
+/// standby invalidates the slot (`wal_level_insufficient`), the relay says so with
+/// that cause, keeps running while the standby cannot decode (it waits for the
+/// primary instead of exiting), and once the primary is back at `logical` resyncs
+/// from its saved position; no event is lost. It leaves the primary at `logical`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a PostgreSQL 16+ primary and standby: scripts/pg17-failover-drill"]
+async fn a_slot_invalidated_by_the_primarys_wal_level_is_said_waited_out_and_resynced() {
+    let primary_url = required("OUTBOX_RELAY_PG17_PRIMARY_URL");
+    let standby_url = required("OUTBOX_RELAY_PG17_STANDBY_URL");
+    let admin = harness::connect(&primary_url).await;
+    // A logical slot on the primary would keep it from starting at `replica`.
+    let slots: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'",
+            &[],
+        )
+        .await
+        .expect("read the primary's slots")
+        .get(0);
+    assert_eq!(slots, 0, "the primary has logical slots");
+    let db = TestDb::create_in(&primary_url, "standby_invalidated", 3, "").await;
+    let replica_url = harness::database_url(&standby_url, &db.name);
+    let window = WINDOW.to_string();
+    let env = [
+        ("OUTBOX_RELAY__POSTGRES__SLOT_URL", replica_url.as_str()),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str()),
+    ];
+    let mut relay = RelayProcess::start(&db.config_path, &env);
+    let replica = connect_when_replayed(&replica_url).await;
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    write(&db.client, 0..300).await;
+    consume_unique(&db.topic, 300, Duration::from_secs(60), &relay).await;
+
+    admin
+        .batch_execute("ALTER SYSTEM SET wal_level = replica")
+        .await
+        .expect("lower wal_level");
+    ctl("primary", &["restart", "-m", "fast"]);
+    let primary = harness::connect(&db.url).await;
+    write(&primary, 300..600).await;
+    harness::wait_until(
+        Duration::from_secs(90),
+        "the slot lost, with its cause",
+        || {
+            let log = relay.log();
+            async move {
+                log.contains("replication slot lost")
+                    && log.contains("the primary's wal_level went below logical")
+            }
+        },
+    )
+    .await;
+    // The standby cannot decode now: the relay waits for the primary.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        relay.is_running(),
+        "the relay exited; log:\n{}",
+        relay.log()
+    );
+
+    let admin = harness::connect(&primary_url).await;
+    admin
+        .batch_execute("ALTER SYSTEM SET wal_level = logical")
+        .await
+        .expect("raise wal_level");
+    ctl("primary", &["restart", "-m", "fast"]);
+    let primary = harness::connect(&db.url).await;
+    write(&primary, 600..900).await;
+    harness::wait_until(Duration::from_secs(120), "the resync", || {
+        let log = relay.log();
+        async move { log.contains("resync complete") }
+    })
+    .await;
+    let records = consume_unique(&db.topic, 900, Duration::from_secs(120), &relay).await;
+    let (unique, _) = tally(&records);
+    assert_eq!(unique, 900, "events delivered; log:\n{}", relay.log());
+    assert_per_key_order(&records);
+    relay.terminate(Duration::from_secs(30)).await;
+    let audit = harness::audit(&db);
+    assert_eq!(audit["lost"], 0, "{audit}");
+    replica
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
+        .await
+        .expect("drop the slot on the standby");
+}

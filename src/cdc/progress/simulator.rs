@@ -557,7 +557,7 @@ impl Sim {
         let Some(slot) = self.standby_read.take() else {
             self.standby_read = Some(SlotView {
                 confirmed: self.slot_confirmed,
-                invalidated: false,
+                invalidated: None,
                 active_pid: self.rng.percent(70).then_some(4_242),
             });
             return;
@@ -1174,7 +1174,7 @@ mod histories {
         };
         let slot = slot.map(|confirmed| SlotView {
             confirmed,
-            invalidated: false,
+            invalidated: None,
             active_pid: None,
         });
         // Ground truth: the first commit of the current history not delivered.

@@ -92,7 +92,7 @@ impl SessionDatabase for SimDatabase {
                 .filter(|pid| world.walsenders.get(pid).is_some_and(|w| !w.broken));
             let slot = world.slot.map(|s| SlotView {
                 confirmed: s.confirmed,
-                invalidated: false,
+                invalidated: None,
                 active_pid: active,
             });
             let recorded = world.position.map(|p| Position {

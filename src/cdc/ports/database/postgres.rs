@@ -10,7 +10,9 @@ use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::ports::Boxed;
 use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::SavePhase;
-use crate::cdc::start::{self, Remembered, ServerView, SlotLoss, SlotView, StartPlan};
+use crate::cdc::start::{
+    self, Invalidation, Remembered, ServerView, SlotLoss, SlotView, StartPlan,
+};
 use crate::cdc::wal_identity::{self, TxNames, Verdict};
 use crate::config::{Config, SlotLossMode};
 use crate::error::{Error, Result};
@@ -445,7 +447,8 @@ async fn plan(
         .await?
         .map(|info| SlotView {
             confirmed: info.confirmed_flush.unwrap_or(Lsn::ZERO),
-            invalidated: info.wal_status.as_deref() == Some("lost"),
+            invalidated: (info.wal_status.as_deref() == Some("lost"))
+                .then(|| Invalidation::from_reason(info.invalidation_reason.as_deref())),
             active_pid: info.active_pid,
         });
     // Where it is written: a standby's replay lag must not show an older one.
