@@ -506,7 +506,12 @@ async fn the_message_outbox_decodes_on_a_standby_across_a_kill() {
     let records = consume_unique(&db.topic, total, Duration::from_secs(120), &relay).await;
     let (unique, duplicates) = tally(&records);
     assert_eq!(unique, total, "events delivered; log:\n{}", relay.log());
-    assert!(duplicates <= WINDOW, "{duplicates} duplicates");
+    // A kill re-sends at most the in-flight window and what was acked since the
+    // last position save (every 250 ms on a standby): the fault drill's bound.
+    assert!(
+        duplicates <= 2 * WINDOW + 3,
+        "{duplicates} duplicates, more than two in-flight windows of {WINDOW}"
+    );
     assert_per_key_order(&records);
     relay.terminate(Duration::from_secs(30)).await;
     let audit = harness::audit(&db);

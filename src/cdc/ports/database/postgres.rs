@@ -20,6 +20,7 @@ use crate::hashing::HashSet;
 use crate::lsn::Lsn;
 use crate::outbox::position::{PositionTable, ServerHistory};
 use crate::poison::{ParkedKey, RecordedPoison};
+use crate::postgres::PgError;
 use crate::postgres::conninfo::ConnInfo;
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::{ReplicationConnection, ReplicationError, TimelineSwitch};
@@ -126,6 +127,7 @@ impl Postgres {
         let link = self.link.insert(link);
         let slot_name = self.config.postgres.slot_name();
         let mut waited = false;
+        let mut replanned = false;
         loop {
             match plan(link, &self.config, &self.positions, remembered).await? {
                 StartPlan::Busy { .. } => {}
@@ -133,7 +135,18 @@ impl Postgres {
                 plan => return Ok(plan),
             }
             let conn = link.conn.as_mut().ok_or(Error::RelayNotPlanned)?;
-            slot::wait_for_slot(conn, &link.metadata, &slot_name, busy_timeout).await?;
+            match slot::wait_for_slot(conn, &link.metadata, &slot_name, busy_timeout).await {
+                // Invalidated since the plan read it (a standby replaying the
+                // primary's lowered wal_level, say): plan again, which finds it lost
+                // and lets `relay.on_slot_loss` decide, instead of exiting here.
+                Err(PgError::Prerequisite(Prerequisite::SlotInvalidated { .. })) if !replanned => {
+                    replanned = true;
+                    continue;
+                }
+                outcome => {
+                    outcome?;
+                }
+            }
             waited = true;
         }
     }
