@@ -55,3 +55,24 @@ pub(crate) fn chosen_outbox(
             }),
     }
 }
+
+/// Takes the session-level advisory lock named `key` without waiting (released by
+/// [`advisory_unlock`] or when the connection closes): whether it was free. One
+/// run at a time of `replay` and `republish` per table.
+pub(crate) async fn try_advisory_lock(
+    client: &tokio_postgres::Client,
+    key: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    client
+        .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
+        .await?
+        .try_get(0)
+}
+
+/// Releases a lock of [`try_advisory_lock`]; best effort, as it also ends with the
+/// session.
+pub(crate) async fn advisory_unlock(client: &tokio_postgres::Client, key: &str) {
+    let _ = client
+        .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&key])
+        .await;
+}

@@ -205,6 +205,26 @@ pub(crate) fn encode_frame(format: PayloadFormat, fields: [Option<&[u8]>; 8]) ->
     out
 }
 
+/// Whether `outbox_emit` (the message outbox's writer, migration `0011`) is
+/// installed in `schema`: events written with it are in no table.
+///
+/// # Errors
+///
+/// The query failed.
+pub async fn emit_installed(
+    client: &impl tokio_postgres::GenericClient,
+    schema: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                             WHERE n.nspname = $1 AND p.proname = 'outbox_emit')",
+            &[&schema],
+        )
+        .await?
+        .try_get(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,7 +33,7 @@ pub(crate) struct Layout {
 
 pub(super) const FIELDS: usize = 9;
 pub(crate) const ID: usize = 0;
-pub(crate) const IDEMPOTENCY_KEY: usize = 1;
+pub(super) const IDEMPOTENCY_KEY: usize = 1;
 pub(crate) const AGGREGATE_TYPE: usize = 2;
 pub(crate) const AGGREGATE_ID: usize = 3;
 pub(crate) const EVENT_TYPE: usize = 4;

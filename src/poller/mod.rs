@@ -86,7 +86,7 @@ pub use batch::{ATTEMPTS_EXHAUSTED, Poller, PublishedBatch};
 pub(crate) use layout::migrated_layout_for_tests;
 pub(crate) use layout::{
     AGGREGATE_ID, AGGREGATE_TYPE, CREATED_AT as CREATED_AT_FIELD, EVENT_TYPE, ID as ID_FIELD,
-    IDEMPOTENCY_KEY as IDEMPOTENCY_KEY_FIELD, Layout, Reading, inspect_tables, inspect_tables_for,
+    Layout, Reading, inspect_tables, inspect_tables_for,
 };
 pub use marks::BatchOutcome;
 pub(crate) use marks::{mark_unsent_sent, write_marks};
@@ -95,5 +95,5 @@ pub(crate) use publish::publish_holding;
 pub(crate) use row::{
     BatchRow, CommitRank, Delivery, Polled, RowResult, read_ranked_row, read_row, read_row_before,
 };
-pub(crate) use sql::{Prepared, Sql, select_list, session};
+pub(crate) use sql::{Prepared, Sql, has_poison_row, select_list, session};
 pub use worker::{PollSummary, run};

@@ -98,15 +98,7 @@ impl Sql {
     ) -> Sql {
         let in_shard = shard_filter.map_or(String::new(), |f| format!(" AND ({f})"));
         let table = quote_qualified(&outbox.table);
-        let poison = quote_qualified(&outbox.poison_table);
-        // A poison row of another outbox sharing the poison table (whose ids or keys
-        // may equal this one's) says nothing about this outbox's rows; rows written
-        // before sources were recorded (migration 0012) are taken as before.
-        let own_poison = format!(
-            "(p.source_table IS NULL OR p.source_table = '{}')",
-            crate::poison::source_table(outbox).replace('\'', "''")
-        );
-        let col = |field: usize| field_text(layout, field);
+        let poisoned = has_poison_row(outbox, layout);
         // Layout guarantees the required columns; the fallback only keeps this total.
         let name = |field: usize| quote_ident(layout.fields[field].as_deref().unwrap_or("id"));
         let (id, created_at) = (name(ID), name(CREATED_AT));
@@ -125,29 +117,17 @@ impl Sql {
         Sql {
             select_batch: format!("{select} WHERE o.sent_at IS NULL AND o.attempts < $1 {order}"),
             backlog: format!(
-                "{ranked} WHERE o.sent_at IS NULL AND NOT EXISTS (
-                     SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
-                       AND {own_poison}){in_shard}
-                 {commit_order}",
-                col(IDEMPOTENCY_KEY)
+                "{ranked} WHERE o.sent_at IS NULL AND NOT {poisoned}{in_shard}
+                 {commit_order}"
             ),
             undelivered: format!(
-                "{ranked} WHERE o.sent_at IS NULL AND NOT EXISTS (
-                     SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
-                       AND {own_poison})
+                "{ranked} WHERE o.sent_at IS NULL AND NOT {poisoned}
                    AND NOT ({}){in_shard}
                  {commit_order}",
-                col(IDEMPOTENCY_KEY),
                 crate::outbox::checkpoint::precedes_sql("o", 1)
             ),
             sweep: format!(
-                "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT EXISTS (
-                     SELECT 1 FROM {poison} p
-                     WHERE p.idempotency_key = COALESCE({}, o.{id}::text)
-                       AND {own_poison}) {order}",
-                col(IDEMPOTENCY_KEY)
+                "{select} WHERE o.sent_at IS NULL AND o.attempts >= $1 AND NOT {poisoned} {order}"
             ),
             by_id: format!("{select} WHERE o.{id} = $1::text::{id_type}"),
             // statement_timestamp(): when the marks were written, after the acks
@@ -178,6 +158,23 @@ fn field_text(layout: &Layout, field: usize) -> String {
         Some(name) => format!("o.{}::text", quote_ident(name)),
         None => "NULL::text".to_owned(),
     }
+}
+
+/// SQL condition: row `o` has a poison row of its own outbox, found by its
+/// idempotency key (the id when the table has no such column). A poison row of
+/// another outbox sharing the poison table (whose ids or keys may equal this one's)
+/// says nothing about this outbox's rows; rows written before sources were recorded
+/// (migration 0012) are taken as before.
+pub(crate) fn has_poison_row(outbox: &OutboxConfig, layout: &Layout) -> String {
+    let poison = quote_qualified(&outbox.poison_table);
+    // Layout guarantees the id column; the fallback only keeps this total.
+    let id = quote_ident(layout.fields[ID].as_deref().unwrap_or("id"));
+    format!(
+        "EXISTS (SELECT 1 FROM {poison} p WHERE p.idempotency_key = COALESCE({}, o.{id}::text) \
+         AND (p.source_table IS NULL OR p.source_table = '{}'))",
+        field_text(layout, IDEMPOTENCY_KEY),
+        crate::poison::source_table(outbox).replace('\'', "''")
+    )
 }
 
 /// The columns `read_row` reads, from table alias `o`: the fields as text, the

@@ -50,15 +50,8 @@ pub(super) async fn check(client: &Client, config: &Config) -> Check {
         Err(e) => return Check::query_failed(NAME, "cannot read track_commit_timestamp", &e),
     };
     let (schema, _) = crate::config::qualified_name(&config.outbox.table).unwrap_or_default();
-    let messages = match client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                             WHERE n.nspname = $1 AND p.proname = 'outbox_emit')",
-            &[&schema],
-        )
-        .await
-    {
-        Ok(row) => row.try_get::<_, bool>(0).unwrap_or(false),
+    let messages = match crate::outbox::message::emit_installed(client, &schema).await {
+        Ok(installed) => installed,
         Err(e) => return Check::query_failed(NAME, "cannot look for outbox_emit", &e),
     };
     let mut check = verdict(config, &outbox, &missing, commit_timestamps);

@@ -237,12 +237,7 @@ impl PoisonStore {
     /// connection closes).
     pub(super) async fn lock(&self) -> Result<(), Error> {
         let key = format!("outbox-relay replay {}", self.table);
-        let locked: bool = self
-            .client
-            .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
-            .await?
-            .try_get(0)?;
-        if !locked {
+        if !crate::ops::try_advisory_lock(&self.client, &key).await? {
             return Err(Error::ReplayLocked {
                 table: self.name.clone(),
             });
@@ -252,11 +247,7 @@ impl PoisonStore {
 
     pub(super) async fn unlock(&self) {
         let key = format!("outbox-relay replay {}", self.table);
-        // Best effort: the lock also ends with the session.
-        let _ = self
-            .client
-            .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&key])
-            .await;
+        crate::ops::advisory_unlock(&self.client, &key).await;
     }
 
     /// Every named id must exist; otherwise nothing is replayed (exit code 2).

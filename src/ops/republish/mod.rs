@@ -109,8 +109,10 @@ pub async fn run(config: &Config, args: &RepublishArgs) -> Result<RepublishRepor
         "outbox-relay republish {}",
         quote_qualified(&config.outbox.table)
     );
-    if !args.dry_run {
-        take_lock(&client, &lock, &config.outbox.table).await?;
+    if !args.dry_run && !crate::ops::try_advisory_lock(&client, &lock).await? {
+        return Err(Error::RepublishLocked {
+            table: config.outbox.table.clone(),
+        });
     }
     let run = Run {
         config,
@@ -123,10 +125,7 @@ pub async fn run(config: &Config, args: &RepublishArgs) -> Result<RepublishRepor
     };
     let result = run.republish(&mut client).await;
     if !args.dry_run {
-        // Best effort: the lock also ends with the session.
-        let _ = client
-            .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&lock])
-            .await;
+        crate::ops::advisory_unlock(&client, &lock).await;
     }
     result
 }
@@ -151,33 +150,6 @@ async fn check_ids(client: &Client, layout: &Layout, args: &RepublishArgs) -> Re
     Ok(())
 }
 
-async fn take_lock(client: &Client, lock: &str, table: &str) -> Result<()> {
-    let locked: bool = client
-        .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&lock])
-        .await?
-        .try_get(0)?;
-    if locked {
-        Ok(())
-    } else {
-        Err(Error::RepublishLocked {
-            table: table.to_owned(),
-        })
-    }
-}
-
-/// Whether `outbox_emit` (the message outbox) is installed in the outbox's schema.
-async fn message_outbox_installed(client: &Client, config: &Config) -> Result<bool> {
-    let (schema, _) = crate::config::qualified_name(&config.outbox.table).unwrap_or_default();
-    Ok(client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                             WHERE n.nspname = $1 AND p.proname = 'outbox_emit')",
-            &[&schema],
-        )
-        .await?
-        .try_get(0)?)
-}
-
 /// One run's inputs.
 struct Run<'a> {
     config: &'a Config,
@@ -200,7 +172,9 @@ struct Holds {
 impl Run<'_> {
     async fn republish(&self, client: &mut Client) -> Result<RepublishReport> {
         let xmin = read::delivered_xmin(client, self.config).await?;
-        let message_outbox = message_outbox_installed(client, self.config).await?;
+        let (schema, _) =
+            crate::config::qualified_name(&self.config.outbox.table).unwrap_or_default();
+        let message_outbox = crate::outbox::message::emit_installed(&*client, &schema).await?;
         let statements = Statements::new(self.config, self.layout, self.filter);
         let transaction = read::snapshot(client).await?;
         let (mut reader, counted) =

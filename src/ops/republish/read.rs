@@ -49,7 +49,8 @@ use crate::outbox::OutboxRow;
 use crate::outbox::checkpoint::precedes_sql;
 use crate::outbox::position::PositionTable;
 use crate::poller::{
-    CREATED_AT_FIELD, ID_FIELD, Layout, Polled, pg_error, read_row_before, select_list,
+    CREATED_AT_FIELD, ID_FIELD, Layout, Polled, has_poison_row, pg_error, read_row_before,
+    select_list,
 };
 
 use super::args::Filter;
@@ -74,20 +75,9 @@ impl Statements {
     pub(super) fn new(config: &Config, layout: &Layout, filter: &Filter) -> Statements {
         let outbox = &config.outbox;
         let table = quote_qualified(&outbox.table);
-        let poison = quote_qualified(&outbox.poison_table);
         // The layout always has an id column.
         let id = format!("o.{}", quote_ident(layout.column(ID_FIELD).unwrap_or("id")));
-        let key = match layout.column(crate::poller::IDEMPOTENCY_KEY_FIELD) {
-            Some(c) => format!("COALESCE(o.{}::text, {id}::text)", quote_ident(c)),
-            None => format!("{id}::text"),
-        };
-        let own_poison = format!(
-            "(p.source_table IS NULL OR p.source_table = '{}')",
-            crate::poison::source_table(outbox).replace('\'', "''")
-        );
-        let poisoned = format!(
-            "EXISTS (SELECT 1 FROM {poison} p WHERE p.idempotency_key = {key} AND {own_poison})"
-        );
+        let poisoned = has_poison_row(outbox, layout);
         let sent = if layout.poller_columns {
             "o.sent_at IS NOT NULL OR "
         } else {
