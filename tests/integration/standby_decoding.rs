@@ -609,3 +609,259 @@ async fn a_slot_invalidated_by_the_primarys_wal_level_is_said_waited_out_and_res
         .await
         .expect("drop the slot on the standby");
 }
+
+/// Turns `hot_standby_feedback` on or off on the standby of `standby`, and waits
+/// until the primary's physical slot for it shows that: off, the standby's last
+/// feedback clears the slot's horizons; on, it sets them again.
+async fn set_feedback(standby: &Client, primary: &Client, on: bool) {
+    // Each its own statement: ALTER SYSTEM runs outside a transaction.
+    for statement in [
+        format!("ALTER SYSTEM SET hot_standby_feedback = {on}"),
+        "SELECT pg_reload_conf()".to_owned(),
+    ] {
+        standby
+            .batch_execute(&statement)
+            .await
+            .expect("set hot_standby_feedback");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: bool = primary
+            .query_one(
+                "SELECT coalesce(bool_or(xmin IS NOT NULL OR catalog_xmin IS NOT NULL), false)
+                 FROM pg_replication_slots WHERE slot_type = 'physical' AND slot_name = $1",
+                &[&"pg17_drill_standby"],
+            )
+            .await
+            .expect("read the standby's physical slot")
+            .get(0);
+        if held == on {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the primary's physical slot still shows hot_standby_feedback = {} after 30 s",
+            !on
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Catalog rows removed on the primary: a table made and dropped, and the catalogs
+/// it touched vacuumed. Each is its own transaction: rows a transaction inserts and
+/// deletes itself were never visible, and their removal conflicts with no snapshot
+/// or slot on a standby; VACUUM runs outside a transaction anyway.
+async fn churn_catalog(client: &Client, round: usize) {
+    let statements = [
+        format!("CREATE TABLE catalog_churn_{round} (a int)"),
+        format!("DROP TABLE catalog_churn_{round}"),
+    ];
+    let vacuums =
+        ["pg_class", "pg_attribute", "pg_type", "pg_depend"].map(|c| format!("VACUUM {c}"));
+    for statement in statements.iter().chain(&vacuums) {
+        client
+            .batch_execute(statement)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+}
+
+/// `hot_standby_feedback` turned off on the standby a relay decodes on: `check` says
+/// so; while the relay is stopped the primary's vacuum removes catalog rows its slot
+/// still needs and the standby invalidates the slot (`rows_removed`); started, the
+/// relay says the slot is lost with that cause and that the standby runs without
+/// feedback, and resyncs from its saved position, reading the table on the
+/// standby; no event is lost, keys keep their order. It turns the setting back on.
+/// (A slot invalidated under a streaming relay is the `wal_level` test's case.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a PostgreSQL 16+ primary and standby: scripts/pg17-failover-drill"]
+async fn without_hot_standby_feedback_a_slot_invalidated_by_vacuum_is_said_and_resynced() {
+    let primary_url = required("OUTBOX_RELAY_PG17_PRIMARY_URL");
+    let standby_url = required("OUTBOX_RELAY_PG17_STANDBY_URL");
+    let db = TestDb::create_in(&primary_url, "standby_feedback", 3, "").await;
+    let replica_url = harness::database_url(&standby_url, &db.name);
+    let window = WINDOW.to_string();
+    let env = [
+        ("OUTBOX_RELAY__POSTGRES__SLOT_URL", replica_url.as_str()),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str()),
+    ];
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let replica = connect_when_replayed(&replica_url).await;
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    write(&db.client, 0..300).await;
+    consume_unique(&db.topic, 300, Duration::from_secs(60), &relay).await;
+
+    let standby_admin = harness::connect(&standby_url).await;
+    let primary_admin = harness::connect(&primary_url).await;
+    set_feedback(&standby_admin, &primary_admin, false).await;
+    let out = harness::run_cli_with(
+        &[
+            "check",
+            "--json",
+            "--config",
+            db.config_path.to_str().expect("utf-8 path"),
+        ],
+        &env,
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
+    let feedback_check = report["checks"]
+        .as_array()
+        .and_then(|checks| {
+            checks
+                .iter()
+                .find(|c| c["name"] == "postgres.standby.hot_standby_feedback")
+        })
+        .unwrap_or_else(|| panic!("no hot_standby_feedback check: {report}"));
+    assert_ne!(
+        feedback_check["status"], "ok",
+        "check did not say hot_standby_feedback is off: {feedback_check}"
+    );
+
+    // The relay stops (its slot's catalog horizon then stays where it is), and the
+    // primary removes catalog rows past it while events are written: the standby
+    // replays a removal and invalidates the slot.
+    relay.terminate(Duration::from_secs(30)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut written = 300;
+    let mut round = 0;
+    loop {
+        write(&db.client, written..written + 50).await;
+        written += 50;
+        churn_catalog(&db.client, round).await;
+        round += 1;
+        let reason: Option<String> = replica
+            .query_one(
+                "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .expect("read the slot on the standby")
+            .get(0);
+        if reason.as_deref() == Some("rows_removed") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slot was not invalidated for removed rows within 60 s ({round} rounds): {reason:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let relay = RelayProcess::start(&db.config_path, &env);
+    harness::wait_until(Duration::from_secs(120), "the resync", || {
+        let log = relay.log();
+        async move { log.contains("resync complete") }
+    })
+    .await;
+    let log = relay.log();
+    assert!(
+        log.contains("replication slot lost")
+            && log.contains("the catalog rows it needed were removed"),
+        "the relay did not say the slot was lost for removed rows; log:\n{log}"
+    );
+    assert!(
+        log.contains("hot_standby_feedback = off"),
+        "the relay did not say the standby runs without hot_standby_feedback; log:\n{log}"
+    );
+    set_feedback(&standby_admin, &primary_admin, true).await;
+    write(&db.client, written..written + 300).await;
+    written += 300;
+    let total = usize::try_from(written).expect("count");
+    let records = consume_unique(&db.topic, total, Duration::from_secs(120), &relay).await;
+    let (unique, duplicates) = tally(&records);
+    let log = relay.log();
+    eprintln!(
+        "hot_standby_feedback off: slot invalidated after {round} rounds of catalog churn; \
+         {total} events, lost {}, duplicates {duplicates}",
+        total.saturating_sub(unique)
+    );
+    assert_eq!(unique, total, "events lost; log:\n{log}");
+    assert_per_key_order(&records);
+    relay.terminate(Duration::from_secs(30)).await;
+    let audit = harness::audit(&db);
+    assert_eq!(audit["lost"], 0, "{audit}");
+    replica
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
+        .await
+        .expect("drop the slot on the standby");
+}
+
+/// A promotion of *another* standby: the relay decodes on the first standby and is
+/// killed while it delivers, the primary stops (a fast stop: both standbys have its
+/// WAL), the second standby is promoted and the relay is pointed at it alone, as a
+/// DNS switch and a restart would. The slot is not there (a slot made on a standby
+/// is synced to no other server): the relay says the slot is lost and resyncs from
+/// its saved position, which the new primary replayed, reading the table there;
+/// no event is lost, keys keep their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a PostgreSQL 16+ primary and two standbys: scripts/pg17-failover-drill"]
+async fn a_promotion_of_another_standby_is_a_lost_slot_resynced_on_the_new_primary() {
+    let primary_url = required("OUTBOX_RELAY_PG17_PRIMARY_URL");
+    let standby_url = required("OUTBOX_RELAY_PG17_STANDBY_URL");
+    let standby2_url = required("OUTBOX_RELAY_PG17_STANDBY2_URL");
+    let db = TestDb::create_in(&primary_url, "standby_other", 3, "").await;
+    let replica_url = harness::database_url(&standby_url, &db.name);
+    let other_url = harness::database_url(&standby2_url, &db.name);
+    let window = WINDOW.to_string();
+    let env = [
+        ("OUTBOX_RELAY__POSTGRES__SLOT_URL", replica_url.as_str()),
+        ("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str()),
+    ];
+    let relay = RelayProcess::start(&db.config_path, &env);
+    let replica = connect_when_replayed(&replica_url).await;
+    wait_streaming(&replica, &db.slot, &relay, 0).await;
+    write(&db.client, 0..1_000).await;
+    consume_unique(&db.topic, 1_000, Duration::from_secs(60), &relay).await;
+    write(&db.client, 1_000..2_500).await;
+    relay.kill9().await;
+    let mut written = 2_500;
+
+    ctl("primary", &["stop", "-m", "fast"]);
+    let other = connect_when_replayed(&other_url).await;
+    let promoted: bool = other
+        .query_one("SELECT pg_promote(true, 60)", &[])
+        .await
+        .expect("pg_promote")
+        .get(0);
+    assert!(promoted, "the second standby was not promoted within 60 s");
+    write(&other, written..written + 1_000).await;
+    written += 1_000;
+    let config = std::fs::read_to_string(&db.config_path)
+        .expect("the test config")
+        .replace(&db.url, &other_url);
+    let promoted_config = db.config_path.with_extension("other.toml");
+    std::fs::write(&promoted_config, config).expect("write the new primary's config");
+    let relay = RelayProcess::start(
+        &promoted_config,
+        &[("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT_EVENTS", window.as_str())],
+    );
+    write(&other, written..written + 500).await;
+    written += 500;
+    let total = usize::try_from(written).expect("count");
+    let first = consume_unique(&db.topic, total, Duration::from_secs(120), &relay).await;
+    let records = harness::reread(&db.topic, &first, Duration::from_secs(3)).await;
+    let (unique, duplicates) = tally(&records);
+    let log = relay.log();
+    eprintln!(
+        "promotion of another standby: {total} events, lost {}, duplicates {duplicates}",
+        total.saturating_sub(unique)
+    );
+    assert!(
+        log.contains("replication slot lost") && log.contains("resync complete"),
+        "the relay did not say the slot was lost and resync; log:\n{log}"
+    );
+    assert_eq!(unique, total, "events lost; log:\n{log}");
+    assert_per_key_order(&records);
+    // The kill re-sends at most its window and what was acked past the last save;
+    // the resync skips what the topic holds.
+    assert!(
+        duplicates <= 2 * WINDOW + 3,
+        "{duplicates} duplicates, more than two in-flight windows of {WINDOW}; log:\n{log}"
+    );
+    assert_eq!(
+        logical_on(&other, &db.name).await.0,
+        1,
+        "the relay's slot is not on the new primary"
+    );
+    relay.terminate(Duration::from_secs(30)).await;
+}
