@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cdc::metrics as m;
 use crate::cdc::ports::clock;
-use crate::cdc::ports::database::{PositionWrites, SaveError};
+use crate::cdc::ports::database::{PositionWrites, Refusal, SaveError};
 use crate::cdc::progress::SavePhase;
 use crate::lifecycle::Backoff;
 use crate::lsn::Lsn;
@@ -196,12 +196,11 @@ impl Task {
                 }
                 Err(SaveError {
                     message,
-                    refused: true,
+                    refused: Some(refusal),
                     ..
                 }) => {
                     failures.increment(1);
-                    tracing::error!(reason = %message, position = %target,
-                        "the relay position row is not this session's to write; the session ends");
+                    log_refusal(refusal, &message, target);
                     // The session ends on it; a full queue means it is ending anyway.
                     let _ = self
                         .failures
@@ -213,7 +212,7 @@ impl Task {
                     message,
                     phase,
                     sqlstate,
-                    refused: false,
+                    refused: None,
                 }) => {
                     failures.increment(1);
                     let pause = backoff.next_pause();
@@ -229,6 +228,18 @@ impl Task {
                 }
             }
         }
+    }
+}
+
+/// Says why a save was refused. A primary that restarted under a session decoding
+/// on a standby is routine (the next session starts on the restarted server): a
+/// warning; a row of another history or with a resync pending is an error.
+fn log_refusal(refusal: Refusal, message: &str, target: Lsn) {
+    match refusal {
+        Refusal::ServerRestarted => tracing::warn!(reason = %message, position = %target,
+            "the server the relay writes to restarted; the session ends and starts again there"),
+        Refusal::NotOurs => tracing::error!(reason = %message, position = %target,
+            "the relay position row is not this session's to write; the session ends"),
     }
 }
 

@@ -82,9 +82,7 @@ fn signal(child: &Child, sig: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
     let _heavy = harness::heavy().await;
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let seed = seed();
-    let seed_text = seed.to_string();
+    let seed = seed().to_string();
     let partitions = if can_make_network_namespaces() {
         "1"
     } else {
@@ -99,7 +97,7 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "--partition-secs",
         "25-28",
         "--seed",
-        seed_text.as_str(),
+        seed.as_str(),
         "--cycles",
         "3",
         "--broker-outages",
@@ -132,14 +130,104 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
         "5-8",
         "--gap",
         "0.5-2",
-        "--json",
-        "--bin",
-        env!("CARGO_BIN_EXE_outbox-relay"),
     ];
-    let repeat = format!("scripts/fault-drill {}", args[..args.len() - 2].join(" "));
+    let mut kinds = vec![
+        "kill9",
+        "broker",
+        "pg_restart",
+        "pg_crash",
+        "conn_cut",
+        "slot_drop",
+        "second_relay",
+        "standby_start",
+        "big_tx_cut",
+        "restore",
+        "promotion",
+    ];
+    if partitions != "0" {
+        kinds.extend(["partition_pg", "partition_broker"]);
+    }
+    run_drill(&args, &kinds, 2000 + 4001).await;
+}
+
+/// The drill's standby variant (`--standby`): the relay decodes on a streaming
+/// standby of a PostgreSQL 17 primary (`postgres.slot_url`) and writes to the
+/// primary, under kills, broker outages, restarts and crashes of the primary,
+/// crashes of the standby, walsender cuts and a slot drop on the standby, a second
+/// relay, standbys started under load and cuts inside a large transaction. It needs
+/// the PostgreSQL 17 binaries, which `scripts/pg17-failover-drill` installs and
+/// with which it runs this test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the PostgreSQL 17 binaries: scripts/pg17-failover-drill"]
+async fn short_standby_fault_drill_loses_nothing_and_bounds_duplicates() {
+    let seed = seed().to_string();
+    let args = [
+        "--standby",
+        "--seed",
+        seed.as_str(),
+        "--cycles",
+        "2",
+        "--broker-outages",
+        "1",
+        "--pg-restarts",
+        "1",
+        "--pg-crashes",
+        "1",
+        "--standby-crashes",
+        "2",
+        "--conn-cuts",
+        "1",
+        "--slot-drops",
+        "1",
+        "--second-relays",
+        "1",
+        "--standby-starts",
+        "1",
+        "--standby-burst",
+        "4",
+        "--big-tx-cuts",
+        "1",
+        "--big-tx",
+        "4000",
+        "--events",
+        "2000",
+        "--outage",
+        "5-8",
+        "--gap",
+        "0.5-2",
+    ];
+    let kinds = [
+        "kill9",
+        "broker",
+        "pg_restart",
+        "pg_crash",
+        "standby_crash",
+        "conn_cut",
+        "slot_drop",
+        "second_relay",
+        "standby_start",
+        "big_tx_cut",
+    ];
+    run_drill(&args, &kinds, 2000 + 4001).await;
+}
+
+/// Runs `scripts/fault-drill ARGS --json` with this build's binary, and asserts
+/// what its report says: nothing lost or out of order, `expected` events audited,
+/// only the big transaction's undeliverable event poisoned, each fault of `kinds`
+/// injected and within its duplicate bound, and no other problem.
+async fn run_drill(args: &[&str], kinds: &[&str], expected: u64) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let repeat = format!("scripts/fault-drill {}", args.join(" "));
+    let seed = args
+        .iter()
+        .position(|a| *a == "--seed")
+        .and_then(|i| args.get(i + 1))
+        .copied()
+        .unwrap_or("?");
     let mut child = Command::new("python3")
         .arg(root.join("scripts/fault-drill"))
         .args(args)
+        .args(["--json", "--bin", env!("CARGO_BIN_EXE_outbox-relay")])
         .current_dir(&root)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -201,26 +289,10 @@ async fn short_fault_drill_loses_nothing_and_bounds_duplicates() {
     );
     assert_eq!(
         num("expected"),
-        2000 + 4001,
+        expected,
         "every written event audited; {context}"
     );
-    let mut kinds = vec![
-        "kill9",
-        "broker",
-        "pg_restart",
-        "pg_crash",
-        "conn_cut",
-        "slot_drop",
-        "second_relay",
-        "standby_start",
-        "big_tx_cut",
-        "restore",
-        "promotion",
-    ];
-    if partitions != "0" {
-        kinds.extend(["partition_pg", "partition_broker"]);
-    }
-    for fault in kinds {
+    for &fault in kinds {
         let n = report["faults"][fault].as_u64().unwrap_or(0);
         assert!(n > 0, "fault {fault} was never injected; {context}");
         let bound = report["duplicate_bound_by_fault"][fault]

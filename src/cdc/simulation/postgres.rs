@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 use super::world::{HISTORY, PositionRow, Row, RowId, Shared, Slot, Walsender, World};
 use crate::cdc::metrics::Health;
 use crate::cdc::ports::Boxed;
-use crate::cdc::ports::database::{Opened, PositionWrites, SaveError, SessionDatabase, Start};
+use crate::cdc::ports::database::{
+    Opened, PositionWrites, Refusal, SaveError, SessionDatabase, Start,
+};
 use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::SavePhase;
 use crate::cdc::start::{self, Remembered, ServerView, SlotView, StartPlan};
@@ -306,7 +308,7 @@ impl PositionWrites for SimPositionWrites {
                     message: "simulated: PostgreSQL is restarting".to_owned(),
                     phase: SavePhase::Connecting,
                     sqlstate: Some("57P03".to_owned()),
-                    refused: false,
+                    refused: None,
                 });
             }
             if self.server_started != Some(world.server_started) {
@@ -315,7 +317,7 @@ impl PositionWrites for SimPositionWrites {
                         .to_owned(),
                     phase: SavePhase::Connecting,
                     sqlstate: None,
-                    refused: true,
+                    refused: Some(Refusal::ServerRestarted),
                 });
             }
             let history = self.history;
@@ -329,7 +331,7 @@ impl PositionWrites for SimPositionWrites {
                     message: format!("simulated: the row belongs to {}", row.history),
                     phase: SavePhase::Statement,
                     sqlstate: None,
-                    refused: true,
+                    refused: Some(Refusal::ServerRestarted),
                 }),
                 None => {
                     world.position = Some(PositionRow {

@@ -66,9 +66,21 @@ pub(crate) struct SaveError {
     pub(crate) phase: SavePhase,
     /// The server's SQLSTATE, when it sent one.
     pub(crate) sqlstate: Option<String>,
-    /// The row is not ours to write (another history, a resync pending, a
-    /// restarted server): retrying cannot help.
-    pub(crate) refused: bool,
+    /// Why the row is not this session's to write, when it is not: retrying
+    /// cannot help.
+    pub(crate) refused: Option<Refusal>,
+}
+
+/// Why a position save is refused: the session ends, and the next one's start plan
+/// decides on what it finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The server restarted since the session began: it may be a copy restored in
+    /// place. Routine when the slot lives on a standby and the primary restarts
+    /// under a streaming session (`postgres.slot_url`).
+    ServerRestarted,
+    /// The row belongs to another history, or a resync is pending on it.
+    NotOurs,
 }
 
 impl SaveError {
@@ -77,7 +89,7 @@ impl SaveError {
             message: e.to_string(),
             phase: SavePhase::Connecting,
             sqlstate: e.sqlstate().map(str::to_owned),
-            refused: false,
+            refused: None,
         }
     }
 }
@@ -94,7 +106,7 @@ impl From<crate::outbox::checkpoint::CheckpointError> for SaveError {
             message: e.to_string(),
             phase: SavePhase::Statement,
             sqlstate,
-            refused: false,
+            refused: None,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use super::{Opened, PositionWrites, SaveError, SessionDatabase, Start};
+use super::{Opened, PositionWrites, Refusal, SaveError, SessionDatabase, Start};
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::ports::Boxed;
 use crate::cdc::ports::stream::WalStream;
@@ -552,7 +552,7 @@ impl PostgresPositionWrites {
                 .to_owned(),
             phase: SavePhase::Connecting,
             sqlstate: None,
-            refused: true,
+            refused: Some(Refusal::ServerRestarted),
         })
     }
 
@@ -579,7 +579,7 @@ impl PostgresPositionWrites {
                 message: "no connection".to_owned(),
                 phase: SavePhase::Connecting,
                 sqlstate: None,
-                refused: false,
+                refused: None,
             });
         };
         if self.table.save(c, self.history, target).await? {
@@ -597,7 +597,7 @@ impl PostgresPositionWrites {
                 ),
                 phase: SavePhase::Statement,
                 sqlstate: None,
-                refused: true,
+                refused: Some(Refusal::NotOurs),
             }),
         }
     }
