@@ -34,6 +34,9 @@
 //! - The relay process is killed (`kill -9`: what it had in flight lands or not,
 //!   unreported, and a commit it had sent may complete) or stopped gracefully,
 //!   and started again on the same world.
+//! - One single-outbox schedule in five runs with `relay.on_poison = "halt"`: no
+//!   undeliverable row before its 200th transaction, then the relay halts on the
+//!   first and the faults go on around it.
 //!
 //! # The promises checked
 //!
@@ -44,7 +47,9 @@
 //! schedule): at-least-once, every event is in the topic or the poison table, and
 //! the first delivery of each event of a key comes in commit order; exactly-once,
 //! the read_committed view holds each event not poisoned exactly once and no
-//! poisoned one, in per-key commit order. The duplicates are counted.
+//! poisoned one, in per-key commit order; a halting relay, the same up to the
+//! first transaction with an event it may not deliver, and no poison row. The
+//! duplicates are counted.
 //!
 //! A schedule is a function of its seed (`OUTBOX_RELAY_WHOLE_SIM_SEED=N` replays
 //! one; `OUTBOX_RELAY_WHOLE_SIM_SCHEDULES` runs more): the world draws from the
@@ -119,7 +124,14 @@ struct Schedule {
     broker_down_until: Option<tokio::time::Instant>,
     /// Transactions before this one were found resolved.
     verified: usize,
+    /// `relay.on_poison = "halt"`: nothing is poisoned, the relay stops before the
+    /// first event it cannot deliver.
+    halt: bool,
 }
+
+/// Transactions committed before a halting schedule writes rows that can never
+/// be delivered: the relay halts on the first one, and the faults go on.
+const HALT_AFTER: u64 = 200;
 
 impl Schedule {
     fn new(seed: u64, mode: Mode) -> Schedule {
@@ -139,8 +151,11 @@ impl Schedule {
         } else {
             ""
         };
+        // One single-outbox schedule in five halts on poison instead of writing it.
+        let halt = outboxes.is_empty() && seed % 5 == 1;
+        let on_poison = if halt { "on_poison = \"halt\"\n" } else { "" };
         let config = crate::config::test_config(&format!(
-            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n{outboxes}"
+            "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n{on_poison}{outboxes}"
         ));
         let shared = Shared::new(seed);
         shared.lock().transaction_timeout =
@@ -154,6 +169,7 @@ impl Schedule {
             down_until: None,
             broker_down_until: None,
             verified: 0,
+            halt,
         }
     }
 
@@ -448,14 +464,15 @@ impl Schedule {
         } else {
             1
         };
+        let bad = !self.halt || world.stats.transactions >= HALT_AFTER;
         let rows = (0..n)
             .map(|_| Row {
                 entity: u32::try_from(world.rng.below(5)).unwrap_or(0),
-                unmappable: world.rng.percent(3),
-                refused: world.rng.percent(2),
+                unmappable: world.rng.percent(3) && bad,
+                refused: world.rng.percent(2) && bad,
                 table: u8::try_from(world.rng.below(tables)).unwrap_or(0),
-                oversize: world.rng.percent(1),
-                big_batch: world.rng.percent(2),
+                oversize: world.rng.percent(1) && bad,
+                big_batch: world.rng.percent(2) && bad,
             })
             .collect();
         world.commit(rows);
@@ -523,7 +540,10 @@ impl Schedule {
         counts
     }
 
-    /// Stops the faults and lets the relay catch up; fails on a wedge.
+    /// Stops the faults and lets the relay catch up; fails on a wedge. A halting
+    /// relay catches up to the first event it can never deliver, restarted every
+    /// 20 s as after a fix: an event it halted on for a failure that passes (its
+    /// topic missing, a record the broker refused once) goes then.
     async fn catch_up(&mut self) {
         self.broker_down_until = None;
         {
@@ -531,13 +551,22 @@ impl Schedule {
             world.topic_missing = false;
         }
         let deadline = tokio::time::Instant::now() + CATCH_UP;
+        let mut restarted = tokio::time::Instant::now() - Duration::from_secs(60);
         loop {
+            if self.halt && restarted.elapsed() >= Duration::from_secs(20) {
+                self.stop().await;
+                self.start();
+                restarted = tokio::time::Instant::now();
+            }
             self.step(false).await;
             let done = {
                 let world = self.shared.lock();
-                let end = world.wal.last().map_or(Lsn::ZERO, |t| t.end_lsn);
-                let every =
-                    (self.verified..world.wal.len()).all(|tx| unresolved_row(&world, tx).is_none());
+                let horizon = self.horizon(&world);
+                let end = horizon
+                    .checked_sub(1)
+                    .and_then(|tx| world.wal.get(tx))
+                    .map_or(Lsn::ZERO, |t| t.end_lsn);
+                let every = (self.verified..horizon).all(|tx| unresolved_row(&world, tx).is_none());
                 every && world.slot.is_some_and(|s| s.confirmed >= end)
             };
             if done {
@@ -556,12 +585,37 @@ impl Schedule {
         }
     }
 
+    /// The transactions the relay must resolve: all, or with `halt` those before
+    /// the first with an event that may never be delivered (the slot stops there):
+    /// unmappable, refused, too large, or too large with others (exactly-once
+    /// cannot send one record alone inside a Kafka transaction).
+    fn horizon(&self, world: &world::World) -> usize {
+        let halts = |t: &world::Tx| {
+            t.rows
+                .iter()
+                .any(|r| r.unmappable || r.refused || r.oversize || r.big_batch)
+        };
+        let first = self
+            .halt
+            .then(|| world.wal.iter().position(halts))
+            .flatten();
+        first.unwrap_or(world.wal.len())
+    }
+
     /// The end: every event resolved, per-key order, and (exactly-once) no event
-    /// twice in the read_committed view.
+    /// twice in the read_committed view. A halting relay resolved every event
+    /// before the first it cannot deliver, and poisoned none.
     fn check_end(&self) -> Outcome {
         let world = self.shared.lock();
         let delivered = self.delivered(&world);
         let poisoned = poisoned(&world);
+        let horizon = self.horizon(&world);
+        if self.halt && !world.poison.is_empty() {
+            self.fail(&format!(
+                "on_poison = \"halt\" wrote {} poison rows",
+                world.poison.len()
+            ));
+        }
         let mut outcome = Outcome {
             stats: world.stats.clone(),
             digest: digest(&world),
@@ -584,7 +638,7 @@ impl Schedule {
                         row.key_text()
                     ));
                 }
-                if times == 0 && !poisoned.contains_key(&row) {
+                if times == 0 && !poisoned.contains_key(&row) && tx < horizon {
                     self.fail(&format!("event {} was lost", row.key_text()));
                 }
                 // All or nothing, but for a poison insert of a killed process that
