@@ -231,9 +231,10 @@ impl Task {
     }
 }
 
-/// Says why a save was refused. A primary that restarted under a session decoding
-/// on a standby is routine (the next session starts on the restarted server): a
-/// warning; a row of another history or with a resync pending is an error.
+/// Says why a save was refused. A restarted server is a warning: routine for a
+/// primary under a session decoding on a standby, and for a copy restored in place
+/// the next session's start plan says what it found. A row of another history or
+/// with a resync pending is an error.
 fn log_refusal(refusal: Refusal, message: &str, target: Lsn) {
     match refusal {
         Refusal::ServerRestarted => tracing::warn!(reason = %message, position = %target,

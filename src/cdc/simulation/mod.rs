@@ -34,6 +34,8 @@
 //! - The relay process is killed (`kill -9`: what it had in flight lands or not,
 //!   unreported, and a commit it had sent may complete) or stopped gracefully,
 //!   and started again on the same world.
+//! - In one schedule in seven half of the events are logical decoding messages
+//!   (the message outbox's `outbox_emit`), mixed with rows of the same keys.
 //! - One single-outbox schedule in five runs with `relay.on_poison = "halt"`: no
 //!   undeliverable row before its 200th transaction, then the relay halts on the
 //!   first and the faults go on around it.
@@ -127,6 +129,9 @@ struct Schedule {
     /// `relay.on_poison = "halt"`: nothing is poisoned, the relay stops before the
     /// first event it cannot deliver.
     halt: bool,
+    /// Half of the events are written with `outbox_emit`: logical decoding
+    /// messages, not rows.
+    messages: bool,
 }
 
 /// Transactions committed before a halting schedule writes rows that can never
@@ -152,7 +157,9 @@ impl Schedule {
             ""
         };
         // One single-outbox schedule in five halts on poison instead of writing it.
-        let halt = outboxes.is_empty() && seed % 5 == 1;
+        // (The residues of this and of `messages` keep the seeds the fail-first
+        // table of docs/architecture.md names as they were.)
+        let halt = outboxes.is_empty() && seed % 5 == 2;
         let on_poison = if halt { "on_poison = \"halt\"\n" } else { "" };
         let config = crate::config::test_config(&format!(
             "{delivery}[relay]\nmax_in_flight_events = 32\nmax_attempts = 3\nshutdown_timeout_secs = 5\nproducer_stall_secs = 3\n{on_poison}{outboxes}"
@@ -160,6 +167,7 @@ impl Schedule {
         let shared = Shared::new(seed);
         shared.lock().transaction_timeout =
             Duration::from_millis(config.kafka.transaction_timeout_ms);
+        shared.lock().stats.halting = u64::from(halt);
         Schedule {
             seed,
             mode,
@@ -170,6 +178,7 @@ impl Schedule {
             broker_down_until: None,
             verified: 0,
             halt,
+            messages: seed % 7 == 3,
         }
     }
 
@@ -473,6 +482,7 @@ impl Schedule {
                 table: u8::try_from(world.rng.below(tables)).unwrap_or(0),
                 oversize: world.rng.percent(1) && bad,
                 big_batch: world.rng.percent(2) && bad,
+                message: self.messages && world.rng.percent(50),
             })
             .collect();
         world.commit(rows);

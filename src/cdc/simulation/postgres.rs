@@ -23,14 +23,16 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::hashing::HashSet;
 use crate::lsn::Lsn;
+use crate::outbox::PayloadFormat;
+use crate::outbox::message::{encode_frame, prefix_of};
 use crate::outbox::position::{Position, ServerHistory};
 use crate::poison::{
     Parked, ParkedKey, PoisonInsertError, PoisonOutcome, PoisonRequest, RecordedPoison,
 };
 use crate::postgres::pgoutput::testkit::encode;
 use crate::postgres::pgoutput::{
-    Begin, ColumnValue, Commit, Insert, LogicalReplicationMessage, Relation, RelationColumn,
-    TupleData,
+    Begin, ColumnValue, Commit, Insert, LogicalDecodingMessage, LogicalReplicationMessage, PgStr,
+    Relation, RelationColumn, TupleData,
 };
 use crate::postgres::prerequisite::Prerequisite;
 use crate::postgres::replication::ReplicationError;
@@ -331,7 +333,7 @@ impl PositionWrites for SimPositionWrites {
                     message: format!("simulated: the row belongs to {}", row.history),
                     phase: SavePhase::Statement,
                     sqlstate: None,
-                    refused: Some(Refusal::ServerRestarted),
+                    refused: Some(Refusal::NotOurs),
                 }),
                 None => {
                     world.position = Some(PositionRow {
@@ -405,6 +407,7 @@ impl SimStream {
                 }),
             )
         } else if walsender.next_msg <= rows
+            && !tx.rows[walsender.next_msg - 1].message
             && walsender.relations_sent & (1 << tx.rows[walsender.next_msg - 1].table) == 0
         {
             // Before a table's first row in the stream, its Relation.
@@ -421,8 +424,13 @@ impl SimStream {
                 tx: walsender.next_tx,
                 ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             };
-            let insert = insert(row, &tx.rows[ordinal]);
-            (tx.final_lsn, LogicalReplicationMessage::Insert(insert))
+            let written = &tx.rows[ordinal];
+            let change = if written.message {
+                LogicalReplicationMessage::Message(message(row, written, tx.final_lsn))
+            } else {
+                LogicalReplicationMessage::Insert(insert(row, written))
+            };
+            (tx.final_lsn, change)
         } else {
             walsender.next_tx += 1;
             walsender.next_msg = 0;
@@ -586,22 +594,58 @@ fn relation(table: u8) -> Relation {
     }
 }
 
+/// The payload of event `row`, written as `written`: NULL when unmappable, padded
+/// past the producer's limit when oversize.
+fn payload(row: RowId, written: &Row) -> Option<String> {
+    if written.unmappable {
+        None
+    } else if written.oversize {
+        let pad = "x".repeat(super::kafka::MAX_MESSAGE_BYTES);
+        Some(format!(
+            "{{\"row\":\"{}\",\"pad\":\"{pad}\"}}",
+            row.key_text()
+        ))
+    } else {
+        Some(format!("{{\"row\":\"{}\"}}", row.key_text()))
+    }
+}
+
+/// The message `outbox_emit` writes for event `row` (the frame of
+/// `outbox::message`): the fields of [`insert`]'s row, in its table's prefix.
+fn message(row: RowId, written: &Row, lsn: Lsn) -> LogicalDecodingMessage {
+    let key = row.key_text();
+    let entity = format!("e{}", written.entity);
+    let payload = payload(row, written);
+    let fields: [Option<&[u8]>; 8] = [
+        Some(key.as_bytes()),
+        Some(b"Order"),
+        Some(entity.as_bytes()),
+        Some(b"OrderChanged"),
+        None,
+        None,
+        payload.as_deref().map(str::as_bytes),
+        Some(b"2026-12-07 00:00:00+00"),
+    ];
+    let table = if written.table == 0 {
+        "public.outbox"
+    } else {
+        "public.outbox_b"
+    };
+    LogicalDecodingMessage {
+        xid: None,
+        flags: LogicalDecodingMessage::TRANSACTIONAL,
+        lsn,
+        prefix: PgStr::new(Bytes::from(prefix_of(table))).unwrap_or_default(),
+        content: Bytes::from(encode_frame(PayloadFormat::Json, fields)),
+    }
+}
+
 /// The Insert of outbox row `row`, written as `written` (a NULL payload when
 /// unmappable).
 fn insert(row: RowId, written: &Row) -> Insert {
     let text = |s: String| ColumnValue::Text(Bytes::from(s));
     let entity = written.entity;
-    let payload = if written.unmappable {
-        ColumnValue::Null
-    } else if written.oversize {
-        let pad = "x".repeat(super::kafka::MAX_MESSAGE_BYTES);
-        text(format!(
-            "{{\"row\":\"{}\",\"pad\":\"{pad}\"}}",
-            row.key_text()
-        ))
-    } else {
-        text(format!("{{\"row\":\"{}\"}}", row.key_text()))
-    };
+    let payload = payload(row, written).map_or(ColumnValue::Null, text);
     Insert {
         xid: None,
         relation_id: RELATION_ID + u32::from(written.table),

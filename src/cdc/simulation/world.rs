@@ -71,6 +71,9 @@ pub(super) struct Row {
     /// The broker refuses the batch it travels in for its size when other records
     /// of its partition travel with it; alone (or by a producer of its own) it fits.
     pub(super) big_batch: bool,
+    /// Written with `outbox_emit`: a transactional logical decoding message of its
+    /// table's prefix, not a row (the message outbox).
+    pub(super) message: bool,
 }
 
 /// One committed transaction.
@@ -213,6 +216,10 @@ pub(super) struct Stats {
     /// producer that retries them alone.
     pub(super) size_refusals: u64,
     pub(super) alone_acks: u64,
+    /// Events written as logical decoding messages (`outbox_emit`), and schedules
+    /// that halted on poison.
+    pub(super) messages: u64,
+    pub(super) halting: u64,
 }
 
 impl Stats {
@@ -236,6 +243,8 @@ impl Stats {
         self.timeouts += other.timeouts;
         self.size_refusals += other.size_refusals;
         self.alone_acks += other.alone_acks;
+        self.messages += other.messages;
+        self.halting += other.halting;
     }
 }
 
@@ -342,6 +351,7 @@ impl World {
         self.next_lsn = end_lsn;
         self.stats.transactions += 1;
         self.stats.rows += rows.len() as u64;
+        self.stats.messages += rows.iter().filter(|r| r.message).count() as u64;
         tracing::debug!(target: "sim", tx = self.wal.len(), rows = rows.len(), final_lsn, end_lsn, "commit");
         self.wal.push(Tx {
             xid: self.next_xid,

@@ -76,8 +76,9 @@ pub(crate) struct SaveError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
     /// The server restarted since the session began: it may be a copy restored in
-    /// place. Routine when the slot lives on a standby and the primary restarts
-    /// under a streaming session (`postgres.slot_url`).
+    /// place, which the next session's start plan judges. Routine when the slot
+    /// lives on a standby (`postgres.slot_url`) and the primary restarts under a
+    /// streaming session.
     ServerRestarted,
     /// The row belongs to another history, or a resync is pending on it.
     NotOurs,
