@@ -30,6 +30,7 @@ use std::time::Instant;
 
 use rdkafka::ClientConfig;
 
+use crate::cdc::fence;
 use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
 use crate::cdc::ports::producer::librdkafka::KafkaProgressReader;
@@ -216,8 +217,11 @@ impl ExactlyOnce {
         server: &ServerView,
         database: &mut dyn SessionDatabase,
         start: Lsn,
+        walsender: Option<i32>,
     ) -> Result<()> {
-        let outcome = self.prepare(publisher, core, server, database, start).await;
+        let outcome = self
+            .prepare(publisher, core, server, database, start, walsender)
+            .await;
         if let Err(crate::error::Error::Transaction(e)) = &outcome
             && !e.needs_operator()
         {
@@ -233,12 +237,13 @@ impl ExactlyOnce {
         server: &ServerView,
         database: &mut dyn SessionDatabase,
         start: Lsn,
+        walsender: Option<i32>,
     ) -> Result<()> {
         if !self.initialized {
             self.init(publisher).await?;
         }
         if !self.probed {
-            self.probe(publisher).await?;
+            self.probe(publisher, walsender, database).await?;
             self.probed = true;
         }
         // What the last session saw may be sent again, or be another WAL's.
@@ -324,19 +329,34 @@ impl ExactlyOnce {
 
     /// [`probe`] with this session's producer.
     ///
-    /// A fence of a probe that waited `kafka.transaction_timeout_ms` (a broker
-    /// stall at the start) is the coordinator aborting the probe's transaction on
-    /// its timeout, as `cdc::session` tells a fence in the stream apart: the start
-    /// is retried with a new producer instead of the process exiting as if another
-    /// relay had taken over (the whole-relay simulation found this).
-    async fn probe(&mut self, publisher: &dyn Producer) -> Result<()> {
+    /// A fence of the probe's transaction is judged as one in the stream
+    /// ([`fence`](crate::cdc::fence)): when it waited `kafka.transaction_timeout_ms`
+    /// (a broker stall at the start) and no other walsender than this session's
+    /// (`walsender`) holds the slot, the coordinator aborted it on its timeout, and
+    /// the start is retried with a new producer instead of the process exiting as if
+    /// another relay had taken over (the whole-relay simulation found this).
+    async fn probe(
+        &mut self,
+        publisher: &dyn Producer,
+        walsender: Option<i32>,
+        database: &dyn SessionDatabase,
+    ) -> Result<()> {
         let began = clock::now();
         let Err(failed) = probe(publisher, &self.id, &self.topic, &self.slot).await else {
             return Ok(());
         };
         self.replace_producer |= failed.producer_unusable;
         let waited = clock::elapsed(began);
-        if !failed.error.is_fenced() || waited < self.timeout {
+        if !failed.error.is_fenced()
+            || !fence::coordinator_timed_out(
+                &failed.error,
+                Some(waited),
+                self.timeout,
+                walsender,
+                database,
+            )
+            .await
+        {
             return Err(failed.error.into());
         }
         tracing::warn!(error = %failed.error, waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),

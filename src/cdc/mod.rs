@@ -18,6 +18,7 @@ mod binary;
 mod confirmation;
 pub mod cutover;
 mod exactly_once;
+mod fence;
 pub(crate) mod heartbeat;
 mod in_flight;
 mod instruments;

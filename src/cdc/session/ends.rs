@@ -81,17 +81,6 @@ pub(super) enum Lost {
     CoordinatorAborted(crate::kafka::TransactionError),
 }
 
-/// Who holds the slot, as the server says (`TransactionDriver::failure`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum SlotHolder {
-    /// This session's walsender.
-    ThisSession,
-    /// No walsender holds it.
-    Free,
-    /// Another backend (its pid), or the server could not say (`None`).
-    Other(Option<i32>),
-}
-
 impl Lost {
     /// Whether the producer has to be replaced before the next session.
     pub(super) fn needs_new_producer(&self) -> bool {

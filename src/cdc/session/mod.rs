@@ -486,6 +486,7 @@ impl Relay {
                 &opened.server,
                 self.opening.database.as_mut(),
                 start,
+                stream.backend_pid(),
             )
             .await?;
         }

@@ -13,8 +13,9 @@
 
 use std::time::Duration;
 
-use super::ends::{Lost, SlotHolder, session_or_process};
+use super::ends::{Lost, session_or_process};
 use crate::cdc::exactly_once::ExactlyOnce;
+use crate::cdc::fence;
 use crate::cdc::metrics as m;
 use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
@@ -22,7 +23,6 @@ use crate::cdc::ports::producer::Producer;
 use crate::cdc::progress::Core;
 use crate::error::Result;
 use crate::kafka::TransactionError;
-use crate::lifecycle::millis;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 
@@ -166,21 +166,11 @@ impl TransactionDriver {
 
     /// A transactional failure ends the session (the producer is replaced) or,
     /// fenced or unsupported, the process. `walsender` is the session's (streaming,
-    /// or lost and draining); the slot's holder is asked of `database`, so that a
-    /// fence is told apart from a takeover. The coordinator fences a producer itself
-    /// when it aborts its transaction on `transaction.timeout.ms` (a broker stall, a
-    /// coordinator that lost the transaction): the epoch is bumped as for a new
-    /// producer. It is that, and no takeover, when both hold: the transaction had
-    /// been open for at least the timeout, and no other walsender holds the slot
-    /// (this session's does, none does, or the server cannot be asked, as while it
-    /// restarts). Relays initialise the slot's `transactional.id` only once they hold
-    /// the slot, so a relay that fenced this one holds it, unless it lost it again;
-    /// and this relay's next producer is initialised only once its next session
-    /// holds the slot, which waits for a holder as any start does
-    /// (`relay.slot_busy_timeout_secs`). The producer is then replaced and the events
-    /// are sent again; anything else, a producer of another process with the same id
-    /// included, ends the process (exit 3) as before, so two processes never fence
-    /// each other in turn.
+    /// or lost and draining); the slot's holder is asked of `database`, so that the
+    /// coordinator's abort on its timeout is told from another relay's takeover
+    /// ([`fence`]). The producer is then replaced and the events are sent again;
+    /// anything else, a producer of another process with the same id included, ends
+    /// the process (exit 3), so two processes never fence each other in turn.
     ///
     /// # Errors
     ///
@@ -205,10 +195,8 @@ impl TransactionDriver {
         session_or_process(e).map(Some)
     }
 
-    /// Whether the fence `e` is the coordinator's timeout abort (see
-    /// [`TransactionDriver::failure`]): the transaction was that old, and no
-    /// walsender but this session's (`ours`) is known to hold the slot. Says why
-    /// when it is not.
+    /// Whether the fence `e` is the coordinator's timeout abort ([`fence`]), for
+    /// the transaction open now.
     async fn fenced_by_timeout(
         &self,
         e: &TransactionError,
@@ -219,28 +207,6 @@ impl TransactionDriver {
             .exactly_once
             .as_ref()
             .and_then(|eo| eo.transaction_age(clock::now()));
-        if age.is_none_or(|age| age < self.timeout) {
-            tracing::error!(error = %e, transaction_age_ms = age.map(millis), "fenced before the transaction could time out: another producer took this transactional.id");
-            return false;
-        }
-        // Boxed: the connection's future is large, and this path is rare.
-        match Box::pin(slot_holder(ours, database)).await {
-            SlotHolder::Other(Some(pid)) => {
-                tracing::error!(error = %e, slot_pid = pid, "fenced, and another walsender holds the slot: another relay took over");
-                false
-            }
-            SlotHolder::ThisSession | SlotHolder::Free | SlotHolder::Other(None) => true,
-        }
-    }
-}
-
-/// Who holds the slot according to the server (a failure to ask, or a slot that
-/// is gone, answers `Other(None)`: not known to be another relay's).
-async fn slot_holder(ours: Option<i32>, database: &dyn SessionDatabase) -> SlotHolder {
-    match database.slot_active_pid().await {
-        Some(active) if active.is_some() && active == ours => SlotHolder::ThisSession,
-        Some(None) => SlotHolder::Free,
-        Some(active) => SlotHolder::Other(active),
-        None => SlotHolder::Other(None),
+        fence::coordinator_timed_out(e, age, self.timeout, ours, database).await
     }
 }
