@@ -580,8 +580,7 @@ fn refusal(world: &World, record: &InFlight) -> Option<RDKafkaErrorCode> {
         return Some(RDKafkaErrorCode::UnknownTopicOrPartition);
     }
     let row = world
-        .wal
-        .get(r.row.tx)
+        .tx(r.row.tx)
         .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))?;
     // Its batch is too large when other records of the partition travel with it
     // (the record resolved is out of `in_flight` already).

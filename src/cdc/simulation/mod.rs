@@ -34,6 +34,14 @@
 //! - The relay process is killed (`kill -9`: what it had in flight lands or not,
 //!   unreported, and a commit it had sent may complete) or stopped gracefully,
 //!   and started again on the same world.
+//! - In one at-least-once schedule in eleven the data directory is copied at a
+//!   checkpoint and later put back in place (`World::restore`): same system
+//!   identifier and timeline, the transactions committed since gone (their LSNs
+//!   and xids handed out again; a row is named by its commit's number, not its
+//!   place in the WAL, so the gone ones stay apart), the slot, the position row
+//!   and the poison table as they were. Exactly-once tells a restored WAL by the
+//!   commit timestamps of its progress record's transactions, which this world
+//!   does not keep.
 //! - In one schedule in seven half of the events are logical decoding messages
 //!   (the message outbox's `outbox_emit`), mixed with rows of the same keys.
 //! - One single-outbox schedule in five runs with `relay.on_poison = "halt"`: no
@@ -132,6 +140,11 @@ struct Schedule {
     /// Half of the events are written with `outbox_emit`: logical decoding
     /// messages, not rows.
     messages: bool,
+    /// The data directory is copied now and then and put back in place later
+    /// (at-least-once only: exactly-once's progress record tells a restored WAL
+    /// by commit timestamps this world does not keep); the copy waiting.
+    restores: bool,
+    copy: Option<world::Snapshot>,
 }
 
 /// Transactions committed before a halting schedule writes rows that can never
@@ -179,6 +192,8 @@ impl Schedule {
             verified: 0,
             halt,
             messages: seed % 7 == 3,
+            restores: mode == Mode::AtLeastOnce && seed.is_multiple_of(11),
+            copy: None,
         }
     }
 
@@ -375,6 +390,28 @@ impl Schedule {
         self.down_until = Some(tokio::time::Instant::now() + down);
     }
 
+    /// The copy of the data directory is put back in place (an immediate stop
+    /// first): same system identifier and timeline, an older WAL end whose LSNs
+    /// are handed out again, the slot and the position row as they were. Nothing
+    /// committed after the copy may be skipped when it is handed out again.
+    fn restore_in_place(&mut self) {
+        let Some(copy) = self.copy.take() else {
+            return;
+        };
+        let mut world = self.shared.lock();
+        world.cut_all();
+        world.restore(&copy);
+        world.server_started += 1;
+        world.up = false;
+        world.late_commits.clear();
+        world.poison_pending.clear();
+        let down = Duration::from_millis(200 + world.rng.below(3_000));
+        self.down_until = Some(tokio::time::Instant::now() + down);
+        drop(world);
+        // Rows resolved only by a poison row the restore took back are not any more.
+        self.verified = 0;
+    }
+
     /// One step of the world.
     async fn step(&mut self, faults: bool) {
         let pause = Duration::from_millis(1 + self.shared.lock().rng.below(20));
@@ -447,6 +484,15 @@ impl Schedule {
                 let episode = Duration::from_millis(2_000 + world.rng.below(18_000));
                 tracing::debug!(target: "sim", ?episode, "a flaky walsender");
                 world.flaky_until = Some(tokio::time::Instant::now() + episode);
+            }
+            800..803
+                if faults && self.restores && self.copy.is_none() && self.down_until.is_none() =>
+            {
+                tracing::debug!(target: "sim", "the data directory is copied");
+                self.copy = Some(self.shared.lock().snapshot());
+            }
+            803..806 if faults && self.copy.is_some() && self.down_until.is_none() => {
+                self.restore_in_place();
             }
             738..745 if faults => {
                 let mut world = self.shared.lock();
@@ -634,7 +680,7 @@ impl Schedule {
         for (tx, t) in world.wal.iter().enumerate() {
             for (o, r) in t.rows.iter().enumerate() {
                 let row = RowId {
-                    tx,
+                    tx: t.seq,
                     ordinal: u32::try_from(o).unwrap_or(u32::MAX),
                 };
                 outcome.events += 1;
@@ -690,9 +736,15 @@ impl Schedule {
                 if self.mode == Mode::ExactlyOnce && !committed(&world, record.txn) {
                     continue;
                 }
-                // A duplicate, or an event published by a session that could not
-                // know of its poison row (above): not a first delivery.
-                if world.sent_unaware_of_poison(record) || !seen.insert(record.row) {
+                // A duplicate, an event published by a session that could not know
+                // of its poison row (above), a row a restore took back, or an event
+                // whose poison row it took back (`World::unpoisoned`): not a first
+                // delivery that has to keep its key's order.
+                if world.sent_unaware_of_poison(record)
+                    || !world.is_event(record.row)
+                    || world.unpoisoned.contains(&record.row)
+                    || !seen.insert(record.row)
+                {
                     continue;
                 }
                 if let Some(previous) = last.get(record.entity.as_slice())
@@ -735,12 +787,13 @@ impl Schedule {
     }
 }
 
-/// An event of transaction `tx` neither delivered nor poisoned, if any.
+/// An event of transaction `tx` (its index in the WAL) neither delivered nor
+/// poisoned, if any.
 fn unresolved_row(world: &world::World, tx: usize) -> Option<RowId> {
-    let rows = world.wal.get(tx).map_or(0, |t| t.rows.len());
-    (0..rows)
+    let t = world.wal.get(tx)?;
+    (0..t.rows.len())
         .map(|ordinal| RowId {
-            tx,
+            tx: t.seq,
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
         })
         .find(|row| !world.resolved.contains(row))

@@ -421,7 +421,7 @@ impl SimStream {
             let ordinal = walsender.next_msg - 1;
             walsender.next_msg += 1;
             let row = RowId {
-                tx: walsender.next_tx,
+                tx: tx.seq,
                 ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
             };
             let written = &tx.rows[ordinal];

@@ -25,7 +25,8 @@ pub(super) const HISTORY: ServerHistory = ServerHistory {
 /// Partitions of the outbox topic.
 pub(super) const PARTITIONS: usize = 3;
 
-/// An outbox row's place in the WAL: its transaction and its ordinal there.
+/// An outbox row: its transaction (`Tx::seq`, never handed out twice, though a
+/// restore in place hands the transaction's LSNs out again) and its ordinal there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(super) struct RowId {
     pub(super) tx: usize,
@@ -79,6 +80,8 @@ pub(super) struct Row {
 /// One committed transaction.
 #[derive(Debug, Clone)]
 pub(super) struct Tx {
+    /// Its name in [`RowId`]s: the commit's number since the world began.
+    pub(super) seq: usize,
     pub(super) xid: u32,
     pub(super) final_lsn: Lsn,
     pub(super) end_lsn: Lsn,
@@ -220,6 +223,10 @@ pub(super) struct Stats {
     /// that halted on poison.
     pub(super) messages: u64,
     pub(super) halting: u64,
+    /// Restores in place, and the events they took back (committed after the copy:
+    /// gone with it, no longer events).
+    pub(super) restores: u64,
+    pub(super) restored_away: u64,
 }
 
 impl Stats {
@@ -245,13 +252,31 @@ impl Stats {
         self.alone_acks += other.alone_acks;
         self.messages += other.messages;
         self.halting += other.halting;
+        self.restores += other.restores;
+        self.restored_away += other.restored_away;
     }
+}
+
+/// A copy of the data directory taken at a checkpoint, to be put back in place:
+/// how far the WAL, the slot (as on disk), the position row and the poison table
+/// had come.
+#[derive(Debug, Clone)]
+pub(super) struct Snapshot {
+    wal: usize,
+    next_lsn: u64,
+    next_xid: u32,
+    slot: Option<Slot>,
+    position: Option<PositionRow>,
+    poison: usize,
 }
 
 /// See the module documentation.
 pub(super) struct World {
     pub(super) rng: Rng,
+    /// The committed transactions the server has, in commit (and LSN) order.
     pub(super) wal: Vec<Tx>,
+    /// The next [`Tx::seq`].
+    pub(super) next_seq: usize,
     pub(super) next_lsn: u64,
     pub(super) next_xid: u32,
     /// `pg_postmaster_start_time()`: a restart changes it.
@@ -299,6 +324,10 @@ pub(super) struct World {
     /// whose read came before the commit could not see the row and may publish the
     /// event (documented in `poison::recorded`: a duplicate, not a broken promise).
     pub(super) late_poison: BTreeMap<RowId, (u64, u64)>,
+    /// Events whose poison row a restore in place took back: read again, they are
+    /// delivered after later events of their key, as a replayed poisoned event is
+    /// under `relay.on_poison = "skip"` (not a first delivery out of order).
+    pub(super) unpoisoned: std::collections::HashSet<RowId>,
     pub(super) stats: Stats,
 }
 
@@ -307,6 +336,7 @@ impl World {
         World {
             rng: Rng(seed),
             wal: Vec::new(),
+            next_seq: 0,
             next_lsn: 0x0100_0000,
             next_xid: 1_000,
             server_started: 1,
@@ -334,6 +364,7 @@ impl World {
             next_poison_token: 0,
             late_commits: Vec::new(),
             late_poison: BTreeMap::new(),
+            unpoisoned: std::collections::HashSet::new(),
             stats: Stats::default(),
         }
     }
@@ -352,14 +383,80 @@ impl World {
         self.stats.transactions += 1;
         self.stats.rows += rows.len() as u64;
         self.stats.messages += rows.iter().filter(|r| r.message).count() as u64;
-        tracing::debug!(target: "sim", tx = self.wal.len(), rows = rows.len(), final_lsn, end_lsn, "commit");
+        tracing::debug!(target: "sim", tx = self.next_seq, rows = rows.len(), final_lsn, end_lsn, "commit");
         self.wal.push(Tx {
+            seq: self.next_seq,
             xid: self.next_xid,
             final_lsn: Lsn(final_lsn),
             end_lsn: Lsn(end_lsn),
             rows,
         });
         self.next_xid += 1;
+        self.next_seq += 1;
+    }
+
+    /// The transaction named `seq`, unless a restore took it back.
+    pub(super) fn tx(&self, seq: usize) -> Option<&Tx> {
+        self.wal
+            .binary_search_by_key(&seq, |t| t.seq)
+            .ok()
+            .and_then(|i| self.wal.get(i))
+    }
+
+    /// The event `row` is one: its transaction was not taken back by a restore.
+    pub(super) fn is_event(&self, row: RowId) -> bool {
+        self.tx(row.tx).is_some()
+    }
+
+    /// A copy of the data directory now, at a checkpoint (the slot as on disk).
+    pub(super) fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            wal: self.wal.len(),
+            next_lsn: self.next_lsn,
+            next_xid: self.next_xid,
+            slot: self.slot.map(|s| Slot {
+                confirmed: s.persisted,
+                persisted: s.persisted,
+            }),
+            position: self.position,
+            poison: self.poison.len(),
+        }
+    }
+
+    /// `copy` put back in place: the transactions committed since are gone (their
+    /// LSNs and xids are handed out again), and so are the poison rows; the slot
+    /// and the position row are as they were. Rows resolved only by a poison row
+    /// that is gone are unresolved again. The caller restarts the server.
+    pub(super) fn restore(&mut self, copy: &Snapshot) {
+        let gone = self.wal.split_off(copy.wal.min(self.wal.len()));
+        self.stats.restores += 1;
+        self.stats.restored_away += gone.iter().map(|t| t.rows.len() as u64).sum::<u64>();
+        self.next_lsn = copy.next_lsn;
+        self.next_xid = copy.next_xid;
+        self.slot = copy.slot;
+        self.position = copy.position;
+        let taken_back = self.poison.split_off(copy.poison.min(self.poison.len()));
+        self.unpoisoned
+            .extend(taken_back.into_iter().map(|(row, _)| row));
+        self.late_poison
+            .retain(|row, _| self.poison.iter().any(|(r, _)| r == row));
+        let mut resolved: std::collections::HashSet<RowId> =
+            self.poison.iter().map(|(r, _)| *r).collect();
+        resolved.extend(
+            self.partitions
+                .iter()
+                .flatten()
+                .filter(|r| {
+                    r.txn.is_none_or(|t| {
+                        self.txns
+                            .get(&t)
+                            .is_some_and(|t| t.status == TxnStatus::Committed)
+                    })
+                })
+                .map(|r| r.row),
+        );
+        self.resolved = resolved;
+        tracing::debug!(target: "sim", transactions = gone.len(), slot = ?self.slot, position = ?self.position, "restored in place");
     }
 
     /// Every walsender's connection is cut (a restart, a crash).
@@ -399,8 +496,8 @@ impl World {
             .is_some_and(|&(gone, committed)| gone < record.read && record.read <= committed)
     }
 
-    /// The index of the first transaction committing at or after `lsn` (what a
-    /// walsender starting there sends first).
+    /// The index in `wal` of the first transaction committing at or after `lsn`
+    /// (what a walsender starting there sends first).
     pub(super) fn first_tx_from(&self, lsn: Lsn) -> usize {
         self.wal.partition_point(|t| t.final_lsn < lsn)
     }
