@@ -580,7 +580,7 @@ fn refusal(world: &World, record: &InFlight) -> Option<RDKafkaErrorCode> {
         return Some(RDKafkaErrorCode::UnknownTopicOrPartition);
     }
     let row = world
-        .tx(r.row.tx)
+        .any_tx(r.row.tx)
         .and_then(|tx| tx.rows.get(usize::try_from(r.row.ordinal).ok()?))?;
     // Its batch is too large when other records of the partition travel with it
     // (the record resolved is out of `in_flight` already).

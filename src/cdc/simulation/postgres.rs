@@ -288,7 +288,8 @@ impl SessionDatabase for SimDatabase {
         _confirmed: Lsn,
         _start: Lsn,
     ) -> Boxed<'a, Result<Verdict>> {
-        // One server, never restored in place: the record's transactions are its own.
+        // Exactly-once schedules never restore in place (`Schedule::restores`): the
+        // record's transactions are the server's own.
         Box::pin(async { Ok(Verdict::Same) })
     }
 }

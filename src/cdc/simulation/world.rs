@@ -328,6 +328,9 @@ pub(super) struct World {
     /// delivered after later events of their key, as a replayed poisoned event is
     /// under `relay.on_poison = "skip"` (not a first delivery out of order).
     pub(super) unpoisoned: std::collections::HashSet<RowId>,
+    /// Transactions a restore took back, by [`Tx::seq`]: the broker still judges
+    /// their records (in flight, or sent again from a session's memory) by them.
+    pub(super) gone: BTreeMap<usize, Tx>,
     pub(super) stats: Stats,
 }
 
@@ -365,6 +368,7 @@ impl World {
             late_commits: Vec::new(),
             late_poison: BTreeMap::new(),
             unpoisoned: std::collections::HashSet::new(),
+            gone: BTreeMap::new(),
             stats: Stats::default(),
         }
     }
@@ -401,6 +405,11 @@ impl World {
             .binary_search_by_key(&seq, |t| t.seq)
             .ok()
             .and_then(|i| self.wal.get(i))
+    }
+
+    /// The transaction named `seq`, even if a restore took it back.
+    pub(super) fn any_tx(&self, seq: usize) -> Option<&Tx> {
+        self.tx(seq).or_else(|| self.gone.get(&seq))
     }
 
     /// The event `row` is one: its transaction was not taken back by a restore.
@@ -457,6 +466,7 @@ impl World {
         );
         self.resolved = resolved;
         tracing::debug!(target: "sim", transactions = gone.len(), slot = ?self.slot, position = ?self.position, "restored in place");
+        self.gone.extend(gone.into_iter().map(|t| (t.seq, t)));
     }
 
     /// Every walsender's connection is cut (a restart, a crash).
