@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::world::{
     InFlight, PARTITIONS, Payload, ProducerState, ProgressEntry, Record, RowId, Shared, Txn,
-    TxnStatus, World,
+    TxnStatus, World, committed,
 };
 use crate::cdc::ports::Boxed;
 use crate::cdc::ports::clock;
@@ -624,16 +624,6 @@ fn land(world: &mut World, record: &InFlight) -> i64 {
             i64::try_from(world.progress.len() - 1).unwrap_or(i64::MAX)
         }
     }
-}
-
-/// Whether a record written in `txn` is visible to a read_committed reader.
-pub(super) fn committed(world: &World, txn: Option<u64>) -> bool {
-    txn.is_none_or(|t| {
-        world
-            .txns
-            .get(&t)
-            .is_some_and(|t| t.status == TxnStatus::Committed)
-    })
 }
 
 /// The progress record read back, read_committed.

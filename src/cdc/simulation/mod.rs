@@ -78,9 +78,9 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use self::kafka::{SimProducers, SimProgressReader, committed};
+use self::kafka::{SimProducers, SimProgressReader};
 use self::postgres::SimDatabase;
-use self::world::{Row, RowId, Shared, Stats, TxnStatus};
+use self::world::{Row, RowId, Shared, Stats, TxnStatus, committed};
 use crate::cdc::metrics::Health;
 use crate::cdc::session::{RunSummary, ServerFacts, SimulatedPorts, run_on_ports};
 use crate::config::Config;

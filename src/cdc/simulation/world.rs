@@ -455,13 +455,7 @@ impl World {
             self.partitions
                 .iter()
                 .flatten()
-                .filter(|r| {
-                    r.txn.is_none_or(|t| {
-                        self.txns
-                            .get(&t)
-                            .is_some_and(|t| t.status == TxnStatus::Committed)
-                    })
-                })
+                .filter(|r| committed(self, r.txn))
                 .map(|r| r.row),
         );
         self.resolved = resolved;
@@ -569,4 +563,14 @@ impl Shared {
     pub(super) fn changed(&self) {
         self.notify.notify_waiters();
     }
+}
+
+/// Whether a record written in `txn` is visible to a read_committed reader.
+pub(super) fn committed(world: &World, txn: Option<u64>) -> bool {
+    txn.is_none_or(|t| {
+        world
+            .txns
+            .get(&t)
+            .is_some_and(|t| t.status == TxnStatus::Committed)
+    })
 }
