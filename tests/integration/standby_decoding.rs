@@ -102,6 +102,29 @@ async fn saved_position(client: &Client, slot: &str) -> Option<String> {
         .map(|r| r.get(0))
 }
 
+/// Drops `slot` on the server of `client` (a test's slot on the standby, at its
+/// end, or to lose it).
+async fn drop_slot(client: &Client, slot: &str) {
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .expect("drop the slot on the standby");
+}
+
+/// `(status, detail)` of the check `name` in a `check --json` report.
+fn check_status(report: &serde_json::Value, name: &str) -> (String, String) {
+    report["checks"]
+        .as_array()
+        .and_then(|checks| checks.iter().find(|c| c["name"] == name))
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or("").to_owned(),
+                c["detail"].to_string(),
+            )
+        })
+        .unwrap_or_else(|| panic!("no check {name}: {report}"))
+}
+
 /// Runs `scripts/pg17-failover-drill ctl SERVER ARGS…` (pg_ctl on that cluster).
 fn ctl(server: &str, args: &[&str]) {
     let drill = required("OUTBOX_RELAY_PG17_DRILL");
@@ -195,10 +218,7 @@ async fn exactly_once_on_a_standby_reads_each_event_once_across_kills_and_a_stan
         "the primary has a logical slot or walsender of the test database"
     );
     relay.terminate(Duration::from_secs(30)).await;
-    replica
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-        .await
-        .expect("drop the slot on the standby");
+    drop_slot(&replica, &db.slot).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,18 +287,7 @@ async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts
     );
     let report: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
-    let status_of = |name: &str| {
-        report["checks"]
-            .as_array()
-            .and_then(|checks| checks.iter().find(|c| c["name"] == name))
-            .map(|c| {
-                (
-                    c["status"].as_str().unwrap_or("").to_owned(),
-                    c["detail"].to_string(),
-                )
-            })
-            .unwrap_or_else(|| panic!("no check {name}: {report}"))
-    };
+    let status_of = |name: &str| check_status(&report, name);
     for name in [
         "postgres.standby",
         "postgres.standby.hot_standby_feedback",
@@ -374,10 +383,7 @@ async fn a_relay_decoding_on_a_standby_keeps_every_promise_across_kills_restarts
         saved.as_deref().is_some_and(|s| s != "0/0"),
         "the relay saved no position on the primary: {saved:?}"
     );
-    replica
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-        .await
-        .expect("drop the slot on the standby");
+    drop_slot(&replica, &db.slot).await;
     write(&primary, written..written + 500).await;
     written += 500;
     let relay = RelayProcess::start(&db.config_path, &env);
@@ -517,10 +523,7 @@ async fn the_message_outbox_decodes_on_a_standby_across_a_kill() {
     let audit = harness::audit(&db);
     assert_eq!(audit["lost"], 0, "{audit}");
     assert_eq!(audit["expected"], total, "{audit}");
-    replica
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-        .await
-        .expect("drop the slot on the standby");
+    drop_slot(&replica, &db.slot).await;
 }
 
 /// The primary's `wal_level` lowered under a relay decoding on its standby: the
@@ -604,10 +607,7 @@ async fn a_slot_invalidated_by_the_primarys_wal_level_is_said_waited_out_and_res
     relay.terminate(Duration::from_secs(30)).await;
     let audit = harness::audit(&db);
     assert_eq!(audit["lost"], 0, "{audit}");
-    replica
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-        .await
-        .expect("drop the slot on the standby");
+    drop_slot(&replica, &db.slot).await;
 }
 
 /// Turns `hot_standby_feedback` on or off on the standby of `standby`, and waits
@@ -705,17 +705,10 @@ async fn without_hot_standby_feedback_a_slot_invalidated_by_vacuum_is_said_and_r
     );
     let report: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
-    let feedback_check = report["checks"]
-        .as_array()
-        .and_then(|checks| {
-            checks
-                .iter()
-                .find(|c| c["name"] == "postgres.standby.hot_standby_feedback")
-        })
-        .unwrap_or_else(|| panic!("no hot_standby_feedback check: {report}"));
+    let (status, detail) = check_status(&report, "postgres.standby.hot_standby_feedback");
     assert_ne!(
-        feedback_check["status"], "ok",
-        "check did not say hot_standby_feedback is off: {feedback_check}"
+        status, "ok",
+        "check did not say hot_standby_feedback is off: {detail}"
     );
 
     // The relay stops (its slot's catalog horizon then stays where it is), and the
@@ -780,10 +773,7 @@ async fn without_hot_standby_feedback_a_slot_invalidated_by_vacuum_is_said_and_r
     relay.terminate(Duration::from_secs(30)).await;
     let audit = harness::audit(&db);
     assert_eq!(audit["lost"], 0, "{audit}");
-    replica
-        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
-        .await
-        .expect("drop the slot on the standby");
+    drop_slot(&replica, &db.slot).await;
 }
 
 /// A promotion of *another* standby: the relay decodes on the first standby and is
