@@ -77,6 +77,7 @@ fn register(
             reports,
             transactional,
             fenced: false,
+            initialised: false,
             gone: false,
             open_txn: None,
             alone,
@@ -123,7 +124,7 @@ fn open_transaction(
 }
 
 /// FNV-1a: the partition of a key, the same in every run.
-fn partition_of(key: &[u8]) -> usize {
+pub(super) fn partition_of(key: &[u8]) -> usize {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in key {
         hash ^= u64::from(*byte);
@@ -263,6 +264,9 @@ impl Producer for SimProducer {
             tokio::time::sleep(Duration::from_millis(2)).await;
             let mut world = self.shared.lock();
             let world = &mut *world;
+            if let Some(state) = world.producers.get_mut(&self.id) {
+                state.initialised = true;
+            }
             let mut fenced_open = Vec::new();
             for (id, producer) in &mut world.producers {
                 if *id == self.id || !producer.transactional || producer.fenced {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::world::{HISTORY, PositionRow, Row, RowId, Shared, Slot, Walsender, World};
+use super::world::{PositionRow, Row, RowId, Shared, Slot, Walsender, World};
 use crate::cdc::metrics::Health;
 use crate::cdc::ports::Boxed;
 use crate::cdc::ports::database::{
@@ -19,7 +19,7 @@ use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::SavePhase;
 use crate::cdc::start::{self, Remembered, ServerView, SlotView, StartPlan};
 use crate::cdc::wal_identity::{TxNames, Verdict};
-use crate::config::Config;
+use crate::config::{Config, DeliveryMode, SlotLossMode};
 use crate::error::{Error, Result};
 use crate::hashing::HashSet;
 use crate::lsn::Lsn;
@@ -71,9 +71,9 @@ fn down() -> Error {
 
 fn server_view(world: &World) -> ServerView {
     ServerView {
-        history: HISTORY,
+        history: world.history,
         wal_end: world.wal_end(),
-        forks: Vec::new(),
+        forks: world.forks.clone(),
         started: Some(world.server_started),
     }
 }
@@ -138,12 +138,13 @@ impl SessionDatabase for SimDatabase {
             match plan {
                 StartPlan::Fresh => {
                     let at = world.wal_end();
+                    world.inherited_slot = false;
                     world.slot = Some(Slot {
                         confirmed: at,
                         persisted: at,
                     });
                     world.position = Some(PositionRow {
-                        history: HISTORY,
+                        history: world.history,
                         confirmed: at,
                     });
                     Ok(Start {
@@ -157,13 +158,14 @@ impl SessionDatabase for SimDatabase {
                     server_restarted,
                     ..
                 } => {
+                    let history = world.history;
                     match &mut world.position {
-                        Some(row) if !history_changed && row.history == HISTORY => {
+                        Some(row) if !history_changed && row.history == history => {
                             row.confirmed = row.confirmed.max(from);
                         }
                         _ => {
                             world.position = Some(PositionRow {
-                                history: HISTORY,
+                                history,
                                 confirmed: from,
                             });
                         }
@@ -179,10 +181,25 @@ impl SessionDatabase for SimDatabase {
                     waited_secs: 0,
                 }
                 .into()),
-                StartPlan::Lost { loss, .. } => Err(Prerequisite::SlotLost {
-                    detail: loss.to_string(),
+                StartPlan::Lost { loss, .. }
+                    if self.config.relay.on_slot_loss == SlotLossMode::Fail =>
+                {
+                    Err(Prerequisite::SlotLost {
+                        detail: loss.to_string(),
+                    }
+                    .into())
                 }
-                .into()),
+                StartPlan::Lost { loss, .. } => {
+                    tracing::debug!(target: "sim", %loss, "the slot is lost: resync");
+                    let at = super::resync::resync(
+                        &mut world,
+                        self.config.kafka.delivery == DeliveryMode::ExactlyOnce,
+                    );
+                    Ok(Start {
+                        at,
+                        fresh_core: true,
+                    })
+                }
             }
         })
     }
@@ -237,6 +254,8 @@ impl SessionDatabase for SimDatabase {
             if !world.up {
                 return Err(ReplicationError::ConnectionClosed);
             }
+            // The relay streams from it: from now on it confirms it.
+            world.inherited_slot = false;
             // PostgreSQL starts a slot no earlier than its confirmed position.
             let from = world.slot.map_or(start, |s| start.max(s.confirmed));
             let pid = world.next_pid;

@@ -15,9 +15,10 @@ use crate::kafka::DeliveryReport;
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
 use crate::poison::PoisonRow;
+use crate::postgres::replication::TimelineSwitch;
 
-/// The simulated server's history (no failover is simulated yet).
-pub(super) const HISTORY: ServerHistory = ServerHistory {
+/// The history a world's server starts on (a promotion moves to the next timeline).
+const FIRST_HISTORY: ServerHistory = ServerHistory {
     system_identifier: 7,
     timeline: 1,
 };
@@ -163,6 +164,8 @@ pub(super) struct ProducerState {
     pub(super) transactional: bool,
     /// Another producer of the `transactional.id` was initialised after it.
     pub(super) fenced: bool,
+    /// It called `init_transactions` (a resync's backlog fences only those).
+    pub(super) initialised: bool,
     /// Dropped by the relay or killed with the process: no more reports.
     pub(super) gone: bool,
     pub(super) open_txn: Option<u64>,
@@ -223,10 +226,20 @@ pub(super) struct Stats {
     /// that halted on poison.
     pub(super) messages: u64,
     pub(super) halting: u64,
-    /// Restores in place, and the events they took back (committed after the copy:
-    /// gone with it, no longer events).
+    /// Restores in place, and the events they and promotions took back (committed
+    /// after the copy or past what the standby replayed: gone, no longer events).
     pub(super) restores: u64,
     pub(super) restored_away: u64,
+    /// Standbys promoted (with the slot synced, or re-created there), slots dropped, and
+    /// the resyncs that healed a lost slot with the rows they published.
+    pub(super) promotions: u64,
+    pub(super) synced_promotions: u64,
+    pub(super) recreated_slots: u64,
+    pub(super) slot_drops: u64,
+    /// Exactly-once events in [`World::poison_lost`].
+    pub(super) poison_lost: u64,
+    pub(super) resyncs: u64,
+    pub(super) resynced: u64,
 }
 
 impl Stats {
@@ -254,6 +267,13 @@ impl Stats {
         self.halting += other.halting;
         self.restores += other.restores;
         self.restored_away += other.restored_away;
+        self.promotions += other.promotions;
+        self.synced_promotions += other.synced_promotions;
+        self.recreated_slots += other.recreated_slots;
+        self.slot_drops += other.slot_drops;
+        self.poison_lost += other.poison_lost;
+        self.resyncs += other.resyncs;
+        self.resynced += other.resynced;
     }
 }
 
@@ -266,8 +286,22 @@ pub(super) struct Snapshot {
     next_lsn: u64,
     next_xid: u32,
     slot: Option<Slot>,
+    inherited_slot: bool,
     position: Option<PositionRow>,
     poison: usize,
+}
+
+/// What a promoted standby has of the relay's slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StandbySlot {
+    /// A failover slot (PostgreSQL 17), as last synced.
+    Synced,
+    /// None: nothing synced it.
+    Missing,
+    /// Created on the promoted server at its WAL end, by an HA manager that
+    /// re-creates "the slot the relay needs": the rows between the relay's last
+    /// position and the fork were never streamed from it.
+    Recreated,
 }
 
 /// See the module documentation.
@@ -281,9 +315,18 @@ pub(super) struct World {
     pub(super) next_xid: u32,
     /// `pg_postmaster_start_time()`: a restart changes it.
     pub(super) server_started: i64,
+    /// The server's system identifier and timeline, and where each ancestor
+    /// timeline ended (`TIMELINE_HISTORY`).
+    pub(super) history: ServerHistory,
+    pub(super) forks: Vec<TimelineSwitch>,
     /// PostgreSQL answers (false while it restarts).
     pub(super) up: bool,
     pub(super) slot: Option<Slot>,
+    /// The slot came with a promotion (synced, or created by someone else) and the
+    /// relay has not streamed from it yet: its position is not a confirm of the
+    /// relay's (a synced one may be past an event whose poison row the standby had
+    /// not replayed; the start plan calls such a slot lost).
+    pub(super) inherited_slot: bool,
     pub(super) position: Option<PositionRow>,
     pub(super) poison: Vec<(RowId, PoisonRow)>,
     pub(super) walsenders: BTreeMap<i32, Walsender>,
@@ -331,6 +374,14 @@ pub(super) struct World {
     /// Transactions a restore took back, by [`Tx::seq`]: the broker still judges
     /// their records (in flight, or sent again from a session's memory) by them.
     pub(super) gone: BTreeMap<usize, Tx>,
+    /// Exactly-once: events poisoned on a primary whose poison rows the promoted
+    /// standby had not replayed. The progress record (in Kafka, not in the lost
+    /// WAL) still names them resolved, and the relay cannot tell them from
+    /// delivered ones: neither published nor poisoned, a documented limit
+    /// (`docs/operations.md`, "Exactly-once delivery"), not held to the promises.
+    pub(super) poison_lost: std::collections::HashSet<RowId>,
+    /// The schedule runs `kafka.delivery = "exactly-once"`.
+    pub(super) exactly_once: bool,
     pub(super) stats: Stats,
 }
 
@@ -343,8 +394,11 @@ impl World {
             next_lsn: 0x0100_0000,
             next_xid: 1_000,
             server_started: 1,
+            history: FIRST_HISTORY,
+            forks: Vec::new(),
             up: true,
             slot: None,
+            inherited_slot: false,
             position: None,
             poison: Vec::new(),
             walsenders: BTreeMap::new(),
@@ -369,6 +423,8 @@ impl World {
             late_poison: BTreeMap::new(),
             unpoisoned: std::collections::HashSet::new(),
             gone: BTreeMap::new(),
+            poison_lost: std::collections::HashSet::new(),
+            exactly_once: false,
             stats: Stats::default(),
         }
     }
@@ -427,22 +483,110 @@ impl World {
                 confirmed: s.persisted,
                 persisted: s.persisted,
             }),
+            inherited_slot: self.inherited_slot,
             position: self.position,
             poison: self.poison.len(),
         }
     }
 
-    /// `copy` put back in place: the transactions committed since are gone (their
-    /// LSNs and xids are handed out again), and so are the poison rows; the slot
-    /// and the position row are as they were. Rows resolved only by a poison row
-    /// that is gone are unresolved again. The caller restarts the server.
+    /// What a streaming standby has replayed now, with the slot as its last sync
+    /// (PostgreSQL 17's failover slots) copied it from the primary: its confirmed
+    /// position, which the standby has replayed.
+    pub(super) fn replica(&self) -> Snapshot {
+        Snapshot {
+            slot: self.slot,
+            ..self.snapshot()
+        }
+    }
+
+    /// `copy` put back in place: see [`World::roll_back`]. The caller restarts the
+    /// server.
     pub(super) fn restore(&mut self, copy: &Snapshot) {
-        let gone = self.wal.split_off(copy.wal.min(self.wal.len()));
         self.stats.restores += 1;
+        self.roll_back(copy);
+    }
+
+    /// The standby that replayed `replica` is promoted: the primary's transactions
+    /// after it are gone, and the new primary goes on from there on the next
+    /// timeline with `slot`. The caller restarts the server (the relay connects to
+    /// the new primary at the old address).
+    pub(super) fn promote(&mut self, replica: &Snapshot, slot: StandbySlot) {
+        self.stats.promotions += 1;
+        self.stats.synced_promotions += u64::from(slot == StandbySlot::Synced);
+        self.stats.recreated_slots += u64::from(slot == StandbySlot::Recreated);
+        let primary = self.slot.map(|s| s.confirmed);
+        let fork = Lsn(replica.next_lsn);
+        let unreplayed: Vec<RowId> = self.poison[replica.poison.min(self.poison.len())..]
+            .iter()
+            .map(|(row, _)| *row)
+            .collect();
+        self.roll_back(replica);
+        if self.exactly_once {
+            for row in unreplayed {
+                if self.is_event(row) && !self.resolved.contains(&row) {
+                    self.stats.poison_lost += u64::from(self.poison_lost.insert(row));
+                }
+            }
+        }
+        self.forks.push(TimelineSwitch {
+            timeline: self.history.timeline,
+            switchpoint: fork,
+        });
+        self.history.timeline += 1;
+        match slot {
+            StandbySlot::Missing => {
+                self.inherited_slot = false;
+                self.slot = None;
+            }
+            StandbySlot::Recreated => {
+                self.inherited_slot = true;
+                self.slot = Some(Slot {
+                    confirmed: fork,
+                    persisted: fork,
+                });
+            }
+            StandbySlot::Synced => {
+                self.inherited_slot = self.slot.is_some();
+                if let (Some(synced), Some(primary)) = (&mut self.slot, primary)
+                    && self.rng.percent(75)
+                {
+                    // Synced after the copy was replayed: as far as the primary had
+                    // confirmed, never past what the standby replayed. The position
+                    // row the standby replayed may be behind it (its save was not
+                    // replayed yet).
+                    synced.confirmed = synced.confirmed.max(primary.min(fork));
+                    synced.persisted = synced.confirmed;
+                }
+            }
+        }
+        tracing::debug!(target: "sim", history = %self.history, ?slot, synced = ?self.slot, "a standby is promoted");
+    }
+
+    /// The slot is dropped (its walsender terminated first, as
+    /// `pg_drop_replication_slot` of an active slot needs).
+    pub(super) fn drop_slot(&mut self) {
+        if let Some(pid) = self.active.take()
+            && let Some(walsender) = self.walsenders.get_mut(&pid)
+        {
+            walsender.broken = true;
+        }
+        self.slot = None;
+        self.inherited_slot = false;
+        self.stats.slot_drops += 1;
+        tracing::debug!(target: "sim", "the slot is dropped");
+    }
+
+    /// The server's state goes back to `copy`: the transactions committed since
+    /// are gone (their LSNs and xids are handed out again), and so are the poison
+    /// rows; the slot and the position row are as they were. Rows resolved only by
+    /// a poison row that is gone are unresolved again.
+    fn roll_back(&mut self, copy: &Snapshot) {
+        let gone = self.wal.split_off(copy.wal.min(self.wal.len()));
         self.stats.restored_away += gone.iter().map(|t| t.rows.len() as u64).sum::<u64>();
         self.next_lsn = copy.next_lsn;
         self.next_xid = copy.next_xid;
         self.slot = copy.slot;
+        self.inherited_slot = copy.inherited_slot;
         self.position = copy.position;
         let taken_back = self.poison.split_off(copy.poison.min(self.poison.len()));
         self.unpoisoned
@@ -459,7 +603,7 @@ impl World {
                 .map(|r| r.row),
         );
         self.resolved = resolved;
-        tracing::debug!(target: "sim", transactions = gone.len(), slot = ?self.slot, position = ?self.position, "restored in place");
+        tracing::debug!(target: "sim", transactions = gone.len(), slot = ?self.slot, position = ?self.position, "rolled back");
         self.gone.extend(gone.into_iter().map(|t| (t.seq, t)));
     }
 
