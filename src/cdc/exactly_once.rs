@@ -35,9 +35,10 @@ use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
 use crate::cdc::ports::producer::librdkafka::KafkaProgressReader;
 use crate::cdc::ports::producer::{Producer, ProgressReader};
-use crate::cdc::progress::{Core, ProgressMark};
+use crate::cdc::progress::{Core, Origin, ProgressMark};
 use crate::cdc::progress_record::ProgressRecord;
 use crate::cdc::start::ServerView;
+use crate::cdc::unreplayed_poison::{self, PoisonedEvents};
 use crate::cdc::wal_identity::{TxIdentity, TxLog, TxNames, Verdict};
 use crate::config::{Config, DeliveryMode};
 use crate::delivery::EventId;
@@ -102,6 +103,8 @@ pub(crate) struct ExactlyOnce {
     transactions: TxLog,
     /// `track_commit_timestamp` was found off (said once).
     unverifiable_said: bool,
+    /// The events poisoned, for the next record (`cdc::unreplayed_poison`).
+    poisoned: PoisonedEvents,
 }
 
 impl ExactlyOnce {
@@ -138,6 +141,7 @@ impl ExactlyOnce {
             failure: None,
             transactions: TxLog::default(),
             unverifiable_said: false,
+            poisoned: PoisonedEvents::default(),
         }))
     }
 
@@ -249,6 +253,7 @@ impl ExactlyOnce {
         // What the last session saw may be sent again, or be another WAL's.
         self.transactions.clear();
         let latest = self.reader.read_latest(&self.topic, &self.slot).await?;
+        self.poisoned = PoisonedEvents::from_start(start);
         let Some(record) = latest else {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
             return Ok(());
@@ -266,6 +271,12 @@ impl ExactlyOnce {
                     "the transactions the progress record names are not this server's (restored in place and written since?): the record is not used; events it covered may be published again");
             }
             Ok(mark) => {
+                let fork = fork_of(&record, history, &server.forks);
+                self.poisoned = record.poisoned.carried(&record.mark, start, fork);
+                let mark = match fork {
+                    Some(_) => unreplayed_poison_guard(mark, &record, start, database).await,
+                    None => mark,
+                };
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
                 if record.history == history {
@@ -429,6 +440,7 @@ impl ExactlyOnce {
             mark,
             names,
             backlog: None,
+            poisoned: self.poisoned.clone(),
         };
         let value = record.encode_within(MAX_RECORD_BYTES);
         let sent = send_progress(publisher, &self.topic, &self.slot, &value);
@@ -441,6 +453,12 @@ impl ExactlyOnce {
                 self.start(publisher, Ending::Abort);
             }
         }
+    }
+
+    /// The event named `origin` is poisoned (its row committed): the next records
+    /// name it (`cdc::unreplayed_poison`).
+    pub(crate) fn poisoned(&mut self, origin: Origin) {
+        self.poisoned.push(origin.commit, origin.ordinal);
     }
 
     /// [`Action::AbortTransaction`](crate::cdc::progress::Action).
@@ -675,6 +693,44 @@ fn usable_mark(
     mark_on(record, history, forks).ok_or(Unused::OtherDatabase)
 }
 
+/// Where `record`'s timeline ended in the history of a server on a later timeline
+/// of its database (`None` on its own timeline, or another database's).
+fn fork_of(
+    record: &ProgressRecord,
+    history: ServerHistory,
+    forks: &[TimelineSwitch],
+) -> Option<Lsn> {
+    let promoted = record.history.system_identifier == history.system_identifier
+        && record.history.timeline != history.timeline;
+    promoted.then(|| {
+        forks
+            .iter()
+            .find(|f| f.timeline == record.history.timeline)
+            .map_or(Lsn::ZERO, |f| f.switchpoint)
+    })
+}
+
+/// On a promoted server: `mark` cut below the first event the record names
+/// poisoned whose poison row this server lacks (`cdc::unreplayed_poison`). A failed
+/// read of the poison rows takes every listed one for missing (duplicates, never a
+/// loss).
+async fn unreplayed_poison_guard(
+    mark: ProgressMark,
+    record: &ProgressRecord,
+    start: Lsn,
+    database: &mut dyn SessionDatabase,
+) -> ProgressMark {
+    let rows = database.recorded_poison(start).await;
+    let (mark, cut) = unreplayed_poison::guard(mark, &record.poisoned, start, |commit, ordinal| {
+        rows.holds(commit, ordinal)
+    });
+    if let Some(at) = cut {
+        tracing::warn!(%at, %start, poisoned_since = ?record.poisoned.since,
+            "promoted server: the progress record names a poisoned event at or after this point whose poison row this server may not have (the standby had not replayed it); events from here to the fork are published again");
+    }
+    mark
+}
+
 /// The part of `record`'s mark that holds on the server history `history`: all of
 /// it on the same history; up to the fork when `history` branched off the record's
 /// timeline later; nothing of another database.
@@ -737,6 +793,7 @@ mod tests {
             },
             names: TxNames::default(),
             backlog: None,
+            poisoned: PoisonedEvents::default(),
         }
     }
 

@@ -36,6 +36,7 @@ mod simulation;
 pub mod start;
 pub mod start_checks;
 pub(crate) mod traces;
+pub mod unreplayed_poison;
 pub mod wal_identity;
 
 pub use session::{RunSummary, run, run_checked, run_with_health};

@@ -45,6 +45,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 
 use crate::cdc::progress::{PartialTx, ProgressMark};
+use crate::cdc::unreplayed_poison::PoisonedEvents;
 pub use crate::cdc::wal_identity::{TxIdentity, TxNames};
 use crate::kafka::ReaderContext;
 use crate::lsn::Lsn;
@@ -85,6 +86,9 @@ pub struct ProgressRecord {
     pub names: TxNames,
     /// The rows a backlog published in the transaction of this record.
     pub backlog: Option<BacklogSent>,
+    /// The events the relay poisoned, for a session on a promoted server that may
+    /// lack their poison rows (`cdc::unreplayed_poison`).
+    pub poisoned: PoisonedEvents,
 }
 
 /// Rows a backlog published in one Kafka transaction, before their `sent_at` marks
@@ -123,6 +127,17 @@ struct Json {
     watermark_tx: Option<JsonTx>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     backlog: Option<JsonBacklog>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    poisoned_since: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    poisoned: Vec<JsonPoisoned>,
+}
+
+/// A poisoned event's name: its transaction's commit LSN and its ordinal there.
+#[derive(Serialize, Deserialize)]
+struct JsonPoisoned {
+    commit: String,
+    ordinal: u32,
 }
 
 /// A transaction's identity: its xid and commit time (µs since the Unix epoch).
@@ -252,6 +267,16 @@ impl ProgressRecord {
                 sent: b.sent.clone(),
                 outbox: b.outbox.clone(),
             }),
+            poisoned_since: self.poisoned.since.map(|since| since.to_string()),
+            poisoned: self
+                .poisoned
+                .events
+                .iter()
+                .map(|(commit, ordinal)| JsonPoisoned {
+                    commit: commit.to_string(),
+                    ordinal: *ordinal,
+                })
+                .collect(),
         };
         // Serializing these plain fields cannot fail.
         serde_json::to_vec(&json).unwrap_or_default()
@@ -318,6 +343,18 @@ impl ProgressRecord {
                 unresolved,
             });
         }
+        let poisoned = PoisonedEvents {
+            since: json
+                .poisoned_since
+                .as_deref()
+                .map(|since| lsn("poisoned_since", since))
+                .transpose()?,
+            events: json
+                .poisoned
+                .iter()
+                .map(|p| Ok((lsn("poisoned.commit", &p.commit)?, p.ordinal)))
+                .collect::<Result<_, ProgressRecordError>>()?,
+        };
         Ok(ProgressRecord {
             slot: json.slot,
             history: ServerHistory {
@@ -346,6 +383,7 @@ impl ProgressRecord {
                 }),
                 None => None,
             },
+            poisoned,
         })
     }
 }
@@ -518,6 +556,7 @@ mod tests {
             },
             names: TxNames::default(),
             backlog: None,
+            poisoned: PoisonedEvents::default(),
         }
     }
 
@@ -555,6 +594,31 @@ mod tests {
             r#"{"version":1,"slot":"outbox_relay","system_identifier":"7715066301594421149","timeline":3,"saved":"0/AFDD0000","confirmed":"0/AFDDBCA8","partial":[{"commit":"0/AFDDBD00","admitted":3,"unresolved":[1]}]}"#
         );
         assert_eq!(ProgressRecord::decode(&value).unwrap(), record());
+    }
+
+    #[test]
+    fn a_record_names_the_events_it_poisoned() {
+        let mut poisoned = record();
+        poisoned.poisoned = PoisonedEvents {
+            since: Some(Lsn(0xAF00_0028)),
+            events: vec![(Lsn(0xAFDD_9F10), 0), (Lsn(0xAFDD_BD00), 2)],
+        };
+        let value = poisoned.encode();
+        let text = String::from_utf8(value.clone()).unwrap();
+        assert!(
+            text.ends_with(
+                r#""poisoned_since":"0/AF000028","poisoned":[{"commit":"0/AFDD9F10","ordinal":0},{"commit":"0/AFDDBD00","ordinal":2}]}"#
+            ),
+            "{text}"
+        );
+        assert_eq!(ProgressRecord::decode(&value).unwrap(), poisoned);
+        // A record written before the list existed says nothing of it.
+        assert_eq!(
+            ProgressRecord::decode(&record().encode()).unwrap().poisoned,
+            PoisonedEvents::default()
+        );
+        let bad = text.replace("0/AFDD9F10", "nope");
+        assert!(ProgressRecord::decode(bad.as_bytes()).is_err());
     }
 
     #[test]

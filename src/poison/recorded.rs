@@ -221,6 +221,12 @@ impl RecordedPoison {
         true
     }
 
+    /// Whether a row of the event named `(commit, ordinal)` was read (matched or
+    /// not yet).
+    pub(crate) fn holds(&self, commit: Lsn, ordinal: u32) -> bool {
+        self.rows.contains_key(&(commit, ordinal))
+    }
+
     /// Whether every row read was matched (or none was read).
     pub(crate) fn is_empty(&self) -> bool {
         self.rows.is_empty()

@@ -133,6 +133,7 @@ impl BacklogTransactions {
             mark: Default::default(),
             names: Default::default(),
             backlog: None,
+            poisoned: Default::default(),
         });
         let server_started = crate::postgres::postmaster_started(metadata).await?;
         // Several outboxes: the record names its table, and a record that names none

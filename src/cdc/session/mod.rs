@@ -361,13 +361,16 @@ impl Relay {
     fn execute(&mut self, action: Action) -> std::result::Result<(), MissingRecord> {
         match action {
             Action::Produce { id, attempt } => self.produce(id, attempt)?,
-            Action::InsertPoison { id, attempts } => self.poison.request(
-                id,
-                attempts,
-                &mut self.core,
-                &mut self.records,
-                &self.telemetry.health,
-            ),
+            Action::InsertPoison { id, attempts } => {
+                let committed = self.poison.request(
+                    id,
+                    attempts,
+                    &mut self.core,
+                    &mut self.records,
+                    &self.telemetry.health,
+                );
+                self.transactions.poisoned(committed);
+            }
             Action::Save { lsn, urgent } => self.confirmation.request(lsn, urgent),
             Action::CommitTransaction => self.transactions.commit(
                 self.delivery.publisher(),
@@ -658,13 +661,14 @@ impl Relay {
 
     /// A poison insert finished (`PoisonPath::on_outcome`).
     fn on_poison_outcome(&mut self, outcome: crate::poison::PoisonOutcome) {
-        self.poison.on_outcome(
+        let committed = self.poison.on_outcome(
             outcome,
             &mut self.core,
             &mut self.records,
             &mut self.telemetry.summary,
             &mut self.telemetry.instruments,
         );
+        self.transactions.poisoned(committed);
     }
 
     /// Drops the records of the events the core resolved (`Telemetry::forget_resolved`).

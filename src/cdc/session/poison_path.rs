@@ -15,7 +15,7 @@ use crate::cdc::instruments::Instruments;
 use crate::cdc::metrics::{self as m, Health};
 use crate::cdc::poison_policy::{Disposal, PoisonPolicy};
 use crate::cdc::ports::clock;
-use crate::cdc::progress::{Core, Records};
+use crate::cdc::progress::{Core, Origin, Records};
 use crate::delivery::EventId;
 use crate::lsn::Lsn;
 use crate::outbox::OutboxEvent;
@@ -72,6 +72,7 @@ impl PoisonPath {
 
     /// A poison insert finished: the event is resolved as poisoned (or parked), its
     /// key released by `replay` meanwhile, or the insert is retried by the core.
+    /// Returns the name of an event whose poison row committed.
     pub(super) fn on_outcome(
         &mut self,
         outcome: PoisonOutcome,
@@ -79,8 +80,9 @@ impl PoisonPath {
         records: &mut Records<InFlight>,
         summary: &mut RunSummary,
         instruments: &mut Instruments,
-    ) {
+    ) -> Option<Origin> {
         let now = clock::now();
+        let origin = core.origin(outcome.id);
         match outcome.result {
             Ok(Parked::Recorded) => {
                 if let Some(pending) = records.remove(outcome.id) {
@@ -93,6 +95,7 @@ impl PoisonPath {
                     }
                 }
                 core.poison_committed(outcome.id, now);
+                return origin;
             }
             Ok(Parked::Released) => {
                 if let Some(InFlight::Event { event, parked, .. }) = records.get_mut(outcome.id) {
@@ -103,6 +106,7 @@ impl PoisonPath {
             }
             Err(_) => core.poison_insert_failed(outcome.id, now),
         }
+        None
     }
 
     /// Whether an earlier process recorded `id` in the poison table (found among
@@ -148,6 +152,7 @@ impl PoisonPath {
 
     /// The core gave up on `id` after `attempts`: its poison row goes to the writer
     /// (as `relay.on_poison` disposes of it), or, under `halt`, it holds the relay.
+    /// Returns the event's name when its poison row was committed already.
     pub(super) fn request(
         &mut self,
         id: EventId,
@@ -155,9 +160,9 @@ impl PoisonPath {
         core: &mut Core,
         records: &mut Records<InFlight>,
         health: &Health,
-    ) {
+    ) -> Option<Origin> {
         let (Some(pending), Some(origin)) = (records.get(id), core.origin(id)) else {
-            return;
+            return None;
         };
         if let InFlight::Event {
             recorded_before: true,
@@ -167,11 +172,14 @@ impl PoisonPath {
             // Its row is committed already.
             records.remove(id);
             core.poison_committed(id, clock::now());
-            return;
+            return Some(origin);
         }
         let parking = match self.policy.dispose(pending) {
             Disposal::Insert(parking) => parking,
-            Disposal::Halt => return halt(id, attempts, core, records, health),
+            Disposal::Halt => {
+                halt(id, attempts, core, records, health);
+                return None;
+            }
         };
         let row = pending.poison_row(attempts, parking, origin);
         // The channel holds one request per in-flight event at most, so it is never
@@ -179,6 +187,7 @@ impl PoisonPath {
         if self.requests.try_send(PoisonRequest { id, row }).is_err() {
             core.poison_insert_failed(id, clock::now());
         }
+        None
     }
 }
 

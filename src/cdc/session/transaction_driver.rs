@@ -20,7 +20,7 @@ use crate::cdc::metrics as m;
 use crate::cdc::ports::clock;
 use crate::cdc::ports::database::SessionDatabase;
 use crate::cdc::ports::producer::Producer;
-use crate::cdc::progress::Core;
+use crate::cdc::progress::{Core, Origin};
 use crate::error::Result;
 use crate::kafka::TransactionError;
 use crate::lsn::Lsn;
@@ -74,6 +74,13 @@ impl TransactionDriver {
     pub(super) fn producer_replaced(&mut self) {
         if let Some(eo) = self.exactly_once.as_mut() {
             eo.producer_replaced();
+        }
+    }
+
+    /// An event's poison row committed (`ExactlyOnce::poisoned`).
+    pub(super) fn poisoned(&mut self, origin: Option<Origin>) {
+        if let (Some(eo), Some(origin)) = (self.exactly_once.as_mut(), origin) {
+            eo.poisoned(origin);
         }
     }
 

@@ -127,11 +127,7 @@ impl Schedule {
                         row.key_text()
                     ));
                 }
-                if times == 0
-                    && !poisoned.contains_key(&row)
-                    && tx < horizon
-                    && !world.poison_lost.contains(&row)
-                {
+                if times == 0 && !poisoned.contains_key(&row) && tx < horizon {
                     self.fail(&format!("event {} was lost", row.key_text()));
                 }
                 // All or nothing, but for a poison insert of a killed process that
@@ -149,7 +145,8 @@ impl Schedule {
                         row.key_text()
                     ));
                 }
-                if self.mode == Mode::ExactlyOnce && times > 1 {
+                if self.mode == Mode::ExactlyOnce && times > 1 && !world.republished.contains(&row)
+                {
                     let txns: Vec<Option<u64>> = world
                         .partitions
                         .iter()
@@ -216,7 +213,7 @@ fn unresolved_row(world: &world::World, tx: usize) -> Option<RowId> {
             tx: t.seq,
             ordinal: u32::try_from(ordinal).unwrap_or(u32::MAX),
         })
-        .find(|row| !world.resolved.contains(row) && !world.poison_lost.contains(row))
+        .find(|row| !world.resolved.contains(row))
 }
 
 /// How many poison rows each row has.

@@ -236,8 +236,9 @@ pub(super) struct Stats {
     pub(super) synced_promotions: u64,
     pub(super) recreated_slots: u64,
     pub(super) slot_drops: u64,
-    /// Exactly-once events in [`World::poison_lost`].
-    pub(super) poison_lost: u64,
+    /// Exactly-once promotions after which a poison row the relay wrote was not
+    /// on the new primary (`World::republished`).
+    pub(super) unreplayed_poison: u64,
     pub(super) resyncs: u64,
     pub(super) resynced: u64,
 }
@@ -271,7 +272,7 @@ impl Stats {
         self.synced_promotions += other.synced_promotions;
         self.recreated_slots += other.recreated_slots;
         self.slot_drops += other.slot_drops;
-        self.poison_lost += other.poison_lost;
+        self.unreplayed_poison += other.unreplayed_poison;
         self.resyncs += other.resyncs;
         self.resynced += other.resynced;
     }
@@ -374,12 +375,11 @@ pub(super) struct World {
     /// Transactions a restore took back, by [`Tx::seq`]: the broker still judges
     /// their records (in flight, or sent again from a session's memory) by them.
     pub(super) gone: BTreeMap<usize, Tx>,
-    /// Exactly-once: events poisoned on a primary whose poison rows the promoted
-    /// standby had not replayed. The progress record (in Kafka, not in the lost
-    /// WAL) still names them resolved, and the relay cannot tell them from
-    /// delivered ones: neither published nor poisoned, a documented limit
-    /// (`docs/operations.md`, "Exactly-once delivery"), not held to the promises.
-    pub(super) poison_lost: std::collections::HashSet<RowId>,
+    /// Exactly-once: the events a session on a promoted server publishes again
+    /// because the standby had not replayed a poison row the relay wrote: from the
+    /// first such event to the fork (`cdc::unreplayed_poison`, documented), not
+    /// held to "once in the read_committed view".
+    pub(super) republished: std::collections::HashSet<RowId>,
     /// The schedule runs `kafka.delivery = "exactly-once"`.
     pub(super) exactly_once: bool,
     pub(super) stats: Stats,
@@ -423,7 +423,7 @@ impl World {
             late_poison: BTreeMap::new(),
             unpoisoned: std::collections::HashSet::new(),
             gone: BTreeMap::new(),
-            poison_lost: std::collections::HashSet::new(),
+            republished: std::collections::HashSet::new(),
             exactly_once: false,
             stats: Stats::default(),
         }
@@ -521,12 +521,25 @@ impl World {
             .map(|(row, _)| *row)
             .collect();
         self.roll_back(replica);
-        if self.exactly_once {
-            for row in unreplayed {
-                if self.is_event(row) && !self.resolved.contains(&row) {
-                    self.stats.poison_lost += u64::from(self.poison_lost.insert(row));
-                }
-            }
+        let first = unreplayed
+            .iter()
+            .filter(|row| self.is_event(**row) && !self.resolved.contains(row))
+            .filter_map(|row| self.tx(row.tx).map(|t| t.final_lsn))
+            .min();
+        if let Some(first) = first.filter(|_| self.exactly_once) {
+            let again: Vec<RowId> = self
+                .wal
+                .iter()
+                .filter(|t| t.final_lsn >= first)
+                .flat_map(|t| {
+                    (0..t.rows.len()).map(|o| RowId {
+                        tx: t.seq,
+                        ordinal: u32::try_from(o).unwrap_or(u32::MAX),
+                    })
+                })
+                .collect();
+            self.stats.unreplayed_poison += 1;
+            self.republished.extend(again);
         }
         self.forks.push(TimelineSwitch {
             timeline: self.history.timeline,
