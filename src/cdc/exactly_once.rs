@@ -272,11 +272,9 @@ impl ExactlyOnce {
             }
             Ok(mark) => {
                 let fork = fork_of(&record, history, &server.forks);
-                self.poisoned = record.poisoned.carried(&record.mark, start, fork);
-                let mark = match fork {
-                    Some(_) => unreplayed_poison_guard(mark, &record, start, database).await,
-                    None => mark,
-                };
+                let (mark, poisoned) =
+                    unreplayed_poison_guard(mark, &record, start, fork, database).await;
+                self.poisoned = poisoned;
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
                 if record.history == history {
@@ -710,25 +708,34 @@ fn fork_of(
     })
 }
 
-/// On a promoted server: `mark` cut below the first event the record names
-/// poisoned whose poison row this server lacks (`cdc::unreplayed_poison`). A failed
-/// read of the poison rows takes every listed one for missing (duplicates, never a
-/// loss).
+/// `mark` cut below the first event the record names poisoned whose poison row
+/// this server lacks (a promoted standby that had not replayed it, a data directory
+/// restored from before it: `cdc::unreplayed_poison`), and the list of poisoned
+/// events this session goes on from: the record's, and the names of this server's
+/// poison rows from below where the record's writer may have gone on without a
+/// record. A failed read takes every listed event for missing (duplicates, never a
+/// loss) and lists nothing more.
 async fn unreplayed_poison_guard(
     mark: ProgressMark,
     record: &ProgressRecord,
     start: Lsn,
+    fork: Option<Lsn>,
     database: &mut dyn SessionDatabase,
-) -> ProgressMark {
-    let rows = database.recorded_poison(start).await;
+) -> (ProgressMark, PoisonedEvents) {
+    let from = unreplayed_poison::read_from(&record.mark, start);
+    let rows = database.recorded_poison(from).await;
     let (mark, cut) = unreplayed_poison::guard(mark, &record.poisoned, start, |commit, ordinal| {
         rows.holds(commit, ordinal)
     });
     if let Some(at) = cut {
-        tracing::warn!(%at, %start, poisoned_since = ?record.poisoned.since,
-            "promoted server: the progress record names a poisoned event at or after this point whose poison row this server may not have (the standby had not replayed it); events from here to the fork are published again");
+        tracing::warn!(%at, %start, poisoned_since = ?record.poisoned.since, history = %record.history,
+            "the progress record names a poisoned event at or after this point whose poison row this server does not have (a promoted standby that had not replayed it, or a restore): it and the events after it are sent again");
     }
-    mark
+    let poisoned =
+        record
+            .poisoned
+            .carried(&record.mark, start, fork, rows.names(), rows.complete());
+    (mark, poisoned)
 }
 
 /// The part of `record`'s mark that holds on the server history `history`: all of

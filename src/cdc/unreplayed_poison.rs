@@ -1,6 +1,6 @@
-//! Poison rows a promoted standby may not have: why an exactly-once progress record
-//! names the events the relay poisoned, and how a session on a promoted server uses
-//! the list.
+//! Poison rows a server may not have (a promoted standby, a restore): why an
+//! exactly-once progress record names the events the relay poisoned, and how a
+//! session uses the list.
 //!
 //! # Why
 //!
@@ -29,18 +29,31 @@
 //! The names (commit LSN and ordinal, [`Origin`](crate::cdc::progress::Origin)) of
 //! the events the relay poisoned whose commit is at or after `since`: at most
 //! [`MAX_LISTED`], the oldest dropped first (which raises `since`), carried from
-//! record to record across sessions. A session that resumes from a record of an
-//! earlier timeline ([`guard`]):
+//! record to record across sessions ([`PoisonedEvents::carried`]), with the names of
+//! the server's poison rows from the record's watermark on added at each session
+//! start (the record's writer may have poisoned events after its last record: a
+//! record is written only with events in it). A session that resumes from a record
+//! ([`guard`], at every start: a data directory restored from before a poison row
+//! lacks it just as a promoted standby does):
 //!
 //! * with `since` at or below its start, every event at risk is listed: the first
 //!   listed one the record resolves whose poison row this server does not have cuts
-//!   the mark just below it. It and the events after it up to the fork are
-//!   published again: duplicates, only after such a failover, never a loss;
+//!   the mark just below it. It and the events after it are sent again:
+//!   duplicates, only after such a failover or restore, never a loss;
 //! * with `since` above its start (the list overflowed, or a record of a relay that
 //!   kept none), the mark is cut at the start: the events the record named past it
 //!   are published again.
+//!
+//! A listed event counts as held when this server has a poison row of its name
+//! (`RecordedPoison::holds`). A resync's or a cutover's rows carry the slot's
+//! consistent point as their LSN and a backlog ordinal: a streamed event's name
+//! matches one only if its transaction's commit record starts exactly at that
+//! point, and such an event would be taken for held. That one case is not covered
+//! (comparing the rows' occurrence keys would cover it, at the cost of carrying
+//! them in the record).
 
 use crate::cdc::progress::ProgressMark;
+use crate::hashing::HashSet;
 use crate::lsn::Lsn;
 
 /// Most names a record carries (about 40 bytes each in its JSON).
@@ -82,28 +95,62 @@ impl PoisonedEvents {
 
     /// The list a session starting at `start` goes on from, out of a record it
     /// resumes from whose `mark` holds here (`fork`: where the record's timeline
-    /// ended, on a promoted server). A record without a list says nothing below
-    /// what it resolves.
+    /// ended, on a promoted server), and the names of this server's poison rows
+    /// from [`read_from`] on (`complete`: all of them). The record's writer may
+    /// have poisoned events after its last record (a record is written only with
+    /// events in it) and saved a position past them, which this session starts
+    /// from and its records will name resolved: their rows are among those read.
+    /// A record without a list says nothing below what it resolves; a read that
+    /// was not complete lists nothing below `start`.
     #[must_use]
-    pub fn carried(&self, mark: &ProgressMark, start: Lsn, fork: Option<Lsn>) -> PoisonedEvents {
+    pub fn carried(
+        &self,
+        mark: &ProgressMark,
+        start: Lsn,
+        fork: Option<Lsn>,
+        rows: impl Iterator<Item = (Lsn, u32)>,
+        complete: bool,
+    ) -> PoisonedEvents {
         let fork = fork.unwrap_or(Lsn(u64::MAX));
-        let since = self.since.unwrap_or_else(|| start.max(top(mark)));
-        PoisonedEvents {
-            since: Some(since),
-            events: self
-                .events
-                .iter()
-                .copied()
-                .filter(|(commit, _)| *commit >= since && *commit < fork)
-                .collect(),
+        let mut since = self.since.unwrap_or_else(|| top(mark));
+        if !complete {
+            since = since.max(start);
         }
+        let keep = |commit: Lsn| commit >= since && commit < fork;
+        let listed: HashSet<(Lsn, u32)> = self.events.iter().copied().collect();
+        let mut read: Vec<(Lsn, u32)> = rows
+            .filter(|(commit, _)| keep(*commit))
+            .filter(|name| !listed.contains(name))
+            .collect();
+        read.sort_unstable();
+        let mut carried = PoisonedEvents {
+            since: Some(since),
+            events: Vec::new(),
+        };
+        let names = self
+            .events
+            .iter()
+            .copied()
+            .filter(|(commit, _)| keep(*commit));
+        for (commit, ordinal) in names.chain(read) {
+            carried.push(commit, ordinal);
+        }
+        carried
     }
 }
 
-/// What a session starting at `start` on a promoted server may resume from, out of
-/// `mark` (a record of an earlier timeline, cut at the fork) and the record's
-/// `listed` events; `holds(commit, ordinal)` says whether this server has the
-/// event's poison row. Returns the mark and, when it was cut, where.
+/// Where a session starting at `start` reads this server's poison rows from, for a
+/// record whose mark is `mark`: from the record's watermark (what the writer
+/// resolved after the record is at or past it), or the start if lower.
+#[must_use]
+pub fn read_from(mark: &ProgressMark, start: Lsn) -> Lsn {
+    mark.confirmed.min(start)
+}
+
+/// What a session starting at `start` may resume from, out of `mark` (the record's,
+/// cut at the fork on a promoted server) and the record's `listed` events;
+/// `holds(commit, ordinal)` says whether this server has the event's poison row.
+/// Returns the mark and, when it was cut, where.
 #[must_use]
 pub fn guard(
     mark: ProgressMark,
@@ -231,11 +278,20 @@ mod tests {
 
     #[test]
     fn carried_across_a_fork_and_from_a_record_without_a_list() {
-        let events = listed(100, &[(300, 0), (700, 1)]);
-        let carried = events.carried(&mark(), Lsn(200), Some(Lsn(600)));
-        assert_eq!(carried, listed(100, &[(300, 0)]));
+        let events = listed(100, &[(150, 0), (300, 0), (700, 1)]);
+        // The server's rows add what the record's writer poisoned after it (560/0);
+        // past the fork nothing is kept.
+        let rows = [(Lsn(560), 0), (Lsn(300), 0), (Lsn(650), 2)];
+        let carried = events.carried(&mark(), Lsn(200), Some(Lsn(600)), rows.into_iter(), true);
+        assert_eq!(carried, listed(100, &[(150, 0), (300, 0), (560, 0)]));
+        // A read that did not find everything: nothing below the start.
+        let carried = events.carried(&mark(), Lsn(200), None, std::iter::empty(), false);
+        assert_eq!(carried, listed(200, &[(300, 0), (700, 1)]));
         // No list: nothing is known below what the record resolves.
-        let carried = PoisonedEvents::default().carried(&mark(), Lsn(200), None);
+        let carried =
+            PoisonedEvents::default().carried(&mark(), Lsn(200), None, std::iter::empty(), true);
         assert_eq!(carried, listed(521, &[]));
+        assert_eq!(read_from(&mark(), Lsn(200)), Lsn(200));
+        assert_eq!(read_from(&mark(), Lsn(800)), Lsn(500));
     }
 }

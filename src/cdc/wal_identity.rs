@@ -265,6 +265,27 @@ pub(crate) async fn check(
     Ok(judge(&expected, &answers))
 }
 
+/// [`check`]'s verdict from a server whose answers are known without asking it
+/// (the whole-relay simulation's): `committed_at(xid)` is the commit time it keeps
+/// (µs since the Unix epoch), `None` for an xid it never committed.
+#[cfg(test)]
+pub(crate) fn verdict_of(
+    names: &TxNames,
+    confirmed: Lsn,
+    start: Lsn,
+    committed_at: impl Fn(u32) -> Option<i64>,
+) -> Verdict {
+    let expected = names.past(confirmed, start);
+    let answers: Vec<Answer> = expected
+        .iter()
+        .map(|id| Answer {
+            committed_us: committed_at(id.xid),
+            committed: committed_at(id.xid).is_some(),
+        })
+        .collect();
+    judge(&expected, &answers)
+}
+
 /// What the server said of one xid.
 #[derive(Debug, Clone, Copy)]
 struct Answer {

@@ -94,6 +94,8 @@ pub(crate) struct RecordedPoison {
     /// By commit LSN and ordinal.
     rows: HashMap<(Lsn, u32), Occurrence>,
     copy_limit: usize,
+    /// Every row asked for was read (`RecordedPoison::complete`).
+    complete: bool,
 }
 
 /// The read of [`RecordedPoison::read`]: `$1`/`$2` the LSN bounds, `$3` the cap,
@@ -144,6 +146,7 @@ impl RecordedPoison {
         let mut recorded = RecordedPoison {
             rows: HashMap::default(),
             copy_limit,
+            complete: true,
         };
         if to < from {
             return Ok(recorded);
@@ -176,6 +179,7 @@ impl RecordedPoison {
                 .insert((lsn, position), Occurrence { no_id, key });
         }
         if rows.len() >= usize::try_from(MAX_ROWS).unwrap_or(usize::MAX) {
+            recorded.complete = false;
             tracing::warn!(from = %from, to = %to, rows = rows.len(),
                 "more poison rows than read at a session start: events poisoned past them may be produced again");
         }
@@ -199,6 +203,7 @@ impl RecordedPoison {
                 .map(|(name, row)| (name, Occurrence::of(&row, copy_limit)))
                 .collect(),
             copy_limit,
+            complete: true,
         }
     }
 
@@ -225,6 +230,17 @@ impl RecordedPoison {
     /// not yet).
     pub(crate) fn holds(&self, commit: Lsn, ordinal: u32) -> bool {
         self.rows.contains_key(&(commit, ordinal))
+    }
+
+    /// The names of the rows read (not yet matched).
+    pub(crate) fn names(&self) -> impl Iterator<Item = (Lsn, u32)> + '_ {
+        self.rows.keys().copied()
+    }
+
+    /// Whether the read found every row it asked for: it succeeded and was not cut
+    /// at [`MAX_ROWS`].
+    pub(crate) fn complete(&self) -> bool {
+        self.complete
     }
 
     /// Whether every row read was matched (or none was read).
@@ -258,6 +274,7 @@ mod tests {
                 .map(|((lsn, ord), r)| ((Lsn(*lsn), *ord), Occurrence::of(r, copy_limit)))
                 .collect(),
             copy_limit,
+            complete: true,
         }
     }
 

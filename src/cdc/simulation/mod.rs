@@ -34,14 +34,14 @@
 //! - The relay process is killed (`kill -9`: what it had in flight lands or not,
 //!   unreported, and a commit it had sent may complete) or stopped gracefully,
 //!   and started again on the same world.
-//! - In one at-least-once schedule in eleven the data directory is copied at a
-//!   checkpoint and later put back in place (`World::restore`): same system
-//!   identifier and timeline, the transactions committed since gone (their LSNs
-//!   and xids handed out again; a row is named by its commit's number, not its
-//!   place in the WAL, so the gone ones stay apart), the slot, the position row
-//!   and the poison table as they were. Exactly-once tells a restored WAL by the
-//!   commit timestamps of its progress record's transactions, which this world
-//!   does not keep.
+//! - In one schedule in eleven the data directory is copied at a checkpoint and
+//!   later put back in place (`World::restore`): same system identifier and
+//!   timeline, the transactions committed since gone (their LSNs and xids handed
+//!   out again, at other commit times; a row is named by its commit's number, not
+//!   its place in the WAL, so the gone ones stay apart), the slot, the position row
+//!   and the poison table as they were. Exactly-once tells a restored WAL by its
+//!   progress record's commit times (the world keeps them, as
+//!   `track_commit_timestamp = on` does) and does not use the record then.
 //! - In two schedules in thirteen (not halting, restoring or writing messages) a
 //!   standby follows the primary a few transactions behind and is promoted now and
 //!   then (`World::promote`: the unreplayed transactions gone, the next timeline,
@@ -146,9 +146,8 @@ struct Schedule {
     /// Half of the events are written with `outbox_emit`: logical decoding
     /// messages, not rows.
     messages: bool,
-    /// The data directory is copied now and then and put back in place later
-    /// (at-least-once only: exactly-once's progress record tells a restored WAL
-    /// by commit timestamps this world does not keep); the copy waiting.
+    /// The data directory is copied now and then and put back in place later; the
+    /// copy waiting.
     restores: bool,
     copy: Option<world::Snapshot>,
     /// A standby follows the primary, is promoted now and then (with the slot
@@ -207,12 +206,12 @@ impl Schedule {
             messages: seed % 7 == 3,
             // Not with `halt`: a poison row written in error could be taken back
             // before the end checks that none was.
-            restores: mode == Mode::AtLeastOnce && seed.is_multiple_of(11) && !halt,
+            restores: seed.is_multiple_of(11) && !halt,
             copy: None,
             failovers: matches!(seed % 13, 5 | 9)
                 && !halt
                 && seed % 7 != 3
-                && !(mode == Mode::AtLeastOnce && seed.is_multiple_of(11)),
+                && !seed.is_multiple_of(11),
             standby: None,
         }
     }
@@ -736,7 +735,7 @@ fn run_many(mode: Mode, default: u64) {
 /// thread, ends in the same world.
 #[test]
 fn a_schedule_is_a_function_of_its_seed() {
-    // 0x5EED5 plain; 66 restores in place (at-least-once) and writes messages;
+    // 0x5EED5 plain; 66 restores in place and writes messages;
     // 52 halts on poison and writes messages; 9 promotes standbys and drops slots.
     for (seed, other) in [(0x0005_EED5, 0x0005_EED6), (66, 67), (52, 53), (9, 10)] {
         for mode in [Mode::AtLeastOnce, Mode::ExactlyOnce] {

@@ -18,7 +18,7 @@ use crate::cdc::ports::database::{
 use crate::cdc::ports::stream::WalStream;
 use crate::cdc::progress::SavePhase;
 use crate::cdc::start::{self, Remembered, ServerView, SlotView, StartPlan};
-use crate::cdc::wal_identity::{TxNames, Verdict};
+use crate::cdc::wal_identity::{TxNames, Verdict, verdict_of};
 use crate::config::{Config, DeliveryMode, SlotLossMode};
 use crate::error::{Error, Result};
 use crate::hashing::HashSet;
@@ -303,13 +303,17 @@ impl SessionDatabase for SimDatabase {
 
     fn wal_identity<'a>(
         &'a mut self,
-        _names: &'a TxNames,
-        _confirmed: Lsn,
-        _start: Lsn,
+        names: &'a TxNames,
+        confirmed: Lsn,
+        start: Lsn,
     ) -> Boxed<'a, Result<Verdict>> {
-        // Exactly-once schedules never restore in place (`Schedule::restores`): the
-        // record's transactions are the server's own.
-        Box::pin(async { Ok(Verdict::Same) })
+        // The server keeps every commit time (`track_commit_timestamp = on`).
+        Box::pin(async move {
+            let world = self.shared.lock();
+            Ok(verdict_of(names, confirmed, start, |xid| {
+                world.committed_at(xid)
+            }))
+        })
     }
 }
 
@@ -422,7 +426,7 @@ impl SimStream {
                 Lsn(tx.final_lsn.0.saturating_sub(1)),
                 LogicalReplicationMessage::Begin(Begin {
                     final_lsn: tx.final_lsn,
-                    commit_time: 0,
+                    commit_time: tx.commit_time,
                     xid: tx.xid,
                 }),
             )
@@ -461,7 +465,7 @@ impl SimStream {
                     flags: 0,
                     commit_lsn: tx.final_lsn,
                     end_lsn: tx.end_lsn,
-                    commit_time: 0,
+                    commit_time: tx.commit_time,
                 }),
             )
         };

@@ -132,10 +132,13 @@ impl Schedule {
                 }
                 // All or nothing, but for a poison insert of a killed process that
                 // committed after the publishing session read the poison rows
-                // (documented, `poison::recorded`).
+                // (documented, `poison::recorded`), and for an event that went
+                // through the relay again as documented (`World::republished`):
+                // delivered once, refused the next time.
                 if self.mode == Mode::ExactlyOnce
                     && times > 0
                     && poisoned.contains_key(&row)
+                    && !world.republished.contains(&row)
                     && world.partitions.iter().flatten().any(|r| {
                         r.row == row && committed(&world, r.txn) && !world.sent_unaware_of_poison(r)
                     })

@@ -84,6 +84,9 @@ pub(super) struct Tx {
     /// Its name in [`RowId`]s: the commit's number since the world began.
     pub(super) seq: usize,
     pub(super) xid: u32,
+    /// `Begin.commit_time` (µs since 2000-01-01): never the same twice, so a
+    /// transaction a restore hands the xid out to again commits at another time.
+    pub(super) commit_time: i64,
     pub(super) final_lsn: Lsn,
     pub(super) end_lsn: Lsn,
     pub(super) rows: Vec<Row>,
@@ -375,10 +378,11 @@ pub(super) struct World {
     /// Transactions a restore took back, by [`Tx::seq`]: the broker still judges
     /// their records (in flight, or sent again from a session's memory) by them.
     pub(super) gone: BTreeMap<usize, Tx>,
-    /// Exactly-once: the events a session on a promoted server publishes again
-    /// because the standby had not replayed a poison row the relay wrote: from the
-    /// first such event to the fork (`cdc::unreplayed_poison`, documented), not
-    /// held to "once in the read_committed view".
+    /// Exactly-once: the events a session may publish again, as documented, not
+    /// held to "once in the read_committed view": on a promoted server that lacks
+    /// a poison row the relay wrote, from that event to the fork
+    /// (`cdc::unreplayed_poison`); after a restore in place, from the restored
+    /// position on (the progress record is not used).
     pub(super) republished: std::collections::HashSet<RowId>,
     /// The schedule runs `kafka.delivery = "exactly-once"`.
     pub(super) exactly_once: bool,
@@ -444,9 +448,13 @@ impl World {
         self.stats.rows += rows.len() as u64;
         self.stats.messages += rows.iter().filter(|r| r.message).count() as u64;
         tracing::debug!(target: "sim", tx = self.next_seq, rows = rows.len(), final_lsn, end_lsn, "commit");
+        // By the commit's number (never handed out twice): a millisecond apart.
+        let commit_time =
+            1_000_000 + 1_000 * i64::try_from(self.next_seq).unwrap_or(i64::MAX / 2_000);
         self.wal.push(Tx {
             seq: self.next_seq,
             xid: self.next_xid,
+            commit_time,
             final_lsn: Lsn(final_lsn),
             end_lsn: Lsn(end_lsn),
             rows,
@@ -504,6 +512,39 @@ impl World {
     pub(super) fn restore(&mut self, copy: &Snapshot) {
         self.stats.restores += 1;
         self.roll_back(copy);
+        if self.exactly_once {
+            // The relay tells the restored WAL by its progress record's commit
+            // times and does not use the record (documented): the events from the
+            // restored position on that it had delivered go out again.
+            let from = copy.position.map_or(Lsn::ZERO, |p| p.confirmed);
+            let again = self.events_from(from);
+            self.republished.extend(again);
+        }
+    }
+
+    /// The events of the transactions committing at or after `from`.
+    fn events_from(&self, from: Lsn) -> Vec<RowId> {
+        self.wal
+            .iter()
+            .filter(|t| t.final_lsn >= from)
+            .flat_map(|t| {
+                (0..t.rows.len()).map(|o| RowId {
+                    tx: t.seq,
+                    ordinal: u32::try_from(o).unwrap_or(u32::MAX),
+                })
+            })
+            .collect()
+    }
+
+    /// When the transaction that took `xid` committed, as the server keeps it
+    /// (`pg_xact_commit_timestamp`, µs since the Unix epoch).
+    pub(super) fn committed_at(&self, xid: u32) -> Option<i64> {
+        const POSTGRES_EPOCH_US: i64 = 946_684_800_000_000;
+        self.wal
+            .iter()
+            .rev()
+            .find(|t| t.xid == xid)
+            .map(|t| t.commit_time + POSTGRES_EPOCH_US)
     }
 
     /// The standby that replayed `replica` is promoted: the primary's transactions
@@ -527,17 +568,7 @@ impl World {
             .filter_map(|row| self.tx(row.tx).map(|t| t.final_lsn))
             .min();
         if let Some(first) = first.filter(|_| self.exactly_once) {
-            let again: Vec<RowId> = self
-                .wal
-                .iter()
-                .filter(|t| t.final_lsn >= first)
-                .flat_map(|t| {
-                    (0..t.rows.len()).map(|o| RowId {
-                        tx: t.seq,
-                        ordinal: u32::try_from(o).unwrap_or(u32::MAX),
-                    })
-                })
-                .collect();
+            let again = self.events_from(first);
             self.stats.unreplayed_poison += 1;
             self.republished.extend(again);
         }
