@@ -293,6 +293,8 @@ pub(super) struct Snapshot {
     inherited_slot: bool,
     position: Option<PositionRow>,
     poison: usize,
+    /// Resyncs done when it was taken.
+    resyncs: u64,
 }
 
 /// What a promoted standby has of the relay's slot.
@@ -381,8 +383,9 @@ pub(super) struct World {
     /// Exactly-once: the events a session may publish again, as documented, not
     /// held to "once in the read_committed view": on a promoted server that lacks
     /// a poison row the relay wrote, from that event to the fork
-    /// (`cdc::unreplayed_poison`); after a restore in place, from the restored
-    /// position on (the progress record is not used).
+    /// (`cdc::unreplayed_poison`); on one that had not replayed a resync, from its
+    /// position on; after a restore in place, from the restored position on (the
+    /// progress record is not used).
     pub(super) republished: std::collections::HashSet<RowId>,
     /// The schedule runs `kafka.delivery = "exactly-once"`.
     pub(super) exactly_once: bool,
@@ -494,6 +497,7 @@ impl World {
             inherited_slot: self.inherited_slot,
             position: self.position,
             poison: self.poison.len(),
+            resyncs: self.stats.resyncs,
         }
     }
 
@@ -567,6 +571,19 @@ impl World {
             .filter(|row| self.is_event(**row) && !self.resolved.contains(row))
             .filter_map(|row| self.tx(row.tx).map(|t| t.final_lsn))
             .min();
+        if self.exactly_once && self.stats.resyncs > replica.resyncs {
+            // The standby had not replayed a resync (its marks, its slot, the
+            // position it saved): the relay streams again from before it, and the
+            // events the resync published go out again (the progress record names
+            // no backlog's events).
+            let replayed = [
+                replica.slot.map(|s| s.confirmed),
+                replica.position.map(|p| p.confirmed),
+            ];
+            let from = replayed.into_iter().flatten().min().unwrap_or(Lsn::ZERO);
+            let again = self.events_from(from);
+            self.republished.extend(again);
+        }
         if let Some(first) = first.filter(|_| self.exactly_once) {
             let again = self.events_from(first);
             self.stats.unreplayed_poison += 1;
