@@ -267,24 +267,8 @@ impl Producer for SimProducer {
             if let Some(state) = world.producers.get_mut(&self.id) {
                 state.initialised = true;
             }
-            let mut fenced_open = Vec::new();
-            for (id, producer) in &mut world.producers {
-                if *id == self.id || !producer.transactional || producer.fenced {
-                    continue;
-                }
-                producer.fenced = true;
-                tracing::debug!(target: "sim", fenced = *id, by = self.id, "init_transactions fences");
-                fenced_open.extend(producer.open_txn.take());
-            }
-            for txn in fenced_open {
-                if world
-                    .txns
-                    .get(&txn)
-                    .is_some_and(|t| t.status == TxnStatus::Open)
-                {
-                    world.aborted(txn);
-                }
-            }
+            let by = self.id;
+            fence(world, |id, _| id != by);
             Ok(())
         })
     }
@@ -439,6 +423,30 @@ fn timed_out(world: &mut World, producer: u64) -> bool {
         state.fenced = true;
     }
     true
+}
+
+/// A newer producer of the `transactional.id` takes it: every other transactional
+/// producer `which` names, not fenced yet, is fenced, and the transaction it left
+/// open aborts.
+pub(super) fn fence(world: &mut World, which: impl Fn(u64, &ProducerState) -> bool) {
+    let mut fenced_open = Vec::new();
+    for (id, producer) in &mut world.producers {
+        if !producer.transactional || producer.fenced || !which(*id, producer) {
+            continue;
+        }
+        producer.fenced = true;
+        tracing::debug!(target: "sim", fenced = *id, "fenced by a newer producer");
+        fenced_open.extend(producer.open_txn.take());
+    }
+    for txn in fenced_open {
+        if world
+            .txns
+            .get(&txn)
+            .is_some_and(|t| t.status == TxnStatus::Open)
+        {
+            world.aborted(txn);
+        }
+    }
 }
 
 /// Fails the records of `txn` still in flight with `code`.

@@ -25,7 +25,7 @@
 //! again and are lost with the slot (documented): schedules that lose slots write
 //! none.
 
-use super::kafka::partition_of;
+use super::kafka::{fence, partition_of};
 use super::world::{Record, RowId, Slot, Txn, TxnStatus, World};
 use crate::lsn::Lsn;
 use crate::outbox::PoisonFields;
@@ -33,7 +33,9 @@ use crate::poison::{Parking, PoisonRow};
 
 /// Heals the lost slot; returns the new slot's consistent point.
 pub(super) fn resync(world: &mut World, transactional: bool) -> Lsn {
-    fence_initialised(world);
+    // The backlog's producer takes the `transactional.id`: the initialised
+    // producers of it are fenced (a replacement not initialised yet is not).
+    fence(world, |_, producer| producer.initialised);
     let txn = transactional.then(|| committed_txn(world));
     let mut published = 0;
     for index in 0..world.wal.len() {
@@ -78,27 +80,6 @@ pub(super) fn resync(world: &mut World, transactional: bool) -> Lsn {
     world.stats.resynced += published;
     tracing::debug!(target: "sim", %at, published, "resync: the slot is created again");
     at
-}
-
-/// The backlog's transactional producer takes the `transactional.id`: every
-/// initialised producer of it is fenced, and what it left open aborts.
-fn fence_initialised(world: &mut World) {
-    let mut open = Vec::new();
-    for producer in world.producers.values_mut() {
-        if producer.transactional && producer.initialised && !producer.fenced {
-            producer.fenced = true;
-            open.extend(producer.open_txn.take());
-        }
-    }
-    for txn in open {
-        if world
-            .txns
-            .get(&txn)
-            .is_some_and(|t| t.status == TxnStatus::Open)
-        {
-            world.aborted(txn);
-        }
-    }
 }
 
 /// The backlog's Kafka transaction, committed (the resync completes only once its
