@@ -483,15 +483,19 @@ impl Relay {
         if let Some(eo) = self.transactions.exactly_once() {
             // Only now, holding the slot: fences the producer of a relay that held
             // it before, and resumes a core without this process's memory.
-            eo.start_session(
-                self.delivery.publisher(),
-                &mut self.core,
-                &opened.server,
-                self.opening.database.as_mut(),
-                start,
-                stream.backend_pid(),
-            )
-            .await?;
+            let later = eo
+                .start_session(
+                    self.delivery.publisher(),
+                    &mut self.core,
+                    &opened.server,
+                    self.opening.database.as_mut(),
+                    start,
+                    stream.backend_pid(),
+                )
+                .await?;
+            if let Some(later) = later {
+                self.poison.add_recorded(later, start);
+            }
         }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
