@@ -211,9 +211,10 @@ impl ExactlyOnce {
     /// system identifier and timeline, and hands out the same LSNs again).
     ///
     /// Returns the poison rows the start read from the server after the shell's
-    /// own read (`None` when it read none): fresher, they may hold a row a killed
-    /// process's insert committed in between, which the shell adds to the rows it
-    /// refuses to produce again.
+    /// own read (`None` when no record was used, so none were read; empty when the
+    /// read failed): fresher, they may hold a row a killed process's insert
+    /// committed in between, which the shell adds to the rows it refuses to
+    /// produce again.
     ///
     /// # Errors
     ///

@@ -232,6 +232,8 @@ impl RecordedPoison {
     /// Adds the rows of `later`, a later read, whose commit is at or after `from`
     /// and that this read lacks. What this read is (complete or not) stays.
     pub(crate) fn absorb(&mut self, later: RecordedPoison, from: Lsn) {
+        // A failed read has no copy limit, and names with an id would never match.
+        self.copy_limit = self.copy_limit.max(later.copy_limit);
         for (name, occurrence) in later.rows {
             if name.0 >= from {
                 self.rows.entry(name).or_insert(occurrence);
@@ -345,6 +347,10 @@ mod tests {
         assert!(first.take(Lsn(100), 0, || a.clone()));
         assert!(first.take(Lsn(110), 1, || b.clone()));
         assert!(first.is_empty());
+        // After a failed first read (no copy limit), ids still match.
+        let mut failed = RecordedPoison::default();
+        failed.absorb(recorded(&[((110, 1), &b)]), Lsn(100));
+        assert!(failed.take(Lsn(110), 1, || b.clone()));
     }
 
     #[test]

@@ -444,15 +444,6 @@ impl Relay {
             .opening
             .carry_out(plan, remembered, busy_timeout, &self.telemetry.health)
             .await?;
-        let database = &mut self.opening.database;
-        if fresh_core || first {
-            // A cutover's or a resync's backlog may have parked keys meanwhile, and
-            // so may the relay that streamed while this one waited for the slot.
-            self.poison.set_policy(PoisonPolicy::new(
-                self.config.relay.on_poison,
-                database.parked_keys().await?,
-            ));
-        }
         let history = opened.server.history;
         self.reset_core(history, start, fresh_core);
         let recorded = self.opening.database.recorded_poison(start).await;
@@ -496,6 +487,16 @@ impl Relay {
             if let Some(later) = later {
                 self.poison.add_recorded(later, start);
             }
+        }
+        if fresh_core || first {
+            // A cutover's or a resync's backlog may have parked keys meanwhile, and
+            // so may the relay that streamed while this one waited for the slot.
+            // Read after the poison rows: a row and its parked key commit together,
+            // so every key of a row read is here (an event refused by a late row
+            // would otherwise let later events of its key out before it).
+            let parked = self.opening.database.parked_keys().await?;
+            self.poison
+                .set_policy(PoisonPolicy::new(self.config.relay.on_poison, parked));
         }
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)

@@ -752,6 +752,28 @@ fn a_schedule_is_a_function_of_its_seed() {
     }
 }
 
+/// The schedules that found seam bugs, run on every `cargo test` (a few
+/// milliseconds each). A change to the world may make a seed play out otherwise,
+/// so they are regression checks, not the proof: that is the fail-first patches of
+/// `scripts/sim-reverts/` under `scripts/whole-sim revert`.
+#[test]
+fn the_exactly_once_seeds_that_found_seam_bugs_hold() {
+    for (seed, found) in [
+        // A killed process's poison insert committed between a session's two reads
+        // of the poison table: produced again, committed in Kafka and poisoned.
+        (3_764_272_803, "late poison row between two reads"),
+        // A restore in place took back a poison row the progress record named.
+        (3_764_257_354, "poison row a restore took back"),
+        // A promoted standby lacked a poison row the progress record named.
+        (3_764_257_580, "poison row a standby lacked"),
+        // A standby promoted after a resync it had not replayed.
+        (3_764_269_098, "promotion after a resync"),
+    ] {
+        let outcome = run_schedule(seed, Mode::ExactlyOnce);
+        assert!(outcome.events > 0, "{found}: seed {seed} ran no event");
+    }
+}
+
 #[test]
 fn at_least_once_holds_its_promises_under_simulated_faults() {
     run_many(Mode::AtLeastOnce, 20);
