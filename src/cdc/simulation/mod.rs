@@ -768,6 +768,9 @@ fn the_exactly_once_seeds_that_found_seam_bugs_hold() {
         (3_764_257_580, "poison row a standby lacked"),
         // A standby promoted after a resync it had not replayed.
         (3_764_269_098, "promotion after a resync"),
+        // A resync published an event whose killed process's poison insert
+        // committed after the resync's snapshot (the world's excuse was missing).
+        (3_764_294_751, "late poison row after a resync"),
     ] {
         let outcome = run_schedule(seed, Mode::ExactlyOnce);
         assert!(outcome.events > 0, "{found}: seed {seed} ran no event");

@@ -36,6 +36,10 @@ pub(super) fn resync(world: &mut World, transactional: bool) -> Lsn {
     // The backlog's producer takes the `transactional.id`: the initialised
     // producers of it are fenced (a replacement not initialised yet is not).
     fence(world, |_, producer| producer.initialised);
+    // The backlog reads the poison table in its snapshot: a killed process's
+    // poison insert that commits later is one it could not know of, as a
+    // session's recorded-poison read could not (`World::sent_unaware_of_poison`).
+    world.recorded_reads += 1;
     let txn = transactional.then(|| committed_txn(world));
     let mut published = 0;
     for index in 0..world.wal.len() {
