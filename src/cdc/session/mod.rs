@@ -488,16 +488,15 @@ impl Relay {
                 self.poison.add_recorded(later, start);
             }
         }
-        if fresh_core || first {
-            // A cutover's or a resync's backlog may have parked keys meanwhile, and
-            // so may the relay that streamed while this one waited for the slot.
-            // Read after the poison rows: a row and its parked key commit together,
-            // so every key of a row read is here (an event refused by a late row
-            // would otherwise let later events of its key out before it).
-            let parked = self.opening.database.parked_keys().await?;
-            self.poison
-                .set_policy(PoisonPolicy::new(self.config.relay.on_poison, parked));
-        }
+        // Every session, after the poison rows: a cutover's or a resync's backlog
+        // may have parked keys meanwhile, and so may a relay that streamed while
+        // this one waited for the slot; and a row and its parked key commit
+        // together, so every key of a row read is here (an event refused by a row
+        // whose key this session lacked would let later events of its key out
+        // before it). A start that fails before this read reads again on retry.
+        let parked = self.opening.database.parked_keys().await?;
+        self.poison
+            .set_policy(PoisonPolicy::new(self.config.relay.on_poison, parked));
         tracing::info!(slot = %slot_name, from = %start, %history, "streaming");
         Ok(stream)
     }
