@@ -46,7 +46,6 @@ use crate::error::Result;
 use crate::kafka::{self, Isolation, RecordRef, TransactionCall, TransactionError};
 use crate::lsn::Lsn;
 use crate::outbox::position::ServerHistory;
-use crate::poison::RecordedPoison;
 use crate::postgres::replication::TimelineSwitch;
 
 /// The delivery id of the progress record (never an event's: ids count up from 1).
@@ -210,12 +209,6 @@ impl ExactlyOnce {
     /// whose session starts below it (a data directory restored in place keeps its
     /// system identifier and timeline, and hands out the same LSNs again).
     ///
-    /// Returns the poison rows the start read from the server after the shell's
-    /// own read (`None` when no record was used, so none were read; empty when the
-    /// read failed): fresher, they may hold a row a killed process's insert
-    /// committed in between, which the shell adds to the rows it refuses to
-    /// produce again.
-    ///
     /// # Errors
     ///
     /// Fenced or unsupported (exit 3), a missing progress topic (exit 3); other
@@ -229,7 +222,7 @@ impl ExactlyOnce {
         database: &mut dyn SessionDatabase,
         start: Lsn,
         walsender: Option<i32>,
-    ) -> Result<Option<RecordedPoison>> {
+    ) -> Result<()> {
         let outcome = self
             .prepare(publisher, core, server, database, start, walsender)
             .await;
@@ -249,7 +242,7 @@ impl ExactlyOnce {
         database: &mut dyn SessionDatabase,
         start: Lsn,
         walsender: Option<i32>,
-    ) -> Result<Option<RecordedPoison>> {
+    ) -> Result<()> {
         if !self.initialized {
             self.init(publisher).await?;
         }
@@ -263,7 +256,7 @@ impl ExactlyOnce {
         self.poisoned = PoisonedEvents::from_start(start);
         let Some(record) = latest else {
             tracing::info!(topic = %self.topic, slot = %self.slot, "no progress record yet: nothing to skip");
-            return Ok(None);
+            return Ok(());
         };
         // The WAL end now, read after the record: `server` was seen when the session
         // connected, before any wait for the slot, and the relay that held the slot
@@ -272,7 +265,6 @@ impl ExactlyOnce {
         // and a standby that took over published the records since again.
         let wal_end = server.wal_end.max(database.wal_end().await?);
         let history = server.history;
-        let mut read = None;
         match usable_mark(&record, history, &server.forks, start, wal_end) {
             Ok(mark) if !self.same_wal(database, &record, history, start).await? => {
                 tracing::warn!(%start, %wal_end, recorded_saved = %record.saved, confirmed = %mark.confirmed,
@@ -280,10 +272,9 @@ impl ExactlyOnce {
             }
             Ok(mark) => {
                 let fork = fork_of(&record, history, &server.forks);
-                let (mark, poisoned, rows) =
+                let (mark, poisoned) =
                     unreplayed_poison_guard(mark, &record, start, fork, database).await;
                 self.poisoned = poisoned;
-                read = Some(rows);
                 tracing::info!(confirmed = %mark.confirmed, partial = mark.partial.len(), recorded = %record.history, %history,
                     "resuming from the last committed progress record");
                 if record.history == history {
@@ -298,7 +289,7 @@ impl ExactlyOnce {
             Err(Unused::OtherDatabase) => tracing::warn!(recorded = %record.history, %history,
                 "the progress record belongs to another database: not used; events it covered may be published again"),
         }
-        Ok(read)
+        Ok(())
     }
 
     /// Whether the transactions `record` names by identity are this server's
@@ -722,15 +713,15 @@ fn fork_of(
 /// restored from before it: `cdc::unreplayed_poison`), and the list of poisoned
 /// events this session goes on from: the record's, and the names of this server's
 /// poison rows from below where the record's writer may have gone on without a
-/// record; and the rows read. A failed read takes every listed event for missing
-/// (duplicates, never a loss) and lists nothing more.
+/// record. A failed read takes every listed event for missing (duplicates, never a
+/// loss) and lists nothing more.
 async fn unreplayed_poison_guard(
     mark: ProgressMark,
     record: &ProgressRecord,
     start: Lsn,
     fork: Option<Lsn>,
     database: &mut dyn SessionDatabase,
-) -> (ProgressMark, PoisonedEvents, RecordedPoison) {
+) -> (ProgressMark, PoisonedEvents) {
     let from = unreplayed_poison::read_from(&record.mark, start);
     let rows = database.recorded_poison(from).await;
     let (mark, cut) = unreplayed_poison::guard(mark, &record.poisoned, start, |commit, ordinal| {
@@ -744,7 +735,7 @@ async fn unreplayed_poison_guard(
         record
             .poisoned
             .carried(&record.mark, start, fork, rows.names(), rows.complete());
-    (mark, poisoned, rows)
+    (mark, poisoned)
 }
 
 /// The part of `record`'s mark that holds on the server history `history`: all of

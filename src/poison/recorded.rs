@@ -47,10 +47,9 @@
 //! The read is capped ([`MAX_ROWS`], lowest LSNs first);
 //! an event past the cap is produced again, as before (a duplicate, never a loss).
 //! A poison insert of the killed process that commits after the read is not seen
-//! either, with the same consequence. Under exactly-once a session start that uses
-//! a progress record reads the table a second time (`cdc::unreplayed_poison`); its
-//! rows are added ([`RecordedPoison::absorb`]), so the window closes at that later
-//! read.
+//! either, with the same consequence. The session makes this read after every
+//! other read of the start (the exactly-once start's of the table included), so
+//! the window closes as late as the start allows.
 
 use crate::hashing::HashMap;
 
@@ -229,18 +228,6 @@ impl RecordedPoison {
         true
     }
 
-    /// Adds the rows of `later`, a later read, whose commit is at or after `from`
-    /// and that this read lacks. What this read is (complete or not) stays.
-    pub(crate) fn absorb(&mut self, later: RecordedPoison, from: Lsn) {
-        // A failed read has no copy limit, and names with an id would never match.
-        self.copy_limit = self.copy_limit.max(later.copy_limit);
-        for (name, occurrence) in later.rows {
-            if name.0 >= from {
-                self.rows.entry(name).or_insert(occurrence);
-            }
-        }
-    }
-
     /// Whether a row of the event named `(commit, ordinal)` was read (matched or
     /// not yet).
     pub(crate) fn holds(&self, commit: Lsn, ordinal: u32) -> bool {
@@ -330,27 +317,6 @@ mod tests {
             sql.contains("source_table = 'shipping.Parcel''s' AND source_slot = $4"),
             "{sql}"
         );
-    }
-
-    #[test]
-    fn a_later_read_adds_the_rows_from_the_start_on_that_the_first_lacked() {
-        let (a, b, c) = (
-            row(Some("1"), "a"),
-            row(Some("2"), "b"),
-            row(Some("3"), "c"),
-        );
-        let mut first = recorded(&[((100, 0), &a)]);
-        let later = recorded(&[((90, 0), &c), ((100, 0), &a), ((110, 1), &b)]);
-        first.absorb(later, Lsn(100));
-        // Below the start: never streamed in this session, not kept.
-        assert!(!first.holds(Lsn(90), 0));
-        assert!(first.take(Lsn(100), 0, || a.clone()));
-        assert!(first.take(Lsn(110), 1, || b.clone()));
-        assert!(first.is_empty());
-        // After a failed first read (no copy limit), ids still match.
-        let mut failed = RecordedPoison::default();
-        failed.absorb(recorded(&[((110, 1), &b)]), Lsn(100));
-        assert!(failed.take(Lsn(110), 1, || b.clone()));
     }
 
     #[test]

@@ -446,8 +446,6 @@ impl Relay {
             .await?;
         let history = opened.server.history;
         self.reset_core(history, start, fresh_core);
-        let recorded = self.opening.database.recorded_poison(start).await;
-        self.poison.set_recorded(recorded);
         self.opening.opened(history, opened.server.started);
         // Saved where the writes go, checked against that server's start.
         let writes = self
@@ -474,20 +472,22 @@ impl Relay {
         if let Some(eo) = self.transactions.exactly_once() {
             // Only now, holding the slot: fences the producer of a relay that held
             // it before, and resumes a core without this process's memory.
-            let later = eo
-                .start_session(
-                    self.delivery.publisher(),
-                    &mut self.core,
-                    &opened.server,
-                    self.opening.database.as_mut(),
-                    start,
-                    stream.backend_pid(),
-                )
-                .await?;
-            if let Some(later) = later {
-                self.poison.add_recorded(later, start);
-            }
+            eo.start_session(
+                self.delivery.publisher(),
+                &mut self.core,
+                &opened.server,
+                self.opening.database.as_mut(),
+                start,
+                stream.backend_pid(),
+            )
+            .await?;
         }
+        // The poison rows an earlier process wrote, read last of the start's reads
+        // of the table (the exactly-once start reads it too, for its record): a
+        // killed process's insert that commits meanwhile is then refused as well,
+        // where an earlier read would have missed it and produced the event again.
+        let recorded = self.opening.database.recorded_poison(start).await;
+        self.poison.set_recorded(recorded);
         // Every session, after the poison rows: a cutover's or a resync's backlog
         // may have parked keys meanwhile, and so may a relay that streamed while
         // this one waited for the slot; and a row and its parked key commit

@@ -59,14 +59,6 @@ impl PoisonPath {
         self.recorded = recorded;
     }
 
-    /// Adds the rows of a later read of the poison table (from `start` on) that
-    /// the session's own read lacked: a killed process's insert that committed in
-    /// between is then refused too, which narrows the documented window
-    /// (`crate::poison::recorded`) to the last read.
-    pub(super) fn add_recorded(&mut self, later: RecordedPoison, start: Lsn) {
-        self.recorded.absorb(later, start);
-    }
-
     /// Whether `event`'s key is parked (`relay.on_poison = "park-key"`): it waits
     /// for `replay`.
     pub(super) fn parks(&self, event: &OutboxEvent) -> bool {
